@@ -1,0 +1,653 @@
+//! Typed configuration: one TOML file, every field overridable from the
+//! environment (`IDEMPROXY_<SECTION>__<FIELD>`, e.g.
+//! `IDEMPROXY_UPSTREAM__URL`), the main ones by flags. Layers apply in that
+//! order: defaults, file, environment, flags.
+//!
+//! [`Config::validate`] turns the raw shape into checked values and reports
+//! every problem by the field that carries it.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::providers::{Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+use crate::store::OnStale;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    /// Bearer token for the admin key API; without one that API is refused.
+    pub admin_token: Option<String>,
+    pub upstream: UpstreamConfig,
+    pub store: StoreConfig,
+    pub idempotency: IdempotencyConfig,
+    pub routes: Vec<RouteConfig>,
+    pub log: LogConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: ([127, 0, 0, 1], 8080).into(),
+            admin_listen: ([127, 0, 0, 1], 9090).into(),
+            admin_token: None,
+            upstream: UpstreamConfig::default(),
+            store: StoreConfig::default(),
+            idempotency: IdempotencyConfig::default(),
+            routes: Vec::new(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// Base URL; a path here is prefixed to every forwarded path.
+    pub url: String,
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// Bounds the whole exchange, response body included.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Extra PEM CA bundle trusted for `https://` upstreams, besides the
+    /// system and webpki roots.
+    pub ca_file: Option<PathBuf>,
+    /// Speak HTTP/2 without TLS (prior knowledge) to a plain `http://`
+    /// upstream. `https://` upstreams negotiate HTTP/2 by ALPN regardless.
+    pub http2_prior_knowledge: bool,
+    /// Idle pooled connections kept per upstream host.
+    pub pool_max_idle_per_host: usize,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            url: "http://127.0.0.1:3000".into(),
+            connect_timeout: Duration::from_secs(2),
+            timeout: Duration::from_secs(30),
+            ca_file: None,
+            http2_prior_knowledge: false,
+            pool_max_idle_per_host: 64,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StoreKind {
+    Memory,
+    Embedded,
+    Redis,
+    RedisCluster,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    pub kind: StoreKind,
+    /// Directory of the embedded store.
+    pub path: PathBuf,
+    pub url: String,
+    pub urls: Vec<String>,
+    /// Bounds every store call; past it the store counts as unavailable.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// How often the embedded store purges expired records.
+    #[serde(with = "humantime_serde")]
+    pub purge_interval: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            kind: StoreKind::Embedded,
+            path: PathBuf::from("idemproxy-data"),
+            url: "redis://127.0.0.1:6379".into(),
+            urls: Vec::new(),
+            timeout: Duration::from_millis(250),
+            purge_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Profile {
+    /// 409 for a reused key, 425 for a key in flight.
+    Default,
+    /// draft-ietf-httpapi-idempotency-key-header: 422 reused, 409 in flight.
+    Ietf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnInFlight {
+    Reject,
+    Wait,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    Reject,
+    Pass,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnAmbiguous {
+    Store,
+    Release,
+}
+
+/// The idempotency policy: `[idempotency]` holds the defaults, every
+/// `[[routes]]` entry may override any field.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdempotencyConfig {
+    pub methods: Vec<String>,
+    pub require_key: bool,
+    pub profile: Profile,
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    pub on_in_flight: OnInFlight,
+    #[serde(with = "humantime_serde")]
+    pub wait_timeout: Duration,
+    pub on_store_error: OnStoreError,
+    pub on_ambiguous: OnAmbiguous,
+    pub on_stale: OnStale,
+    /// Added to `upstream.timeout` to make the lease of a pending record.
+    #[serde(with = "humantime_serde")]
+    pub lease_margin: Duration,
+    pub release_statuses: Vec<u16>,
+    pub max_request_bytes: usize,
+    pub max_response_bytes: usize,
+    pub fingerprint_headers: Vec<String>,
+    pub fingerprint_ignore: Vec<String>,
+    pub scope: Vec<String>,
+}
+
+impl Default for IdempotencyConfig {
+    fn default() -> Self {
+        Self {
+            methods: vec!["POST".into(), "PATCH".into()],
+            require_key: false,
+            profile: Profile::Default,
+            ttl: Duration::from_secs(24 * 3600),
+            on_in_flight: OnInFlight::Reject,
+            wait_timeout: Duration::from_secs(10),
+            on_store_error: OnStoreError::Reject,
+            on_ambiguous: OnAmbiguous::Store,
+            on_stale: OnStale::Store,
+            lease_margin: Duration::from_secs(5),
+            release_statuses: vec![429, 503],
+            max_request_bytes: 1024 * 1024,
+            max_response_bytes: 1024 * 1024,
+            fingerprint_headers: Vec::new(),
+            fingerprint_ignore: Vec::new(),
+            scope: vec!["header:authorization".into()],
+        }
+    }
+}
+
+/// A route: a path prefix with its own name (the `route` label) and any
+/// overrides of `[idempotency]`. Unset fields inherit.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub name: String,
+    pub path: String,
+    pub methods: Option<Vec<String>>,
+    pub require_key: Option<bool>,
+    pub profile: Option<Profile>,
+    #[serde(default, with = "humantime_serde")]
+    pub ttl: Option<Duration>,
+    pub on_in_flight: Option<OnInFlight>,
+    #[serde(default, with = "humantime_serde")]
+    pub wait_timeout: Option<Duration>,
+    pub on_store_error: Option<OnStoreError>,
+    pub on_ambiguous: Option<OnAmbiguous>,
+    pub on_stale: Option<OnStale>,
+    #[serde(default, with = "humantime_serde")]
+    pub lease_margin: Option<Duration>,
+    pub release_statuses: Option<Vec<u16>>,
+    pub max_request_bytes: Option<usize>,
+    pub max_response_bytes: Option<usize>,
+    pub fingerprint_headers: Option<Vec<String>>,
+    pub fingerprint_ignore: Option<Vec<String>>,
+    pub scope: Option<Vec<String>>,
+}
+
+impl RouteConfig {
+    /// The route's effective policy: its overrides on top of `defaults`.
+    pub fn resolve(&self, defaults: &IdempotencyConfig) -> IdempotencyConfig {
+        let d = defaults.clone();
+        IdempotencyConfig {
+            methods: self.methods.clone().unwrap_or(d.methods),
+            require_key: self.require_key.unwrap_or(d.require_key),
+            profile: self.profile.unwrap_or(d.profile),
+            ttl: self.ttl.unwrap_or(d.ttl),
+            on_in_flight: self.on_in_flight.unwrap_or(d.on_in_flight),
+            wait_timeout: self.wait_timeout.unwrap_or(d.wait_timeout),
+            on_store_error: self.on_store_error.unwrap_or(d.on_store_error),
+            on_ambiguous: self.on_ambiguous.unwrap_or(d.on_ambiguous),
+            on_stale: self.on_stale.unwrap_or(d.on_stale),
+            lease_margin: self.lease_margin.unwrap_or(d.lease_margin),
+            release_statuses: self.release_statuses.clone().unwrap_or(d.release_statuses),
+            max_request_bytes: self.max_request_bytes.unwrap_or(d.max_request_bytes),
+            max_response_bytes: self.max_response_bytes.unwrap_or(d.max_response_bytes),
+            fingerprint_headers: self
+                .fingerprint_headers
+                .clone()
+                .unwrap_or(d.fingerprint_headers),
+            fingerprint_ignore: self
+                .fingerprint_ignore
+                .clone()
+                .unwrap_or(d.fingerprint_ignore),
+            scope: self.scope.clone().unwrap_or(d.scope),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `idemproxy=debug`.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Human,
+            level: "info".into(),
+        }
+    }
+}
+
+/// Values given as command-line flags: they win over file and environment.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FlagOverrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<SocketAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_listen: Option<SocketAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_kind: Option<StoreKind>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_path: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_url: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{0}")]
+    Load(Box<figment::Error>),
+    #[error("invalid configuration:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<String>),
+}
+
+impl Config {
+    /// Loads defaults, then `file` (if any), then `IDEMPROXY_*` variables from
+    /// `env`, then `flags`, and validates the result.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        flags: &FlagOverrides,
+    ) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(file) = file {
+            if !file.exists() {
+                return Err(ConfigError::Invalid(vec![format!(
+                    "config file {} does not exist",
+                    file.display()
+                )]));
+            }
+            figment = figment.merge(Toml::file(file));
+        }
+        let vars: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("IDEMPROXY_"))
+            .collect();
+        figment = figment.merge(EnvVars { vars });
+        figment = figment.merge(flags.as_provider());
+        let config: Config = figment
+            .extract()
+            .map_err(|e| ConfigError::Load(Box::new(e)))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Loads from the process environment.
+    pub fn load_from_process(
+        file: Option<&Path>,
+        flags: &FlagOverrides,
+    ) -> Result<Config, ConfigError> {
+        Self::load(file, std::env::vars(), flags)
+    }
+
+    /// Checks every field and names each problem by its path.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        match self.upstream.url.parse::<http::Uri>() {
+            Ok(uri) => match uri.scheme_str() {
+                Some("http") | Some("https") if uri.authority().is_some() => {}
+                _ => problems.push(format!(
+                    "upstream.url: `{}` must be an absolute http:// or https:// URL",
+                    self.upstream.url
+                )),
+            },
+            Err(e) => problems.push(format!("upstream.url: `{}`: {e}", self.upstream.url)),
+        }
+        if self.upstream.timeout.is_zero() {
+            problems.push("upstream.timeout: must be greater than zero".into());
+        }
+        if self.upstream.connect_timeout.is_zero() {
+            problems.push("upstream.connect_timeout: must be greater than zero".into());
+        }
+        if let Some(ca) = &self.upstream.ca_file {
+            if !ca.is_file() {
+                problems.push(format!("upstream.ca_file: {} is not a file", ca.display()));
+            }
+        }
+        if self.store.timeout.is_zero() {
+            problems.push("store.timeout: must be greater than zero".into());
+        }
+        match self.store.kind {
+            StoreKind::Memory | StoreKind::Embedded => {}
+            StoreKind::Redis | StoreKind::RedisCluster => problems.push(format!(
+                "store.kind: `{}` is not available in this build yet (use memory or embedded)",
+                match self.store.kind {
+                    StoreKind::Redis => "redis",
+                    _ => "redis-cluster",
+                }
+            )),
+        }
+        if self.admin_token.as_deref() == Some("") {
+            problems.push("admin_token: must not be empty when set".into());
+        }
+        validate_policy("idempotency", &self.idempotency, &mut problems);
+        let mut names = std::collections::HashSet::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            let at = format!("routes[{i}]");
+            if route.name.is_empty() {
+                problems.push(format!("{at}.name: must be set"));
+            } else if !names.insert(route.name.as_str()) {
+                problems.push(format!("{at}.name: `{}` is used twice", route.name));
+            }
+            if !route.path.starts_with('/') {
+                problems.push(format!(
+                    "{at}.path: `{}` must start with `/`",
+                    route.path
+                ));
+            }
+            validate_policy(&at, &route.resolve(&self.idempotency), &mut problems);
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(problems))
+        }
+    }
+
+    /// The effective configuration as TOML, as `idemproxy check` prints it.
+    pub fn to_toml(&self) -> String {
+        let mut shown = self.clone();
+        if shown.admin_token.is_some() {
+            shown.admin_token = Some("<redacted>".into());
+        }
+        toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    }
+}
+
+fn validate_policy(at: &str, p: &IdempotencyConfig, problems: &mut Vec<String>) {
+    if p.methods.is_empty() {
+        problems.push(format!("{at}.methods: must name at least one method"));
+    }
+    for m in &p.methods {
+        if http::Method::from_bytes(m.as_bytes()).is_err() || m.to_ascii_uppercase() != *m {
+            problems.push(format!(
+                "{at}.methods: `{m}` is not an upper-case HTTP method"
+            ));
+        }
+    }
+    if p.ttl.is_zero() {
+        problems.push(format!("{at}.ttl: must be greater than zero"));
+    }
+    if p.wait_timeout.is_zero() && p.on_in_flight == OnInFlight::Wait {
+        problems.push(format!(
+            "{at}.wait_timeout: must be greater than zero with on_in_flight = \"wait\""
+        ));
+    }
+    for s in &p.release_statuses {
+        if !(100..=599).contains(s) {
+            problems.push(format!("{at}.release_statuses: {s} is not an HTTP status"));
+        }
+    }
+    if p.max_request_bytes == 0 {
+        problems.push(format!("{at}.max_request_bytes: must be greater than zero"));
+    }
+    for h in &p.fingerprint_headers {
+        if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+            problems.push(format!(
+                "{at}.fingerprint_headers: `{h}` is not a header name"
+            ));
+        }
+    }
+    for ptr in &p.fingerprint_ignore {
+        if !ptr.starts_with('/') {
+            problems.push(format!(
+                "{at}.fingerprint_ignore: `{ptr}` is not a JSON pointer (must start with `/`)"
+            ));
+        }
+    }
+    for s in &p.scope {
+        if let Err(e) = s.parse::<crate::idempotency::scope::ScopeAttribute>() {
+            problems.push(format!("{at}.scope: {e}"));
+        }
+    }
+}
+
+impl FlagOverrides {
+    fn as_provider(&self) -> Serialized<serde_json::Value> {
+        let mut root = serde_json::Map::new();
+        if let Some(v) = self.listen {
+            root.insert("listen".into(), v.to_string().into());
+        }
+        if let Some(v) = self.admin_listen {
+            root.insert("admin_listen".into(), v.to_string().into());
+        }
+        if let Some(v) = &self.upstream_url {
+            root.insert("upstream".into(), serde_json::json!({ "url": v }));
+        }
+        let mut store = serde_json::Map::new();
+        if let Some(v) = self.store_kind {
+            store.insert("kind".into(), serde_json::to_value(v).unwrap_or_default());
+        }
+        if let Some(v) = &self.store_path {
+            store.insert("path".into(), v.display().to_string().into());
+        }
+        if let Some(v) = &self.redis_url {
+            store.insert("url".into(), v.clone().into());
+        }
+        if !store.is_empty() {
+            root.insert("store".into(), store.into());
+        }
+        Serialized::defaults(serde_json::Value::Object(root))
+    }
+}
+
+/// `IDEMPROXY_A__B=v` sets field `a.b`. Figment's own `Env` provider reads
+/// the process environment; this one reads an explicit list, so tests and
+/// `check` see exactly the variables they pass in.
+struct EnvVars {
+    vars: Vec<(String, String)>,
+}
+
+impl figment::Provider for EnvVars {
+    fn metadata(&self) -> figment::Metadata {
+        figment::Metadata::named("environment variable(s)")
+    }
+
+    fn data(
+        &self,
+    ) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        use figment::value::{Dict, Map, Value};
+        let mut dict = Dict::new();
+        for (k, v) in &self.vars {
+            let Some(rest) = k.strip_prefix("IDEMPROXY_") else {
+                continue;
+            };
+            let path: Vec<String> = rest.split("__").map(|p| p.to_ascii_lowercase()).collect();
+            let value: Value = v.parse().unwrap_or_else(|_| Value::from(v.clone()));
+            insert_path(&mut dict, &path, value);
+        }
+        let mut map = Map::new();
+        map.insert(figment::Profile::Default, dict);
+        Ok(map)
+    }
+}
+
+fn insert_path(dict: &mut figment::value::Dict, path: &[String], value: figment::value::Value) {
+    use figment::value::{Dict, Value};
+    match path {
+        [] => {}
+        [last] => {
+            dict.insert(last.clone(), value);
+        }
+        [first, rest @ ..] => {
+            let entry = dict
+                .entry(first.clone())
+                .or_insert_with(|| Value::from(Dict::new()));
+            if let Value::Dict(_, inner) = entry {
+                insert_path(inner, rest, value);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_are_valid_and_match_the_design() {
+        let c = Config::load(None, env(&[]), &FlagOverrides::default()).expect("defaults load");
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.admin_listen.to_string(), "127.0.0.1:9090");
+        assert_eq!(c.store.kind, StoreKind::Embedded);
+        assert_eq!(c.idempotency.methods, vec!["POST", "PATCH"]);
+        assert_eq!(c.idempotency.release_statuses, vec![429, 503]);
+        assert_eq!(c.idempotency.ttl, Duration::from_secs(86400));
+        assert_eq!(c.store.timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn file_then_env_then_flags() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(
+            &file,
+            r#"
+listen = "127.0.0.1:1111"
+[upstream]
+url = "http://127.0.0.1:4000"
+timeout = "5s"
+[idempotency]
+ttl = "1h"
+[[routes]]
+name = "payments"
+path = "/v1/payments"
+require_key = true
+"#,
+        )
+        .expect("write");
+        let c = Config::load(
+            Some(&file),
+            env(&[
+                ("IDEMPROXY_UPSTREAM__TIMEOUT", "7s"),
+                ("IDEMPROXY_IDEMPOTENCY__RELEASE_STATUSES", "[429]"),
+                ("IDEMPROXY_LISTEN", "127.0.0.1:2222"),
+                ("OTHER", "ignored"),
+            ]),
+            &FlagOverrides {
+                listen: Some("127.0.0.1:3333".parse().expect("addr")),
+                ..Default::default()
+            },
+        )
+        .expect("loads");
+        assert_eq!(c.listen.to_string(), "127.0.0.1:3333");
+        assert_eq!(c.upstream.url, "http://127.0.0.1:4000");
+        assert_eq!(c.upstream.timeout, Duration::from_secs(7));
+        assert_eq!(c.idempotency.release_statuses, vec![429]);
+        assert_eq!(c.idempotency.ttl, Duration::from_secs(3600));
+        let route = c.routes[0].resolve(&c.idempotency);
+        assert!(route.require_key);
+        assert_eq!(route.ttl, Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(
+            &file,
+            "[idempotency]\nmethods = []\nrelease_statuses = [1000]\n[upstream]\nurl = \"ftp://x\"\n",
+        )
+        .expect("write");
+        let err = Config::load(Some(&file), env(&[]), &FlagOverrides::default())
+            .expect_err("invalid")
+            .to_string();
+        assert!(err.contains("idempotency.methods"), "{err}");
+        assert!(err.contains("idempotency.release_statuses: 1000"), "{err}");
+        assert!(err.contains("upstream.url"), "{err}");
+
+        std::fs::write(&file, "[upstream]\nurll = \"x\"\n").expect("write");
+        let err = Config::load(Some(&file), env(&[]), &FlagOverrides::default())
+            .expect_err("unknown field")
+            .to_string();
+        assert!(err.contains("urll"), "{err}");
+
+        std::fs::write(&file, "[upstream]\ntimeout = \"soon\"\n").expect("write");
+        let err = Config::load(Some(&file), env(&[]), &FlagOverrides::default())
+            .expect_err("bad duration")
+            .to_string();
+        assert!(err.contains("timeout"), "{err}");
+    }
+
+    #[test]
+    fn check_output_round_trips_and_redacts_the_admin_token() {
+        let mut c = Config::default();
+        c.admin_token = Some("s3cret".into());
+        let text = c.to_toml();
+        assert!(!text.contains("s3cret"));
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(&file, text).expect("write");
+        Config::load(Some(&file), env(&[]), &FlagOverrides::default()).expect("re-loads");
+    }
+}

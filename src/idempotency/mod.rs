@@ -1,0 +1,4 @@
+pub mod fingerprint;
+pub mod key;
+pub mod record;
+pub mod scope;

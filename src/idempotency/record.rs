@@ -1,0 +1,332 @@
+//! What the store keeps per (scope, key): a pending claim while the first
+//! request runs, then the completed outcome every retry is answered from.
+//!
+//! Records are encoded compactly and versioned: one leading format byte, then
+//! a postcard body. Bodies are stored as raw bytes. Decoding an unknown version
+//! or a corrupt value is an error, never a panic, so a store can report it.
+
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The leading byte of every encoded record. Bump it when the layout changes;
+/// old versions must then be decoded explicitly or reported as unknown.
+pub const FORMAT_VERSION: u8 = 1;
+
+/// Identity of a record in the store: SHA-256 over the scope and the raw key,
+/// so the store never holds a raw key or a credential.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecordKey([u8; 32]);
+
+impl RecordKey {
+    /// Derives the store identity of `key` within `scope` (a scope digest).
+    pub fn new(scope: &[u8; 32], key: &str) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"idemproxy.record.v1\0");
+        hasher.update(scope);
+        hasher.update(key.as_bytes());
+        Self(hasher.finalize().into())
+    }
+
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lower-case hex: how the key appears in logs, metrics and admin URLs.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out).ok()?;
+        Some(Self(out))
+    }
+}
+
+impl fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordKey({})", self.to_hex())
+    }
+}
+
+/// SHA-256 of what makes two requests "the same request" (see `fingerprint`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", hex::encode(&self.0[..8]))
+    }
+}
+
+/// Random token that proves ownership of a pending record. Only its holder may
+/// complete or release the record, so a proxy whose lease expired cannot
+/// overwrite the record of the owner that took the key over.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct FencingToken(pub u128);
+
+impl FencingToken {
+    pub fn random() -> Self {
+        Self(rand::random())
+    }
+}
+
+impl fmt::Debug for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Tokens are not secrets, but a short form is enough to correlate logs.
+        write!(f, "FencingToken({:08x})", (self.0 >> 96) as u32)
+    }
+}
+
+/// Milliseconds since the Unix epoch. Records use wall-clock time because they
+/// are shared by processes (restarts of the embedded store, replicas on Redis).
+pub type UnixMillis = u64;
+
+pub fn now_millis() -> UnixMillis {
+    to_millis(SystemTime::now())
+}
+
+pub fn to_millis(t: SystemTime) -> UnixMillis {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub fn from_millis(ms: UnixMillis) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Record {
+    Pending(PendingRecord),
+    Completed(CompletedRecord),
+}
+
+impl Record {
+    pub fn fingerprint(&self) -> &Fingerprint {
+        match self {
+            Record::Pending(p) => &p.fingerprint,
+            Record::Completed(c) => &c.fingerprint,
+        }
+    }
+
+    /// When the store may forget the record.
+    pub fn expires_at(&self) -> UnixMillis {
+        match self {
+            Record::Pending(p) => p.expires_at,
+            Record::Completed(c) => c.expires_at,
+        }
+    }
+
+    pub fn state(&self) -> KeyState {
+        match self {
+            Record::Pending(_) => KeyState::Pending,
+            Record::Completed(_) => KeyState::Completed,
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![FORMAT_VERSION];
+        // Serializing plain data into a Vec cannot fail.
+        out.extend(postcard::to_stdvec(self).unwrap_or_default());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
+        match bytes.split_first() {
+            None => Err(DecodeError::Empty),
+            Some((&FORMAT_VERSION, rest)) => {
+                postcard::from_bytes(rest).map_err(|e| DecodeError::Corrupt(e.to_string()))
+            }
+            Some((&v, _)) => Err(DecodeError::UnknownVersion(v)),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("empty record")]
+    Empty,
+    #[error("record format version {0} is unknown to this build")]
+    UnknownVersion(u8),
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyState {
+    Pending,
+    Completed,
+}
+
+impl KeyState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyState::Pending => "pending",
+            KeyState::Completed => "completed",
+        }
+    }
+}
+
+/// The claim of the request that is executing the key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingRecord {
+    pub fingerprint: Fingerprint,
+    pub token: FencingToken,
+    pub created_at: UnixMillis,
+    /// Past this instant the holder is presumed dead (see `on_stale`).
+    pub lease_expires_at: UnixMillis,
+    /// Past this instant the store may forget the claim altogether.
+    pub expires_at: UnixMillis,
+}
+
+/// The settled outcome of a key: every retry is answered from it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompletedRecord {
+    pub fingerprint: Fingerprint,
+    pub created_at: UnixMillis,
+    pub completed_at: UnixMillis,
+    pub expires_at: UnixMillis,
+    pub outcome: Outcome,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// The upstream's response, stored whole.
+    Response(StoredResponse),
+    /// The upstream answered, but the body was over `max_response_bytes` (or
+    /// broke off): only its status is known.
+    NotStored { status: u16 },
+    /// The request may or may not have executed: stored so that no retry can
+    /// execute it a second time.
+    Unknown { cause: UnknownCause },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownCause {
+    /// The upstream did not answer within `upstream.timeout`.
+    Timeout,
+    /// The connection broke after the request was sent.
+    Reset,
+    /// The proxy that held the key died (its lease expired).
+    Abandoned,
+}
+
+impl UnknownCause {
+    /// The status the client sees for this cause.
+    pub fn status(self) -> u16 {
+        match self {
+            UnknownCause::Timeout => 504,
+            UnknownCause::Reset | UnknownCause::Abandoned => 502,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnknownCause::Timeout => "timeout",
+            UnknownCause::Reset => "reset",
+            UnknownCause::Abandoned => "abandoned",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredResponse {
+    pub status: u16,
+    /// End-to-end headers only, in upstream order (names lower-case).
+    pub headers: Vec<(String, Bytes)>,
+    pub body: Bytes,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completed() -> Record {
+        Record::Completed(CompletedRecord {
+            fingerprint: Fingerprint([7; 32]),
+            created_at: 1,
+            completed_at: 2,
+            expires_at: 3,
+            outcome: Outcome::Response(StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), Bytes::from_static(b"application/json"))],
+                body: Bytes::from_static(b"{\"id\":1}"),
+            }),
+        })
+    }
+
+    #[test]
+    fn encoding_round_trips_every_variant() {
+        let pending = Record::Pending(PendingRecord {
+            fingerprint: Fingerprint([1; 32]),
+            token: FencingToken(u128::MAX - 5),
+            created_at: 10,
+            lease_expires_at: 20,
+            expires_at: 30,
+        });
+        let unknown = Record::Completed(CompletedRecord {
+            fingerprint: Fingerprint([2; 32]),
+            created_at: 1,
+            completed_at: 2,
+            expires_at: 3,
+            outcome: Outcome::Unknown {
+                cause: UnknownCause::Timeout,
+            },
+        });
+        let not_stored = Record::Completed(CompletedRecord {
+            fingerprint: Fingerprint([3; 32]),
+            created_at: 1,
+            completed_at: 2,
+            expires_at: 3,
+            outcome: Outcome::NotStored { status: 200 },
+        });
+        for record in [pending, completed(), unknown, not_stored] {
+            assert_eq!(Record::decode(&record.encode()).as_ref(), Ok(&record));
+        }
+    }
+
+    #[test]
+    fn encoding_starts_with_the_version_and_keeps_the_body_raw() {
+        let bytes = completed().encode();
+        assert_eq!(bytes[0], FORMAT_VERSION);
+        // Raw bytes, not base64 or a JSON array of numbers.
+        assert!(bytes.windows(8).any(|w| w == b"{\"id\":1}"));
+    }
+
+    #[test]
+    fn unknown_version_and_corruption_are_errors() {
+        let mut bytes = completed().encode();
+        bytes[0] = 99;
+        assert_eq!(Record::decode(&bytes), Err(DecodeError::UnknownVersion(99)));
+        assert_eq!(Record::decode(&[]), Err(DecodeError::Empty));
+        let truncated = &completed().encode()[..10];
+        assert!(matches!(
+            Record::decode(truncated),
+            Err(DecodeError::Corrupt(_))
+        ));
+    }
+
+    #[test]
+    fn record_key_depends_on_scope_and_key() {
+        let a = RecordKey::new(&[0; 32], "k1");
+        assert_eq!(a, RecordKey::new(&[0; 32], "k1"));
+        assert_ne!(a, RecordKey::new(&[1; 32], "k1"));
+        assert_ne!(a, RecordKey::new(&[0; 32], "k2"));
+        assert_eq!(RecordKey::from_hex(&a.to_hex()), Some(a));
+    }
+}

@@ -1,0 +1,4 @@
+pub mod config;
+pub mod idempotency;
+pub mod store;
+pub mod upstream;

@@ -1,0 +1,2 @@
+//! STUB: embedded durable store, to be implemented by the store helper.
+pub struct EmbeddedStore;

@@ -1,0 +1,2 @@
+//! STUB: in-memory store, to be implemented by the store helper.
+pub struct MemoryStore;

@@ -1,0 +1,184 @@
+//! Where records live.
+//!
+//! One trait, [`Store`], with one contract (`tests/store_contract.rs`) that
+//! every implementation passes:
+//!
+//! - [`begin`](Store::begin) atomically claims an absent key, or reports what
+//!   is already there: a completed outcome with the same fingerprint, a claim
+//!   still in flight, or a mismatch. A pending record whose lease expired is
+//!   settled inside the same atomic step, per [`OnStale`].
+//! - [`complete`](Store::complete) and [`release`](Store::release) succeed only
+//!   for the holder of the record's fencing token; anyone else gets
+//!   [`StoreError::Fenced`] and changes nothing.
+//!
+//! Every call is bounded by `store.timeout` by the caller, not here, so a
+//! store implementation only reports what it observed.
+
+pub mod embedded;
+pub mod memory;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::idempotency::record::{
+    millis, CompletedRecord, FencingToken, Fingerprint, KeyState, Outcome, PendingRecord, Record,
+    RecordKey, UnixMillis, UnknownCause,
+};
+
+pub use embedded::EmbeddedStore;
+pub use memory::MemoryStore;
+
+/// What to do with a pending record whose lease expired: its holder died
+/// mid-call, so whether the upstream executed is unknown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStale {
+    /// Fail closed: settle the key as `outcome-unknown` for good.
+    Store,
+    /// Let the new request take the key over (a second execution is possible).
+    Retry,
+}
+
+/// A request to claim a key.
+#[derive(Clone, Debug)]
+pub struct Begin {
+    pub key: RecordKey,
+    pub fingerprint: Fingerprint,
+    /// How long the claim protects the key before its holder is presumed dead.
+    pub lease: Duration,
+    /// How long a completed record (and an abandoned claim) is kept.
+    pub ttl: Duration,
+    pub on_stale: OnStale,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BeginOutcome {
+    /// The caller now holds the key and must complete or release it.
+    Acquired {
+        token: FencingToken,
+        /// True when a stale claim was taken over (`on_stale = "retry"`).
+        took_over: bool,
+    },
+    /// The key has a settled outcome for this same request.
+    Completed(CompletedRecord),
+    /// Another request with the same fingerprint holds the key.
+    InFlight { lease_expires_at: UnixMillis },
+    /// The key belongs to a different request.
+    Mismatch { state: KeyState },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store could not be reached or did not answer in time.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// A value in the store could not be decoded.
+    #[error("store holds a corrupt record: {0}")]
+    Corrupt(String),
+    /// The caller does not hold the key (its token was superseded or the
+    /// record is gone).
+    #[error("fencing token does not own the key")]
+    Fenced,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims `begin.key` or reports its current state, in one atomic step.
+    async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError>;
+
+    /// Settles the key held with `token`. The record's `expires_at` says how
+    /// long it is kept.
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        record: &CompletedRecord,
+    ) -> Result<(), StoreError>;
+
+    /// Forgets the pending claim held with `token`, so a retry executes.
+    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError>;
+
+    /// Reads a record as it is (expired records read as absent).
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError>;
+
+    /// Deletes a record whatever its state (operator reconciliation).
+    /// Returns whether there was one.
+    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError>;
+
+    /// Checks that the store answers (readiness).
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// A short name for logs and metrics.
+    fn kind(&self) -> &'static str;
+}
+
+pub type SharedStore = Arc<dyn Store>;
+
+/// The decision `begin` makes, shared by the in-process stores so that they
+/// cannot drift apart. `existing` is the live (unexpired) record, if any;
+/// returns the outcome and the record to write, if the key changes.
+pub fn decide_begin(
+    begin: &Begin,
+    existing: Option<&Record>,
+    now: UnixMillis,
+) -> (BeginOutcome, Option<Record>) {
+    let claim = |took_over: bool| {
+        let token = FencingToken::random();
+        let lease_expires_at = now.saturating_add(millis(begin.lease));
+        let record = Record::Pending(PendingRecord {
+            fingerprint: begin.fingerprint,
+            token,
+            created_at: now,
+            lease_expires_at,
+            // An abandoned claim is kept as long as a completion would be, so
+            // fail-closed answers outlive the retries that ask for them.
+            expires_at: lease_expires_at.saturating_add(millis(begin.ttl)),
+        });
+        (BeginOutcome::Acquired { token, took_over }, Some(record))
+    };
+    match existing {
+        None => claim(false),
+        Some(record) if record.fingerprint() != &begin.fingerprint => (
+            BeginOutcome::Mismatch {
+                state: record.state(),
+            },
+            None,
+        ),
+        Some(Record::Completed(done)) => (BeginOutcome::Completed(done.clone()), None),
+        Some(Record::Pending(p)) if p.lease_expires_at > now => (
+            BeginOutcome::InFlight {
+                lease_expires_at: p.lease_expires_at,
+            },
+            None,
+        ),
+        Some(Record::Pending(p)) => match begin.on_stale {
+            OnStale::Retry => claim(true),
+            OnStale::Store => {
+                let done = CompletedRecord {
+                    fingerprint: p.fingerprint,
+                    created_at: p.created_at,
+                    completed_at: now,
+                    expires_at: now.saturating_add(millis(begin.ttl)),
+                    outcome: Outcome::Unknown {
+                        cause: UnknownCause::Abandoned,
+                    },
+                };
+                (
+                    BeginOutcome::Completed(done.clone()),
+                    Some(Record::Completed(done)),
+                )
+            }
+        },
+    }
+}
+
+/// The fencing rule shared by the in-process stores: only the holder of the
+/// pending record's token may settle or release it.
+pub fn check_owner(existing: Option<&Record>, token: FencingToken) -> Result<(), StoreError> {
+    match existing {
+        Some(Record::Pending(p)) if p.token == token => Ok(()),
+        _ => Err(StoreError::Fenced),
+    }
+}
