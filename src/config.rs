@@ -28,6 +28,10 @@ pub struct Config {
     pub idempotency: IdempotencyConfig,
     pub routes: Vec<RouteConfig>,
     pub log: LogConfig,
+    /// On SIGTERM/SIGINT: how long open connections and running executions
+    /// get to finish (and store their outcomes) before the process exits.
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Duration,
 }
 
 impl Default for Config {
@@ -41,6 +45,7 @@ impl Default for Config {
             idempotency: IdempotencyConfig::default(),
             routes: Vec::new(),
             log: LogConfig::default(),
+            drain_timeout: Duration::from_secs(35),
         }
     }
 }
@@ -116,10 +121,11 @@ impl Default for StoreConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Profile {
     /// 409 for a reused key, 425 for a key in flight.
+    #[default]
     Default,
     /// draft-ietf-httpapi-idempotency-key-header: 422 reused, 409 in flight.
     Ietf,
@@ -393,10 +399,7 @@ impl Config {
                 problems.push(format!("{at}.name: `{}` is used twice", route.name));
             }
             if !route.path.starts_with('/') {
-                problems.push(format!(
-                    "{at}.path: `{}` must start with `/`",
-                    route.path
-                ));
+                problems.push(format!("{at}.path: `{}` must start with `/`", route.path));
             }
             validate_policy(&at, &route.resolve(&self.idempotency), &mut problems);
         }
@@ -641,8 +644,10 @@ require_key = true
 
     #[test]
     fn check_output_round_trips_and_redacts_the_admin_token() {
-        let mut c = Config::default();
-        c.admin_token = Some("s3cret".into());
+        let c = Config {
+            admin_token: Some("s3cret".into()),
+            ..Config::default()
+        };
         let text = c.to_toml();
         assert!(!text.contains("s3cret"));
         let dir = tempfile::tempdir().expect("tempdir");

@@ -1,4 +1,147 @@
+//! idemproxy: an HTTP reverse proxy that enforces `Idempotency-Key`
+//! semantics, so at-least-once callers get at-most-once side effects.
+//!
+//! The request path, outside in:
+//! 1. [`server`] accepts connections (HTTP/1.1, h2c) and tags each request
+//!    with the peer address;
+//! 2. [`idempotency`] decides per request: pass through, reject, replay from
+//!    the [`store`], or execute once and store the outcome;
+//! 3. [`proxy`] forwards to the upstream through the pooled client of
+//!    [`upstream`], which classifies failures by whether the request could
+//!    have executed.
+//!
+//! [`app`] builds that stack from a [`Config`] without any socket, so tests
+//! drive it in-process; [`run`] binds the listeners and serves until
+//! shutdown.
+
+pub mod admin;
 pub mod config;
+pub mod demo;
 pub mod idempotency;
+pub mod proxy;
+pub mod server;
 pub mod store;
 pub mod upstream;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
+use tower::Layer;
+
+pub use config::Config;
+use config::StoreKind;
+use idempotency::{Idempotency, IdempotencyLayer, Policies};
+use proxy::Proxy;
+use store::{EmbeddedStore, MemoryStore, SharedStore};
+use upstream::Upstream;
+
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// The traffic service: idempotency in front of the upstream.
+pub type ProxyService = Idempotency<Proxy>;
+
+/// Everything `run` serves, built without sockets.
+pub struct App {
+    pub proxy: ProxyService,
+    pub admin: axum::Router,
+    pub store: SharedStore,
+    /// Executions in flight; shutdown waits for them to store their outcome.
+    pub tasks: TaskTracker,
+}
+
+/// Builds the service stack for `config` on `store`.
+pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
+    let policies = Policies::from_config(config)?;
+    let upstream = Upstream::new(&config.upstream)?;
+    let layer = IdempotencyLayer::new(policies, store.clone())
+        .store_timeout(config.store.timeout)
+        .upstream_timeout(config.upstream.timeout);
+    let tasks = layer.tasks();
+    let proxy = layer.layer(Proxy::new(upstream, config.upstream.timeout));
+    let admin = admin::router(store.clone(), config.store.timeout);
+    Ok(App {
+        proxy,
+        admin,
+        store,
+        tasks,
+    })
+}
+
+/// Opens the store `config.store` names.
+pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
+    match config.store.kind {
+        StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),
+        StoreKind::Embedded => {
+            let store = Arc::new(EmbeddedStore::open(&config.store.path)?);
+            store.spawn_purger(config.store.purge_interval);
+            Ok(store)
+        }
+        StoreKind::Redis | StoreKind::RedisCluster => {
+            Err("the redis store kinds are not available in this build".into())
+        }
+    }
+}
+
+/// Binds the traffic and admin listeners and serves until `shutdown`.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+    let store = open_store(&config).await?;
+    let app = app(&config, store)?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let admin_listener = TcpListener::bind(config.admin_listen)
+        .await
+        .map_err(|e| format!("cannot listen on {} (admin): {e}", config.admin_listen))?;
+    tracing::info!(
+        listen = %config.listen,
+        admin = %config.admin_listen,
+        upstream = %config.upstream.url,
+        store = app.store.kind(),
+        "idemproxy serving"
+    );
+    serve_app(
+        app,
+        listener,
+        admin_listener,
+        shutdown,
+        config.drain_timeout,
+    )
+    .await;
+    Ok(())
+}
+
+/// Serves a built [`App`] on bound listeners until `shutdown`, then drains:
+/// connections finish, and executions store their outcomes, within `drain`.
+pub async fn serve_app(
+    app: App,
+    listener: TcpListener,
+    admin_listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+    drain: std::time::Duration,
+) {
+    let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
+    let admin = tokio::spawn(async move {
+        let stopped = async {
+            let _ = admin_stopped.await;
+        };
+        if let Err(e) = axum::serve(admin_listener, app.admin)
+            .with_graceful_shutdown(stopped)
+            .await
+        {
+            tracing::error!(error = %e, "admin listener failed");
+        }
+    });
+    server::serve(listener, app.proxy, shutdown, drain).await;
+    app.tasks.close();
+    if tokio::time::timeout(drain, app.tasks.wait()).await.is_err() {
+        tracing::warn!(
+            remaining = app.tasks.len(),
+            "executions still running after the drain timeout; their keys settle by lease"
+        );
+    }
+    let _ = stop_admin.send(());
+    let _ = admin.await;
+    tracing::info!("idemproxy stopped");
+}

@@ -1,20 +1,1258 @@
-//! The request fingerprint.
-// STUB: to be implemented by the key/fingerprint helper.
+//! The request fingerprint: what makes a retry "the same request".
+//!
+//! A key reused with a different request is a client bug that must surface
+//! (409/422) instead of silently replaying someone else's response, so the
+//! fingerprint covers everything that changes what the upstream would do:
+//! method, path and query, content type, the operator's chosen headers, and
+//! the body. It must also be stable across harmless re-serialization, or a
+//! retrying SDK that rebuilds its JSON would be told it reused the key; hence
+//! JSON bodies are hashed in their RFC 8785 (JCS) canonical form.
+//!
+//! # Hash input
+//!
+//! SHA-256 over a version tag, then each field framed so that no two
+//! different requests produce the same byte stream:
+//!
+//! 1. method, length-prefixed (u64 big-endian);
+//! 2. path and query exactly as sent (no query reordering, no
+//!    percent-decoding: upstreams differ in how they read these, so only
+//!    byte equality is safe), length-prefixed;
+//! 3. the `content-type` values (header framing below);
+//! 4. the number of configured headers, then for each its name
+//!    (length-prefixed) and values (header framing);
+//! 5. the body: a tag (`J` canonical JSON, `R` raw bytes), then the bytes and
+//!    their length.
+//!
+//! Header framing: each value is `0x01`, its length, its bytes, in the order
+//! received; the list ends with `0x00`. An absent header is therefore `0x00`
+//! alone and differs from a header present with an empty value.
+//!
+//! # JSON bodies
+//!
+//! A body is canonicalized only when the content type says JSON
+//! (`application/json` or any `+json` subtype, parameters ignored,
+//! case-insensitive) *and* it is I-JSON (RFC 7493, which RFC 8785 requires):
+//! it parses, has no duplicate object keys and no numbers outside the double
+//! range. Anything else, including a JSON body sent under another content
+//! type, is hashed as raw bytes: the proxy cannot know that the upstream
+//! reads such a body as JSON, and raw hashing can only cause a spurious
+//! mismatch, never a wrong replay. Duplicate keys are treated as not JSON for
+//! the same reason: parsers disagree on which duplicate wins.
+//!
+//! As RFC 8785 prescribes, every number is an IEEE 754 double: `1`, `1.0`
+//! and `1e0` fingerprint alike, and integers beyond 2^53 (or decimals with
+//! more than 17 significant digits) are rounded to the nearest double, so
+//! two bodies differing only past that precision fingerprint alike. APIs
+//! that need exact big numbers send them as strings, which JCS keeps exact.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::io;
+
+use http::header::{GetAll, CONTENT_TYPE};
 use http::request::Parts;
-use http::HeaderName;
+use http::{HeaderName, HeaderValue};
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::{Map, Number, Value};
+use sha2::{Digest, Sha256};
 
 use super::record::Fingerprint;
+
+/// Bumping this changes every fingerprint, which turns every in-flight
+/// retry across a deploy into a mismatch; do it only with the record format.
+const DOMAIN: &[u8] = b"idemproxy.fingerprint.v1\0";
 
 /// What goes into a fingerprint besides method, path, query, content type and body.
 #[derive(Clone, Debug, Default)]
 pub struct FingerprintRules {
     pub headers: Vec<HeaderName>,
     /// RFC 6901 JSON pointers removed from a JSON body before hashing.
+    /// Applied in order; removing an array element shifts the later ones,
+    /// so a second pointer into the same array sees the shifted indices.
     pub ignore: Vec<String>,
 }
 
 impl FingerprintRules {
-    pub fn fingerprint(&self, _parts: &Parts, _body: &[u8]) -> Fingerprint {
-        todo!()
+    /// Builds the rules from configuration strings. Header names are
+    /// lower-cased; pointers must be non-empty RFC 6901 pointers (the empty
+    /// pointer would ignore the whole body, which is never what is meant).
+    pub fn new(headers: &[String], ignore: &[String]) -> Result<Self, String> {
+        let headers = headers
+            .iter()
+            .map(|h| {
+                HeaderName::from_bytes(h.as_bytes())
+                    .map_err(|_| format!("`{h}` is not a valid header name"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for ptr in ignore {
+            validate_pointer(ptr)?;
+        }
+        Ok(Self {
+            headers,
+            ignore: ignore.to_vec(),
+        })
+    }
+
+    pub fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
+        let mut h = Sha256::new();
+        h.update(DOMAIN);
+        put_field(&mut h, parts.method.as_str().as_bytes());
+        // `None` only for authority-form targets (CONNECT), never proxied here.
+        let target = parts.uri.path_and_query().map_or("", |pq| pq.as_str());
+        put_field(&mut h, target.as_bytes());
+        put_values(&mut h, parts.headers.get_all(CONTENT_TYPE));
+        put_len(&mut h, self.headers.len());
+        for name in &self.headers {
+            put_field(&mut h, name.as_str().as_bytes());
+            put_values(&mut h, parts.headers.get_all(name));
+        }
+        if declares_json(parts.headers.get_all(CONTENT_TYPE)) {
+            if let Some(value) = parse_ijson(body, &self.ignore) {
+                // On the (theoretical) serializer error the hasher has seen
+                // part of the output; fall back from a copy taken before.
+                let before = h.clone();
+                h.update(b"J");
+                let mut w = HashWriter {
+                    hasher: &mut h,
+                    len: 0,
+                };
+                if serde_json_canonicalizer::to_writer(&value, &mut w).is_ok() {
+                    let len = w.len;
+                    h.update(len.to_be_bytes());
+                    return Fingerprint(h.finalize().into());
+                }
+                h = before;
+            }
+        }
+        h.update(b"R");
+        put_field(&mut h, body);
+        Fingerprint(h.finalize().into())
+    }
+}
+
+/// The RFC 8785 canonical form of `body` minus the `ignore` pointers, or
+/// `None` when `body` is not I-JSON (and so would be hashed raw).
+///
+/// Exactly what [`FingerprintRules::fingerprint`] hashes for a JSON body,
+/// exposed so tests and tooling can show an operator why two bodies do or
+/// do not count as the same request.
+pub fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
+    let value = parse_ijson(body, ignore)?;
+    serde_json_canonicalizer::to_vec(&value).ok()
+}
+
+fn parse_ijson(body: &[u8], ignore: &[String]) -> Option<Value> {
+    let StrictValue(mut value) = serde_json::from_slice(body).ok()?;
+    for ptr in ignore {
+        remove_pointer(&mut value, ptr);
+    }
+    Some(value)
+}
+
+fn put_len(h: &mut Sha256, len: usize) {
+    // usize is at most 64 bits on every supported target.
+    h.update((len as u64).to_be_bytes());
+}
+
+fn put_field(h: &mut Sha256, bytes: &[u8]) {
+    put_len(h, bytes.len());
+    h.update(bytes);
+}
+
+fn put_values(h: &mut Sha256, values: GetAll<'_, HeaderValue>) {
+    for v in values {
+        h.update([1]);
+        put_field(h, v.as_bytes());
+    }
+    h.update([0]);
+}
+
+/// Only a single `content-type` counts: with several, which one the
+/// upstream obeys is anyone's guess, so the body is treated as opaque.
+fn declares_json(values: GetAll<'_, HeaderValue>) -> bool {
+    let mut it = values.iter();
+    match (it.next(), it.next()) {
+        (Some(v), None) => is_json_media_type(v.as_bytes()),
+        _ => false,
+    }
+}
+
+fn is_json_media_type(value: &[u8]) -> bool {
+    let essence = value.split(|&b| b == b';').next().unwrap_or_default();
+    let essence = trim_ows(essence);
+    if essence.eq_ignore_ascii_case(b"application/json") {
+        return true;
+    }
+    let Some(slash) = essence.iter().position(|&b| b == b'/') else {
+        return false;
+    };
+    let (ty, subtype) = essence.split_at(slash);
+    let subtype = subtype.get(1..).unwrap_or_default();
+    const SUFFIX: &[u8] = b"+json";
+    !ty.is_empty()
+        && subtype.len() > SUFFIX.len()
+        && subtype
+            .get(subtype.len() - SUFFIX.len()..)
+            .is_some_and(|s| s.eq_ignore_ascii_case(SUFFIX))
+}
+
+fn trim_ows(mut bytes: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = bytes {
+        bytes = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = bytes {
+        bytes = rest;
+    }
+    bytes
+}
+
+/// Checks what `remove_pointer` would otherwise silently ignore, so a typo
+/// in the configuration is reported instead of never matching.
+fn validate_pointer(ptr: &str) -> Result<(), String> {
+    if ptr.is_empty() {
+        return Err("`` (the empty JSON pointer) would ignore the whole body; \
+                    name a member, e.g. `/metadata/sent_at`"
+            .to_owned());
+    }
+    if !ptr.starts_with('/') {
+        return Err(format!(
+            "`{ptr}` is not a JSON pointer: it must start with `/` (RFC 6901)"
+        ));
+    }
+    let bytes = ptr.as_bytes();
+    for (i, &b) in bytes.iter().enumerate() {
+        if b == b'~' && !matches!(bytes.get(i + 1), Some(b'0' | b'1')) {
+            return Err(format!(
+                "`{ptr}` is not a JSON pointer: `~` must be followed by `0` or `1` \
+                 (write `~0` for `~` and `~1` for `/`)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Removes the member or element `ptr` points to; a pointer that does not
+/// resolve is a no-op, because the ignored field is often optional.
+fn remove_pointer(root: &mut Value, ptr: &str) {
+    if !ptr.starts_with('/') {
+        return;
+    }
+    let Some((parent, last)) = ptr.rsplit_once('/') else {
+        return;
+    };
+    // serde_json resolves the parent, `~0`/`~1` escapes included.
+    let Some(parent) = root.pointer_mut(parent) else {
+        return;
+    };
+    match parent {
+        Value::Object(map) => {
+            map.remove(unescape_token(last).as_ref());
+        }
+        Value::Array(items) => {
+            if let Some(i) = array_index(last) {
+                if i < items.len() {
+                    items.remove(i);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// RFC 6901 §4: `~1` is `/` and `~0` is `~`, decoded left to right so that
+/// `~01` is `~1`, not `/`.
+fn unescape_token(token: &str) -> Cow<'_, str> {
+    if !token.contains('~') {
+        return Cow::Borrowed(token);
+    }
+    let mut out = String::with_capacity(token.len());
+    let mut chars = token.chars();
+    while let Some(c) = chars.next() {
+        if c != '~' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('0') => out.push('~'),
+            Some('1') => out.push('/'),
+            // Invalid escapes are kept literally, as serde_json does for
+            // the parent path; configuration validation rejects them.
+            Some(other) => {
+                out.push('~');
+                out.push(other);
+            }
+            None => out.push('~'),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// RFC 6901 array index: `0` or digits without a leading zero. `-` (the
+/// element past the end) never exists, so it resolves to nothing.
+fn array_index(token: &str) -> Option<usize> {
+    let bytes = token.as_bytes();
+    if bytes.is_empty() || !bytes.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    if bytes.len() > 1 && bytes.first() == Some(&b'0') {
+        return None;
+    }
+    token.parse().ok()
+}
+
+/// Feeds the canonical JSON straight into the hasher (no intermediate
+/// buffer) while counting its length for the framing.
+struct HashWriter<'a> {
+    hasher: &'a mut Sha256,
+    len: u64,
+}
+
+impl io::Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.hasher.update(buf);
+        self.len += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A `serde_json::Value` that refuses duplicate object keys. serde_json's
+/// own `Value` keeps the last duplicate, so `{"a":1,"a":2}` would
+/// fingerprint like `{"a":2}` although an upstream may read `1`.
+struct StrictValue(Value);
+
+impl<'de> Deserialize<'de> for StrictValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(StrictValue)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        Number::from_f64(v)
+            .map(Value::Number)
+            .ok_or_else(|| E::custom("number out of range"))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+        while let Some(StrictValue(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<Value, A::Error> {
+        let mut map = Map::new();
+        while let Some(key) = access.next_key::<String>()? {
+            let StrictValue(v) = access.next_value()?;
+            match map.entry(key) {
+                serde_json::map::Entry::Vacant(e) => {
+                    e.insert(v);
+                }
+                serde_json::map::Entry::Occupied(_) => {
+                    return Err(de::Error::custom("duplicate object key"));
+                }
+            }
+        }
+        Ok(Value::Object(map))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{Method, Request};
+    use proptest::prelude::*;
+
+    fn parts(method: &str, uri: &str, headers: &[(&str, &str)]) -> Parts {
+        let mut b = Request::builder().method(method).uri(uri);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).expect("valid request").into_parts().0
+    }
+
+    fn json_parts() -> Parts {
+        parts(
+            "POST",
+            "/v1/payments",
+            &[("content-type", "application/json")],
+        )
+    }
+
+    fn rules(headers: &[&str], ignore: &[&str]) -> FingerprintRules {
+        let h: Vec<String> = headers.iter().map(|s| s.to_string()).collect();
+        let i: Vec<String> = ignore.iter().map(|s| s.to_string()).collect();
+        FingerprintRules::new(&h, &i).expect("valid rules")
+    }
+
+    fn fp(r: &FingerprintRules, p: &Parts, body: &str) -> Fingerprint {
+        r.fingerprint(p, body.as_bytes())
+    }
+
+    fn canon(body: &str) -> String {
+        let out = canonical_json(body.as_bytes(), &[]).expect("I-JSON");
+        String::from_utf8(out).expect("UTF-8")
+    }
+
+    fn ptrs(ps: &[&str]) -> Vec<String> {
+        ps.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn deterministic() {
+        let r = rules(&["x-tenant"], &["/a"]);
+        let p = parts(
+            "POST",
+            "/x?b=1&a=2",
+            &[("content-type", "application/json"), ("x-tenant", "t")],
+        );
+        assert_eq!(
+            fp(&r, &p, r#"{"a":1,"b":2}"#),
+            fp(&r, &p, r#"{"a":1,"b":2}"#)
+        );
+    }
+
+    #[test]
+    fn method_changes_fingerprint() {
+        let r = FingerprintRules::default();
+        let a = parts("POST", "/x", &[]);
+        let b = parts("PATCH", "/x", &[]);
+        assert_ne!(fp(&r, &a, "{}"), fp(&r, &b, "{}"));
+        let c = parts("PUT", "/x", &[]);
+        assert_ne!(fp(&r, &a, "{}"), fp(&r, &c, "{}"));
+        let ext = Method::from_bytes(b"POSTX").expect("extension method");
+        let mut d = parts("POST", "/x", &[]);
+        d.method = ext;
+        assert_ne!(fp(&r, &a, "{}"), fp(&r, &d, "{}"));
+    }
+
+    #[test]
+    fn path_changes_fingerprint() {
+        let r = FingerprintRules::default();
+        assert_ne!(
+            fp(&r, &parts("POST", "/v1/a", &[]), ""),
+            fp(&r, &parts("POST", "/v1/b", &[]), "")
+        );
+        assert_ne!(
+            fp(&r, &parts("POST", "/v1/a", &[]), ""),
+            fp(&r, &parts("POST", "/v1/a/", &[]), "")
+        );
+        // As sent: no percent-decoding.
+        assert_ne!(
+            fp(&r, &parts("POST", "/v1/a%62", &[]), ""),
+            fp(&r, &parts("POST", "/v1/ab", &[]), "")
+        );
+    }
+
+    #[test]
+    fn query_changes_fingerprint_and_is_not_reordered() {
+        let r = FingerprintRules::default();
+        let base = fp(&r, &parts("POST", "/x?a=1&b=2", &[]), "");
+        assert_ne!(base, fp(&r, &parts("POST", "/x?a=1&b=3", &[]), ""));
+        assert_ne!(base, fp(&r, &parts("POST", "/x?b=2&a=1", &[]), ""));
+        assert_ne!(base, fp(&r, &parts("POST", "/x", &[]), ""));
+        assert_ne!(
+            fp(&r, &parts("POST", "/x", &[]), ""),
+            fp(&r, &parts("POST", "/x?", &[]), "")
+        );
+    }
+
+    #[test]
+    fn absolute_form_uses_path_and_query_only() {
+        let r = FingerprintRules::default();
+        assert_eq!(
+            fp(&r, &parts("POST", "http://a.example/x?q=1", &[]), ""),
+            fp(&r, &parts("POST", "/x?q=1", &[]), "")
+        );
+    }
+
+    #[test]
+    fn content_type_changes_fingerprint() {
+        let r = FingerprintRules::default();
+        let body = r#"{"a":1}"#;
+        let json = fp(
+            &r,
+            &parts("POST", "/x", &[("content-type", "application/json")]),
+            body,
+        );
+        let charset = fp(
+            &r,
+            &parts(
+                "POST",
+                "/x",
+                &[("content-type", "application/json; charset=utf-8")],
+            ),
+            body,
+        );
+        let text = fp(
+            &r,
+            &parts("POST", "/x", &[("content-type", "text/plain")]),
+            body,
+        );
+        let none = fp(&r, &parts("POST", "/x", &[]), body);
+        let empty = fp(&r, &parts("POST", "/x", &[("content-type", "")]), body);
+        let all = [json, charset, text, none, empty];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn configured_header_changes_fingerprint() {
+        let r = rules(&["X-Tenant"], &[]);
+        let a = fp(&r, &parts("POST", "/x", &[("x-tenant", "a")]), "");
+        let b = fp(&r, &parts("POST", "/x", &[("x-tenant", "b")]), "");
+        assert_ne!(a, b);
+        // Header names are case-insensitive on the wire.
+        let c = fp(&r, &parts("POST", "/x", &[("X-TENANT", "a")]), "");
+        assert_eq!(a, c);
+    }
+
+    #[test]
+    fn configured_header_all_values_in_order() {
+        let r = rules(&["x-tag"], &[]);
+        let one = fp(&r, &parts("POST", "/x", &[("x-tag", "a")]), "");
+        let two = fp(
+            &r,
+            &parts("POST", "/x", &[("x-tag", "a"), ("x-tag", "b")]),
+            "",
+        );
+        let swapped = fp(
+            &r,
+            &parts("POST", "/x", &[("x-tag", "b"), ("x-tag", "a")]),
+            "",
+        );
+        let joined = fp(&r, &parts("POST", "/x", &[("x-tag", "ab")]), "");
+        assert_ne!(one, two);
+        assert_ne!(two, swapped);
+        assert_ne!(two, joined);
+    }
+
+    #[test]
+    fn unconfigured_header_does_not_change_fingerprint() {
+        let r = rules(&["x-tenant"], &[]);
+        let a = fp(&r, &parts("POST", "/x", &[("x-request-id", "1")]), "");
+        let b = fp(&r, &parts("POST", "/x", &[("x-request-id", "2")]), "");
+        let c = fp(&r, &parts("POST", "/x", &[]), "");
+        assert_eq!(a, b);
+        assert_eq!(a, c);
+    }
+
+    #[test]
+    fn absent_and_empty_header_differ() {
+        let r = rules(&["x-tenant"], &[]);
+        let absent = fp(&r, &parts("POST", "/x", &[]), "");
+        let empty = fp(&r, &parts("POST", "/x", &[("x-tenant", "")]), "");
+        assert_ne!(absent, empty);
+    }
+
+    #[test]
+    fn configured_header_list_is_part_of_the_fingerprint() {
+        // Same request, different rules: must not compare equal by accident.
+        let p = parts("POST", "/x", &[]);
+        assert_ne!(
+            fp(&rules(&[], &[]), &p, ""),
+            fp(&rules(&["x-a"], &[]), &p, "")
+        );
+        assert_ne!(
+            fp(&rules(&["x-a"], &[]), &p, ""),
+            fp(&rules(&["x-b"], &[]), &p, "")
+        );
+    }
+
+    #[test]
+    fn body_changes_fingerprint() {
+        let r = FingerprintRules::default();
+        let p = json_parts();
+        assert_ne!(fp(&r, &p, r#"{"amount":1}"#), fp(&r, &p, r#"{"amount":2}"#));
+        let t = parts("POST", "/x", &[]);
+        assert_ne!(fp(&r, &t, "a"), fp(&r, &t, "b"));
+        assert_ne!(fp(&r, &t, ""), fp(&r, &t, "\0"));
+    }
+
+    #[test]
+    fn json_key_order_and_whitespace_do_not_matter() {
+        let r = FingerprintRules::default();
+        let p = json_parts();
+        let a = fp(&r, &p, r#"{"a":1,"b":{"c":[1,2],"d":"x"}}"#);
+        let b = fp(
+            &r,
+            &p,
+            "{ \"b\" : {\n\t\"d\": \"x\", \"c\": [ 1 , 2 ] },\r\n \"a\": 1 }\n",
+        );
+        assert_eq!(a, b);
+        // But array order does.
+        assert_ne!(a, fp(&r, &p, r#"{"a":1,"b":{"c":[2,1],"d":"x"}}"#));
+    }
+
+    #[test]
+    fn json_escapes_do_not_matter() {
+        let r = FingerprintRules::default();
+        let p = json_parts();
+        assert_eq!(
+            fp(&r, &p, r#"{"k":"é/"}"#),
+            fp(&r, &p, r#"{"\u006b":"\u00e9\/"}"#)
+        );
+    }
+
+    #[test]
+    fn json_suffix_and_parameters_and_case() {
+        let r = FingerprintRules::default();
+        for ct in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+            "application/problem+json",
+            "application/vnd.api+JSON ; q=1",
+            "application/merge-patch+json",
+        ] {
+            let p = parts("POST", "/x", &[("content-type", ct)]);
+            assert_eq!(
+                fp(&r, &p, r#"{"a":1,"b":2}"#),
+                fp(&r, &p, r#"{"b":2, "a":1}"#),
+                "{ct} should be canonicalized"
+            );
+        }
+        for ct in [
+            "text/plain",
+            "application/jsonx",
+            "application/json-seq",
+            "application/x-json-stream",
+            "+json",
+            "application/+json",
+            "/foo+json",
+        ] {
+            let p = parts("POST", "/x", &[("content-type", ct)]);
+            assert_ne!(
+                fp(&r, &p, r#"{"a":1,"b":2}"#),
+                fp(&r, &p, r#"{"b":2, "a":1}"#),
+                "{ct} should be hashed raw"
+            );
+        }
+    }
+
+    #[test]
+    fn json_without_json_content_type_is_hashed_raw() {
+        let r = FingerprintRules::default();
+        let p = parts("POST", "/x", &[]);
+        assert_ne!(
+            fp(&r, &p, r#"{"a":1,"b":2}"#),
+            fp(&r, &p, r#"{"b":2,"a":1}"#)
+        );
+        let p = parts("POST", "/x", &[("content-type", "text/plain")]);
+        assert_ne!(fp(&r, &p, r#"{"a":1}"#), fp(&r, &p, r#"{ "a":1}"#));
+    }
+
+    #[test]
+    fn duplicate_content_type_is_hashed_raw() {
+        let r = FingerprintRules::default();
+        let p = parts(
+            "POST",
+            "/x",
+            &[
+                ("content-type", "application/json"),
+                ("content-type", "application/json"),
+            ],
+        );
+        assert_ne!(
+            fp(&r, &p, r#"{"a":1,"b":2}"#),
+            fp(&r, &p, r#"{"b":2,"a":1}"#)
+        );
+    }
+
+    #[test]
+    fn unparsable_json_is_hashed_raw() {
+        let r = FingerprintRules::default();
+        let p = json_parts();
+        // Distinct, deterministic, and no panic.
+        let a = fp(&r, &p, r#"{"a":1"#);
+        assert_eq!(a, fp(&r, &p, r#"{"a":1"#));
+        assert_ne!(a, fp(&r, &p, r#"{"a": 1"#));
+        assert_eq!(canonical_json(br#"{"a":1"#, &[]), None);
+        assert_eq!(canonical_json(b"{} {}", &[]), None);
+        assert_eq!(canonical_json(b"", &[]), None);
+        assert_eq!(canonical_json(b"\xEF\xBB\xBF{}", &[]), None);
+        assert_eq!(canonical_json(b"[1e400]", &[]), None);
+        assert_eq!(canonical_json(br#"["\ud800"]"#, &[]), None);
+        assert_eq!(canonical_json(b"{\"a\":\"\xFF\"}", &[]), None);
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        assert_eq!(canonical_json(deep.as_bytes(), &[]), None);
+        let _ = fp(&r, &p, &deep);
+    }
+
+    #[test]
+    fn duplicate_keys_are_not_ijson() {
+        assert_eq!(canonical_json(br#"{"a":1,"a":2}"#, &[]), None);
+        assert_eq!(canonical_json(br#"[{"x":{"a":1,"a":1}}]"#, &[]), None);
+        let r = FingerprintRules::default();
+        let p = json_parts();
+        assert_ne!(fp(&r, &p, r#"{"a":1,"a":2}"#), fp(&r, &p, r#"{"a":2}"#));
+    }
+
+    #[test]
+    fn raw_and_canonical_bodies_do_not_collide() {
+        // The canonical form of a JSON body and the same bytes hashed raw
+        // are tagged differently.
+        let r = FingerprintRules::default();
+        let p = json_parts();
+        let canonical = fp(&r, &p, r#"{"a":1}"#);
+        let raw = fp(&r, &p, r#"{"a":1}garbage"#);
+        assert_ne!(canonical, raw);
+    }
+
+    #[test]
+    fn numbers_canonicalize_as_doubles() {
+        assert_eq!(canon("[1.0, 1, 1e0, 10e-1, 0.1e1]"), "[1,1,1,1,1]");
+        assert_eq!(canon("[-0, -0.0, 0e5]"), "[0,0,0]");
+        let r = FingerprintRules::default();
+        let p = json_parts();
+        assert_eq!(fp(&r, &p, r#"{"n":1}"#), fp(&r, &p, r#"{"n":1.0}"#));
+        assert_eq!(fp(&r, &p, r#"{"n":1}"#), fp(&r, &p, r#"{"n":1e0}"#));
+        // Large integers: the nearest double, per RFC 8785 §3.2.2.3.
+        assert_eq!(canon("[9007199254740992]"), "[9007199254740992]");
+        assert_eq!(canon("[9007199254740993]"), "[9007199254740992]");
+        assert_eq!(canon("[18446744073709551615]"), "[18446744073709552000]");
+        assert_eq!(canon("[-9223372036854775808]"), "[-9223372036854776000]");
+        assert_eq!(
+            canon("[123456789012345678901234567890]"),
+            "[1.2345678901234568e+29]"
+        );
+        assert_eq!(
+            canon("[1e21, 1e20, 1e-6, 1e-7]"),
+            "[1e+21,100000000000000000000,0.000001,1e-7]"
+        );
+        // Exact big numbers survive only as strings.
+        assert_eq!(canon(r#"["9007199254740993"]"#), r#"["9007199254740993"]"#);
+    }
+
+    #[test]
+    fn rfc8785_section_3_2_3_vector() {
+        let input = r#"{
+  "numbers": [333333333.33333329, 1E30, 4.50,
+              2e-3, 0.000000000000000000000000001],
+  "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
+  "literals": [null, true, false]
+}"#;
+        assert_eq!(
+            canon(input),
+            r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#
+        );
+    }
+
+    #[test]
+    fn rfc8785_section_3_2_3_sorting_vector() {
+        // RFC 8785 §3.2.3: keys sort by UTF-16 code units, not by UTF-8 bytes
+        // or code points ("\ud83d\ude00" sorts before "\ufb33").
+        let input = r#"{
+  "\u20ac": "Euro Sign",
+  "\r": "Carriage Return",
+  "\ufb33": "Hebrew Letter Dalet With Dagesh",
+  "1": "One",
+  "\ud83d\ude00": "Emoji: Grinning Face",
+  "\u0080": "Control",
+  "\u00f6": "Latin Small Letter O With Diaeresis"
+}"#;
+        let expected = "{\"\\r\":\"Carriage Return\",\"1\":\"One\",\"\u{80}\":\"Control\",\
+            \"\u{f6}\":\"Latin Small Letter O With Diaeresis\",\"\u{20ac}\":\"Euro Sign\",\
+            \"\u{1f600}\":\"Emoji: Grinning Face\",\"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}";
+        assert_eq!(canon(input), expected);
+    }
+
+    #[test]
+    fn rfc8785_number_vectors() {
+        // From RFC 8785 Appendix B (IEEE 754 hex → canonical text); here the
+        // input is decimal text that parses to the same double.
+        let cases = [
+            ("0", "0"),
+            ("-0", "0"),
+            ("5e-324", "5e-324"),
+            ("-5e-324", "-5e-324"),
+            ("1.7976931348623157e308", "1.7976931348623157e+308"),
+            ("-1.7976931348623157e308", "-1.7976931348623157e+308"),
+            ("9007199254740992", "9007199254740992"),
+            ("-9007199254740992", "-9007199254740992"),
+            ("295147905179352830000", "295147905179352830000"),
+            ("9.999999999999997e22", "9.999999999999997e+22"),
+            ("1e23", "1e+23"),
+            ("1.0000000000000001e23", "1.0000000000000001e+23"),
+            ("999999999999999700000", "999999999999999700000"),
+            ("999999999999999900000", "999999999999999900000"),
+            ("1e21", "1e+21"),
+            ("9.999999999999997e-7", "9.999999999999997e-7"),
+            ("0.000001", "0.000001"),
+            ("333333333.3333332", "333333333.3333332"),
+            ("333333333.33333325", "333333333.33333325"),
+            ("333333333.3333333", "333333333.3333333"),
+            ("333333333.3333334", "333333333.3333334"),
+            ("333333333.33333343", "333333333.33333343"),
+            ("-0.0000033333333333333333", "-0.0000033333333333333333"),
+            ("1424953923781206.2", "1424953923781206.2"),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(
+                canon(&format!("[{input}]")),
+                format!("[{expected}]"),
+                "{input}"
+            );
+        }
+    }
+
+    #[test]
+    fn ignored_pointer_does_not_change_fingerprint() {
+        let r = rules(&[], &["/metadata/sent_at"]);
+        let p = json_parts();
+        let a = fp(
+            &r,
+            &p,
+            r#"{"amount":5,"metadata":{"sent_at":"10:00","note":"x"}}"#,
+        );
+        let b = fp(
+            &r,
+            &p,
+            r#"{"amount":5,"metadata":{"sent_at":"10:01","note":"x"}}"#,
+        );
+        let c = fp(&r, &p, r#"{"amount":5,"metadata":{"note":"x"}}"#);
+        assert_eq!(a, b);
+        assert_eq!(a, c);
+        // Other fields still count.
+        let d = fp(
+            &r,
+            &p,
+            r#"{"amount":5,"metadata":{"sent_at":"10:00","note":"y"}}"#,
+        );
+        assert_ne!(a, d);
+        // And without the rule the timestamp counts.
+        let plain = FingerprintRules::default();
+        assert_ne!(
+            fp(&plain, &p, r#"{"metadata":{"sent_at":"1"}}"#),
+            fp(&plain, &p, r#"{"metadata":{"sent_at":"2"}}"#)
+        );
+    }
+
+    #[test]
+    fn ignored_pointer_does_not_apply_to_raw_bodies() {
+        let r = rules(&[], &["/t"]);
+        let p = parts("POST", "/x", &[("content-type", "text/plain")]);
+        assert_ne!(fp(&r, &p, r#"{"t":1}"#), fp(&r, &p, r#"{"t":2}"#));
+    }
+
+    #[test]
+    fn pointer_escapes() {
+        let body = br#"{"a/b":1,"m~n":2,"~1":3,"keep":4}"#;
+        assert_eq!(
+            canonical_json(body, &ptrs(&["/a~1b"])).as_deref(),
+            Some(&br#"{"keep":4,"m~n":2,"~1":3}"#[..])
+        );
+        assert_eq!(
+            canonical_json(body, &ptrs(&["/m~0n"])).as_deref(),
+            Some(&br#"{"a/b":1,"keep":4,"~1":3}"#[..])
+        );
+        // `~01` is `~1`, not `~/` or `/`.
+        assert_eq!(
+            canonical_json(body, &ptrs(&["/~01"])).as_deref(),
+            Some(&br#"{"a/b":1,"keep":4,"m~n":2}"#[..])
+        );
+        // Escapes in the parent path too.
+        let nested = br#"{"x/y":{"z":1,"w":2}}"#;
+        assert_eq!(
+            canonical_json(nested, &ptrs(&["/x~1y/z"])).as_deref(),
+            Some(&br#"{"x/y":{"w":2}}"#[..])
+        );
+        let r = rules(&[], &["/a~1b"]);
+        let p = json_parts();
+        assert_eq!(
+            fp(&r, &p, r#"{"a/b":1,"c":2}"#),
+            fp(&r, &p, r#"{"a/b":9,"c":2}"#)
+        );
+    }
+
+    #[test]
+    fn pointer_into_arrays() {
+        let body = br#"{"items":[{"id":1,"ts":5},{"id":2,"ts":6}],"list":[10,20,30]}"#;
+        assert_eq!(
+            canonical_json(body, &ptrs(&["/items/0/ts", "/items/1/ts"])).as_deref(),
+            Some(&br#"{"items":[{"id":1},{"id":2}],"list":[10,20,30]}"#[..])
+        );
+        assert_eq!(
+            canonical_json(body, &ptrs(&["/list/1"])).as_deref(),
+            Some(&br#"{"items":[{"id":1,"ts":5},{"id":2,"ts":6}],"list":[10,30]}"#[..])
+        );
+        // Applied in order: the second removal sees shifted indices.
+        assert_eq!(
+            canonical_json(body, &ptrs(&["/list/0", "/list/0"])).as_deref(),
+            Some(&br#"{"items":[{"id":1,"ts":5},{"id":2,"ts":6}],"list":[30]}"#[..])
+        );
+        // Not indices: out of range, `-`, leading zero, sign.
+        for p in [
+            "/list/3", "/list/-", "/list/01", "/list/+1", "/list/", "/list/x",
+        ] {
+            assert_eq!(
+                canonical_json(body, &ptrs(&[p])),
+                canonical_json(body, &[]),
+                "{p}"
+            );
+        }
+    }
+
+    #[test]
+    fn unresolvable_pointers_are_no_ops() {
+        let body = br#"{"a":{"b":1},"s":"str","n":null}"#;
+        let plain = canonical_json(body, &[]);
+        for p in [
+            "/missing",
+            "/a/missing",
+            "/a/b/c",
+            "/s/0",
+            "/n/x",
+            "/missing/deep",
+            "no-slash",
+            "",
+        ] {
+            assert_eq!(canonical_json(body, &ptrs(&[p])), plain, "{p}");
+        }
+        // A scalar document has nothing to remove.
+        assert_eq!(
+            canonical_json(b"5", &ptrs(&["/a"])).as_deref(),
+            Some(&b"5"[..])
+        );
+        // The empty key is a real member name.
+        assert_eq!(
+            canonical_json(br#"{"":1,"a":2}"#, &ptrs(&["/"])).as_deref(),
+            Some(&br#"{"a":2}"#[..])
+        );
+    }
+
+    #[test]
+    fn new_parses_and_lowercases_header_names() {
+        let r = FingerprintRules::new(&["X-Tenant".into(), "accept".into()], &[]).expect("valid");
+        assert_eq!(
+            r.headers,
+            vec![
+                HeaderName::from_static("x-tenant"),
+                HeaderName::from_static("accept")
+            ]
+        );
+    }
+
+    #[test]
+    fn new_rejects_bad_values_by_name() {
+        let err = FingerprintRules::new(&["bad header".into()], &[]).expect_err("rejected");
+        assert!(err.contains("`bad header`"), "{err}");
+        let err = FingerprintRules::new(&[String::new()], &[]).expect_err("rejected");
+        assert!(err.contains("``"), "{err}");
+        for bad in ["metadata/sent_at", "", "/a~2", "/a~", "/~"] {
+            let err = FingerprintRules::new(&[], &[bad.to_owned()]).expect_err(bad);
+            assert!(err.contains(&format!("`{bad}`")), "{err}");
+        }
+        for good in ["/", "/a", "/a~0b~1c", "/0/-", "/a//b"] {
+            FingerprintRules::new(&[], &[good.to_owned()]).expect(good);
+        }
+    }
+
+    // ---- property tests ----
+
+    fn arb_string() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z]{0,6}",
+            // Characters that need escaping, plus pointer-special ones.
+            "[\"\\\\/~\\x00-\\x1f\\x7f a]{0,6}",
+            // Arbitrary Unicode scalar values, astral planes included.
+            any::<String>().prop_map(|s| s.chars().take(8).collect()),
+        ]
+    }
+
+    fn arb_number() -> impl Strategy<Value = Number> {
+        prop_oneof![
+            any::<i64>().prop_map(Number::from),
+            any::<u64>().prop_map(Number::from),
+            (-1000i64..1000).prop_map(Number::from),
+            any::<f64>().prop_filter_map("finite", Number::from_f64),
+            (-1e6f64..1e6).prop_filter_map("finite", Number::from_f64),
+        ]
+    }
+
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            arb_number().prop_map(Value::Number),
+            arb_string().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::btree_map(arb_string(), inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Tiny deterministic PRNG so one proptest seed drives every choice of
+    /// the alternative serialization.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            // xorshift64*
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    fn ws(rng: &mut Rng, out: &mut String) {
+        for _ in 0..rng.below(3) {
+            out.push([' ', '\t', '\n', '\r'][rng.below(4)]);
+        }
+    }
+
+    fn write_string(rng: &mut Rng, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                c if (c as u32) < 0x20 || rng.below(4) == 0 => {
+                    if c == '/' && rng.below(2) == 0 {
+                        out.push_str("\\/");
+                        continue;
+                    }
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        if rng.below(2) == 0 {
+                            out.push_str(&format!("\\u{u:04x}"));
+                        } else {
+                            out.push_str(&format!("\\u{u:04X}"));
+                        }
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+
+    fn write_number(rng: &mut Rng, n: &Number, out: &mut String) {
+        let text = n.to_string();
+        if n.is_f64() {
+            out.push_str(&text);
+            return;
+        }
+        // Integers: equivalent spellings of the same double.
+        match rng.below(4) {
+            0 => out.push_str(&text),
+            1 => out.push_str(&format!("{text}.0")),
+            2 => out.push_str(&format!("{text}e0")),
+            _ => out.push_str(&format!("{text}.000E+0")),
+        }
+    }
+
+    /// Serializes `v` with shuffled object members, random whitespace,
+    /// random `\u` escapes and alternative number spellings.
+    fn write_shuffled(rng: &mut Rng, v: &Value, out: &mut String) {
+        ws(rng, out);
+        match v {
+            Value::Null => out.push_str("null"),
+            Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Value::Number(n) => write_number(rng, n, out),
+            Value::String(s) => write_string(rng, s, out),
+            Value::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    write_shuffled(rng, item, out);
+                }
+                ws(rng, out);
+                out.push(']');
+            }
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                for i in (1..entries.len()).rev() {
+                    entries.swap(i, rng.below(i + 1));
+                }
+                out.push('{');
+                for (i, (k, item)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    ws(rng, out);
+                    write_string(rng, k, out);
+                    ws(rng, out);
+                    out.push(':');
+                    write_shuffled(rng, item, out);
+                }
+                ws(rng, out);
+                out.push('}');
+            }
+        }
+        ws(rng, out);
+    }
+
+    /// JSON-pointer paths to every leaf and every object member.
+    fn paths(
+        v: &Value,
+        prefix: &mut Vec<String>,
+        leaves: &mut Vec<Vec<String>>,
+        members: &mut Vec<Vec<String>>,
+    ) {
+        match v {
+            Value::Array(items) if !items.is_empty() => {
+                for (i, item) in items.iter().enumerate() {
+                    prefix.push(i.to_string());
+                    paths(item, prefix, leaves, members);
+                    prefix.pop();
+                }
+            }
+            Value::Object(map) if !map.is_empty() => {
+                for (k, item) in map {
+                    prefix.push(k.clone());
+                    members.push(prefix.clone());
+                    paths(item, prefix, leaves, members);
+                    prefix.pop();
+                }
+            }
+            _ => leaves.push(prefix.clone()),
+        }
+    }
+
+    fn to_pointer(path: &[String]) -> String {
+        path.iter()
+            .map(|t| format!("/{}", t.replace('~', "~0").replace('/', "~1")))
+            .collect()
+    }
+
+    fn get_mut<'a>(v: &'a mut Value, path: &[String]) -> &'a mut Value {
+        path.iter().fold(v, |v, t| match v {
+            Value::Array(items) => &mut items[t.parse::<usize>().expect("index")],
+            Value::Object(map) => map.get_mut(t).expect("member"),
+            _ => panic!("path through scalar"),
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn reserialization_keeps_fingerprint(v in arb_json(), seed in 1u64..) {
+            let r = FingerprintRules::default();
+            let p = json_parts();
+            let plain = serde_json::to_string(&v).expect("serializable");
+            let mut shuffled = String::new();
+            write_shuffled(&mut Rng(seed), &v, &mut shuffled);
+            prop_assert!(canonical_json(shuffled.as_bytes(), &[]).is_some(), "{}", shuffled);
+            prop_assert_eq!(
+                canonical_json(plain.as_bytes(), &[]),
+                canonical_json(shuffled.as_bytes(), &[]),
+                "{} vs {}", plain, shuffled
+            );
+            prop_assert_eq!(
+                r.fingerprint(&p, plain.as_bytes()),
+                r.fingerprint(&p, shuffled.as_bytes())
+            );
+        }
+
+        #[test]
+        fn changed_leaf_changes_fingerprint(v in arb_json(), pick in any::<prop::sample::Index>()) {
+            let r = FingerprintRules::default();
+            let p = json_parts();
+            let (mut leaves, mut members) = (Vec::new(), Vec::new());
+            paths(&v, &mut Vec::new(), &mut leaves, &mut members);
+            let path = pick.get(&leaves);
+            let mut changed = v.clone();
+            let leaf = get_mut(&mut changed, path);
+            *leaf = match leaf.take() {
+                Value::Null => Value::Bool(false),
+                Value::Bool(b) => Value::Bool(!b),
+                // A different type can never canonicalize equal.
+                Value::Number(n) => Value::String(n.to_string()),
+                Value::String(s) => Value::String(s + "x"),
+                Value::Array(_) => Value::Array(vec![Value::Null]),
+                Value::Object(_) => Value::Array(Vec::new()),
+            };
+            let a = serde_json::to_vec(&v).expect("serializable");
+            let b = serde_json::to_vec(&changed).expect("serializable");
+            prop_assert_ne!(r.fingerprint(&p, &a), r.fingerprint(&p, &b));
+        }
+
+        #[test]
+        fn ignoring_a_member_equals_removing_it(
+            // A non-empty object at the root, so there is always a member.
+            v in proptest::collection::btree_map(arb_string(), arb_json(), 1..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())), pick in any::<prop::sample::Index>(), seed in 1u64..) {
+            let (mut leaves, mut members) = (Vec::new(), Vec::new());
+            paths(&v, &mut Vec::new(), &mut leaves, &mut members);
+            let path = pick.get(&members);
+            let mut removed = v.clone();
+            let (last, parent) = path.split_last().expect("non-empty path");
+            if let Value::Object(map) = get_mut(&mut removed, parent) {
+                map.remove(last);
+            }
+            let pointer = to_pointer(path);
+            let mut shuffled = String::new();
+            write_shuffled(&mut Rng(seed), &v, &mut shuffled);
+            let r = rules(&[], &[pointer.as_str()]);
+            let p = json_parts();
+            prop_assert_eq!(
+                r.fingerprint(&p, shuffled.as_bytes()),
+                FingerprintRules::default().fingerprint(&p, &serde_json::to_vec(&removed).expect("ok"))
+            );
+        }
+
+        #[test]
+        fn never_panics_on_arbitrary_bodies(
+            body in proptest::collection::vec(any::<u8>(), 0..200),
+            ptr in "(/[a-z0-9~\\-]{0,3}){0,3}",
+        ) {
+            let r = FingerprintRules { headers: Vec::new(), ignore: vec![ptr] };
+            let _ = r.fingerprint(&json_parts(), &body);
+            let _ = canonical_json(&body, &r.ignore);
+        }
     }
 }

@@ -264,7 +264,10 @@ mod tests {
             expires_at: 3,
             outcome: Outcome::Response(StoredResponse {
                 status: 201,
-                headers: vec![("content-type".into(), Bytes::from_static(b"application/json"))],
+                headers: vec![(
+                    "content-type".into(),
+                    Bytes::from_static(b"application/json"),
+                )],
                 body: Bytes::from_static(b"{\"id\":1}"),
             }),
         })

@@ -1,19 +1,88 @@
 //! Key namespaces (tenants).
-// STUB: to be implemented by the key/fingerprint helper.
+//!
+//! The same key sent by two callers must name two records, or one caller
+//! could read (or block) another's response just by guessing a key. The
+//! scope is a digest of the request attributes that identify the caller,
+//! by default the `Authorization` header. Only the digest leaves this
+//! module: it is combined with the key into the store identity
+//! (`RecordKey`), so credentials are never stored, logged or compared in
+//! the clear.
+//!
+//! Attribute values are hashed as received, byte for byte: `Bearer x` and
+//! `bearer x` are different scopes. Normalizing would require knowing each
+//! auth scheme, and a spurious split only costs a replay, whereas a
+//! spurious merge would leak a response across callers.
+
+use std::fmt;
 use std::str::FromStr;
+use std::sync::LazyLock;
 
 use http::request::Parts;
 use http::HeaderName;
+use sha2::{Digest, Sha256};
+
+/// Bumping this moves every key to a new namespace (all stored records
+/// become unreachable); do it only with the record format.
+const DOMAIN: &[u8] = b"idemproxy.scope.v1\0";
+
+static ANONYMOUS: LazyLock<[u8; 32]> = LazyLock::new(|| {
+    let mut h = Sha256::new();
+    h.update(DOMAIN);
+    h.update(b"anonymous");
+    h.finalize().into()
+});
+
+/// The scope shared by every request that carries none of the configured
+/// attributes. Keys there are only as private as they are unguessable.
+pub fn anonymous_scope() -> [u8; 32] {
+    *ANONYMOUS
+}
+
+const HEADER_PREFIX: &str = "header:";
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ScopeAttribute {
     Header(HeaderName),
 }
 
+/// Accepts `header:<name>` (the prefix is case-insensitive, the name is
+/// lower-cased), the form used in the `scope` configuration list.
 impl FromStr for ScopeAttribute {
     type Err = String;
-    fn from_str(_s: &str) -> Result<Self, String> {
-        todo!()
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let prefix = s.get(..HEADER_PREFIX.len());
+        match prefix {
+            Some(p) if p.eq_ignore_ascii_case(HEADER_PREFIX) => {
+                let name = s.get(HEADER_PREFIX.len()..).unwrap_or_default();
+                if name.is_empty() {
+                    return Err(format!(
+                        "`{s}` names no header; expected `header:<name>`, e.g. `header:authorization`"
+                    ));
+                }
+                HeaderName::from_bytes(name.as_bytes())
+                    .map(ScopeAttribute::Header)
+                    .map_err(|_| {
+                        format!(
+                            "`{s}`: `{name}` is not a valid header name; expected \
+                             `header:<name>`, e.g. `header:authorization`"
+                        )
+                    })
+            }
+            _ => Err(format!(
+                "`{s}` is not a scope attribute; the accepted form is `header:<name>`, \
+                 e.g. `header:authorization`"
+            )),
+        }
+    }
+}
+
+/// The configuration form, so `idemproxy check` can print it back.
+impl fmt::Display for ScopeAttribute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScopeAttribute::Header(name) => write!(f, "{HEADER_PREFIX}{name}"),
+        }
     }
 }
 
@@ -23,7 +92,249 @@ pub struct ScopeRules {
 }
 
 impl ScopeRules {
-    pub fn scope(&self, _parts: &Parts) -> [u8; 32] {
-        todo!()
+    /// Parses the `scope` configuration list; the error names the first bad
+    /// entry.
+    pub fn new(attrs: &[String]) -> Result<Self, String> {
+        let attributes = attrs
+            .iter()
+            .map(|s| s.parse())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { attributes })
+    }
+
+    /// The namespace of the request: SHA-256 over a version tag and, per
+    /// configured attribute in order, its kind, name and values (each
+    /// value length-prefixed, the list terminated, so an absent header and
+    /// an empty one differ). Order matters: `[a, b]` and `[b, a]` are
+    /// different namespaces, which is deterministic for a given config.
+    ///
+    /// When no attribute is present the request has no identity to scope
+    /// by, and lands in [`anonymous_scope`] regardless of configuration, so
+    /// anonymous callers of differently configured routes still agree.
+    pub fn scope(&self, parts: &Parts) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(DOMAIN);
+        let mut any_present = false;
+        for attr in &self.attributes {
+            match attr {
+                ScopeAttribute::Header(name) => {
+                    h.update(b"H");
+                    put_field(&mut h, name.as_str().as_bytes());
+                    for value in parts.headers.get_all(name) {
+                        any_present = true;
+                        h.update([1]);
+                        put_field(&mut h, value.as_bytes());
+                    }
+                    h.update([0]);
+                }
+            }
+        }
+        if any_present {
+            h.finalize().into()
+        } else {
+            anonymous_scope()
+        }
+    }
+}
+
+fn put_field(h: &mut Sha256, bytes: &[u8]) {
+    // usize is at most 64 bits on every supported target.
+    h.update((bytes.len() as u64).to_be_bytes());
+    h.update(bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+    use proptest::prelude::*;
+
+    fn parts(headers: &[(&str, &str)]) -> Parts {
+        let mut b = Request::builder().method("POST").uri("/v1/payments");
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).expect("valid request").into_parts().0
+    }
+
+    fn rules(attrs: &[&str]) -> ScopeRules {
+        let attrs: Vec<String> = attrs.iter().map(|s| s.to_string()).collect();
+        ScopeRules::new(&attrs).expect("valid attributes")
+    }
+
+    fn default_rules() -> ScopeRules {
+        rules(&["header:authorization"])
+    }
+
+    #[test]
+    fn parses_header_attributes() {
+        assert_eq!(
+            "header:authorization".parse::<ScopeAttribute>(),
+            Ok(ScopeAttribute::Header(HeaderName::from_static(
+                "authorization"
+            )))
+        );
+        assert_eq!(
+            "Header:X-Tenant-Id".parse::<ScopeAttribute>(),
+            Ok(ScopeAttribute::Header(HeaderName::from_static(
+                "x-tenant-id"
+            )))
+        );
+    }
+
+    #[test]
+    fn display_round_trips() {
+        let attr: ScopeAttribute = "header:X-Tenant".parse().expect("valid");
+        assert_eq!(attr.to_string(), "header:x-tenant");
+        assert_eq!(attr.to_string().parse::<ScopeAttribute>(), Ok(attr));
+    }
+
+    #[test]
+    fn rejects_bad_attributes_naming_them() {
+        for bad in [
+            "",
+            "authorization",
+            "cookie:session",
+            "header",
+            "header:",
+            "header:bad name",
+            "header:x\u{e9}",
+            " header:authorization",
+            "héader:x",
+        ] {
+            let err = bad.parse::<ScopeAttribute>().expect_err(bad);
+            assert!(err.contains(&format!("`{bad}`")), "{err}");
+            assert!(err.contains("header:<name>"), "{err}");
+        }
+    }
+
+    #[test]
+    fn new_reports_first_bad_entry() {
+        let err = ScopeRules::new(&["header:a".into(), "nope".into()]).expect_err("rejected");
+        assert!(err.contains("`nope`"), "{err}");
+        let ok = ScopeRules::new(&["header:A".into(), "header:b".into()]).expect("valid");
+        assert_eq!(
+            ok.attributes,
+            vec![
+                ScopeAttribute::Header(HeaderName::from_static("a")),
+                ScopeAttribute::Header(HeaderName::from_static("b")),
+            ]
+        );
+    }
+
+    #[test]
+    fn different_authorization_different_scope() {
+        let r = default_rules();
+        assert_ne!(
+            r.scope(&parts(&[("authorization", "Bearer alice")])),
+            r.scope(&parts(&[("authorization", "Bearer bob")]))
+        );
+        // Byte for byte: no scheme normalization.
+        assert_ne!(
+            r.scope(&parts(&[("authorization", "Bearer alice")])),
+            r.scope(&parts(&[("authorization", "bearer alice")]))
+        );
+    }
+
+    #[test]
+    fn same_authorization_same_scope() {
+        let r = default_rules();
+        let a = r.scope(&parts(&[
+            ("authorization", "Bearer alice"),
+            ("x-other", "1"),
+        ]));
+        let b = r.scope(&parts(&[
+            ("authorization", "Bearer alice"),
+            ("x-other", "2"),
+        ]));
+        assert_eq!(a, b);
+        // And it is stable across rule instances (replicas, restarts).
+        assert_eq!(
+            a,
+            default_rules().scope(&parts(&[("authorization", "Bearer alice")]))
+        );
+    }
+
+    #[test]
+    fn absent_is_the_anonymous_scope() {
+        let r = default_rules();
+        let a = r.scope(&parts(&[]));
+        let b = r.scope(&parts(&[("x-other", "1")]));
+        assert_eq!(a, anonymous_scope());
+        assert_eq!(a, b);
+        assert_eq!(
+            ScopeRules::default().scope(&parts(&[("authorization", "x")])),
+            a
+        );
+        assert_eq!(rules(&["header:x-a", "header:x-b"]).scope(&parts(&[])), a);
+    }
+
+    #[test]
+    fn empty_credential_is_not_anonymous() {
+        let r = default_rules();
+        assert_ne!(r.scope(&parts(&[("authorization", "")])), anonymous_scope());
+    }
+
+    #[test]
+    fn scope_does_not_contain_the_credential() {
+        let r = default_rules();
+        let secret = "Bearer sk_live_0123456789abcdef";
+        let scope = r.scope(&parts(&[("authorization", secret)]));
+        assert_ne!(&scope[..], secret.as_bytes().get(..32).unwrap_or_default());
+        assert!(!hex::encode(scope).contains("0123456789abcdef"));
+    }
+
+    #[test]
+    fn attribute_order_matters_deterministically() {
+        let p = parts(&[("x-a", "1"), ("x-b", "2")]);
+        let ab = rules(&["header:x-a", "header:x-b"]);
+        let ba = rules(&["header:x-b", "header:x-a"]);
+        assert_ne!(ab.scope(&p), ba.scope(&p));
+        assert_eq!(ab.scope(&p), ab.scope(&p));
+        assert_eq!(ba.scope(&p), rules(&["header:x-b", "header:x-a"]).scope(&p));
+    }
+
+    #[test]
+    fn attributes_are_framed() {
+        // Values cannot slide between attributes.
+        let r = rules(&["header:x-a", "header:x-b"]);
+        assert_ne!(
+            r.scope(&parts(&[("x-a", "12")])),
+            r.scope(&parts(&[("x-a", "1"), ("x-b", "2")]))
+        );
+        assert_ne!(
+            r.scope(&parts(&[("x-a", "1")])),
+            r.scope(&parts(&[("x-b", "1")]))
+        );
+        // Multiple values: all count, in order.
+        let one = rules(&["header:x-a"]);
+        assert_ne!(
+            one.scope(&parts(&[("x-a", "1"), ("x-a", "2")])),
+            one.scope(&parts(&[("x-a", "2"), ("x-a", "1")]))
+        );
+        assert_ne!(
+            one.scope(&parts(&[("x-a", "1"), ("x-a", "2")])),
+            one.scope(&parts(&[("x-a", "12")]))
+        );
+    }
+
+    #[test]
+    fn partially_present_is_not_anonymous() {
+        let r = rules(&["header:authorization", "header:x-tenant"]);
+        let only_tenant = r.scope(&parts(&[("x-tenant", "t1")]));
+        assert_ne!(only_tenant, anonymous_scope());
+        assert_ne!(only_tenant, r.scope(&parts(&[("x-tenant", "t2")])));
+    }
+
+    proptest! {
+        #[test]
+        fn distinct_credentials_distinct_scopes(a in "[ -~]{0,40}", b in "[ -~]{0,40}") {
+            let r = default_rules();
+            let sa = r.scope(&parts(&[("authorization", a.as_str())]));
+            let sb = r.scope(&parts(&[("authorization", b.as_str())]));
+            // HeaderValue parsing trims nothing, so equal iff equal bytes.
+            prop_assert_eq!(sa == sb, a == b);
+            prop_assert_ne!(sa, anonymous_scope());
+        }
     }
 }

@@ -1,2 +1,119 @@
-//! STUB: in-memory store, to be implemented by the store helper.
-pub struct MemoryStore;
+//! In-process store: tests and throwaway runs. Nothing survives a restart, and
+//! nothing is shared between processes.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use async_trait::async_trait;
+
+use super::{check_owner, decide_begin, Begin, BeginOutcome, Store, StoreError};
+use crate::idempotency::record::{
+    now_millis, CompletedRecord, FencingToken, Record, RecordKey, UnixMillis,
+};
+
+/// A [`Store`] backed by a map in this process. Clones share the same map.
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    /// A plain `std` mutex, not an async one: every critical section is a few
+    /// map operations with no `.await` inside, so the lock is never held across
+    /// a suspension point and contention is as short as a map lookup. Holding
+    /// it for the whole read-decide-write of `begin` is what makes `begin`
+    /// atomic: two requests for one key are decided strictly one after the
+    /// other.
+    records: Arc<Mutex<HashMap<RecordKey, Record>>>,
+}
+
+impl MemoryStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Drops every expired record and returns how many there were. Reads
+    /// already treat expired records as absent; this only bounds memory for
+    /// keys that are never asked for again.
+    pub fn purge_expired(&self) -> usize {
+        let now = now_millis();
+        let mut records = self.lock();
+        let before = records.len();
+        records.retain(|_, record| record.expires_at() > now);
+        before - records.len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<RecordKey, Record>> {
+        // No critical section can panic halfway through a change (they are
+        // single map operations on plain data), so a poisoned map is still
+        // consistent and refusing service over it would only turn one panic
+        // elsewhere into an outage.
+        self.records.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Forgets `key` if its record has expired, so that what remains under `key`
+/// is exactly what readers may see.
+fn drop_if_expired(records: &mut HashMap<RecordKey, Record>, key: &RecordKey, now: UnixMillis) {
+    if records
+        .get(key)
+        .is_some_and(|record| record.expires_at() <= now)
+    {
+        records.remove(key);
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+        let now = now_millis();
+        let mut records = self.lock();
+        drop_if_expired(&mut records, &begin.key, now);
+        let (outcome, write) = decide_begin(begin, records.get(&begin.key), now);
+        if let Some(record) = write {
+            records.insert(begin.key, record);
+        }
+        Ok(outcome)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        record: &CompletedRecord,
+    ) -> Result<(), StoreError> {
+        let now = now_millis();
+        let mut records = self.lock();
+        drop_if_expired(&mut records, key, now);
+        check_owner(records.get(key), token)?;
+        records.insert(*key, Record::Completed(record.clone()));
+        Ok(())
+    }
+
+    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
+        let now = now_millis();
+        let mut records = self.lock();
+        drop_if_expired(&mut records, key, now);
+        check_owner(records.get(key), token)?;
+        records.remove(key);
+        Ok(())
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let now = now_millis();
+        let mut records = self.lock();
+        drop_if_expired(&mut records, key, now);
+        Ok(records.get(key).cloned())
+    }
+
+    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let now = now_millis();
+        let mut records = self.lock();
+        drop_if_expired(&mut records, key, now);
+        Ok(records.remove(key).is_some())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+}

@@ -1,0 +1,154 @@
+//! Bodies of the covered path: reading the request under its cap, and the
+//! response body fed by the task that keeps reading the upstream after the
+//! client has gone.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
+use http_body::{Frame, SizeHint};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::sync::mpsc;
+
+use super::rejection::Rejection;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Reads a request body of at most `limit` bytes. A declared length over the
+/// limit is refused before reading anything.
+pub async fn read_request_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<Bytes, Rejection> {
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(Rejection::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(Rejection::BodyTooLarge { limit })
+        }
+        Err(_) => Err(Rejection::BodyUnreadable),
+    }
+}
+
+/// Keeps a copy of a response body up to a cap; past it, gives the copy up
+/// (the client still gets every byte).
+pub struct BoundedCopy {
+    chunks: Vec<Bytes>,
+    len: usize,
+    limit: usize,
+    overflowed: bool,
+}
+
+impl BoundedCopy {
+    pub fn new(limit: usize) -> Self {
+        Self {
+            chunks: Vec::new(),
+            len: 0,
+            limit,
+            overflowed: false,
+        }
+    }
+
+    pub fn push(&mut self, data: &Bytes) {
+        if self.overflowed {
+            return;
+        }
+        if self.len + data.len() > self.limit {
+            self.overflowed = true;
+            self.chunks = Vec::new();
+            return;
+        }
+        self.len += data.len();
+        // A clone of `Bytes` shares the buffer: no copy of the body here.
+        self.chunks.push(data.clone());
+    }
+
+    /// The whole body, or `None` if it went over the cap.
+    pub fn finish(self) -> Option<Bytes> {
+        if self.overflowed {
+            return None;
+        }
+        Some(match self.chunks.len() {
+            0 => Bytes::new(),
+            1 => self.chunks.into_iter().next().unwrap_or_default(),
+            _ => {
+                let mut out = BytesMut::with_capacity(self.len);
+                for c in self.chunks {
+                    out.extend_from_slice(&c);
+                }
+                out.freeze()
+            }
+        })
+    }
+}
+
+/// A response body fed frame by frame from another task. Dropping the sender
+/// ends the body; sending an error aborts it (the client sees a broken body,
+/// never a truncated one that looks complete).
+pub struct ChannelBody {
+    rx: mpsc::Receiver<Result<Frame<Bytes>, BoxError>>,
+}
+
+/// A sender and the response body it feeds.
+pub fn channel_body(capacity: usize) -> (mpsc::Sender<Result<Frame<Bytes>, BoxError>>, Body) {
+    let (tx, rx) = mpsc::channel(capacity);
+    (tx, Body::new(ChannelBody { rx }))
+}
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.rx.poll_recv(cx)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_copy_keeps_bodies_up_to_the_cap() {
+        let mut copy = BoundedCopy::new(6);
+        copy.push(&Bytes::from_static(b"abc"));
+        copy.push(&Bytes::from_static(b"def"));
+        assert_eq!(copy.finish().as_deref(), Some(&b"abcdef"[..]));
+
+        let mut copy = BoundedCopy::new(5);
+        copy.push(&Bytes::from_static(b"abc"));
+        copy.push(&Bytes::from_static(b"def"));
+        copy.push(&Bytes::from_static(b"g"));
+        assert_eq!(copy.finish(), None);
+    }
+
+    #[tokio::test]
+    async fn request_bodies_over_the_limit_are_refused() {
+        let headers = HeaderMap::new();
+        let ok = read_request_body(&headers, Body::from("12345"), 5).await;
+        assert_eq!(ok.as_deref(), Ok(&b"12345"[..]));
+        let too_big = read_request_body(&headers, Body::from("123456"), 5).await;
+        assert_eq!(too_big, Err(Rejection::BodyTooLarge { limit: 5 }));
+
+        let mut declared = HeaderMap::new();
+        declared.insert(http::header::CONTENT_LENGTH, 100.into());
+        let early = read_request_body(&declared, Body::empty(), 5).await;
+        assert_eq!(early, Err(Rejection::BodyTooLarge { limit: 5 }));
+    }
+}

@@ -1,0 +1,75 @@
+//! How a request ended, from the idempotency point of view: the `outcome`
+//! label of `idemproxy_requests_total` and the `outcome` field of the request
+//! log. Every request gets exactly one.
+
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RequestOutcome {
+    /// First request for its key: the upstream ran it.
+    Executed,
+    /// Answered from the key's completed record.
+    Replayed,
+    /// The key belongs to a different request.
+    Mismatch,
+    /// The same request is still running (answered 425, or 409 under `ietf`).
+    InFlight,
+    MissingKey,
+    InvalidKey,
+    /// The request body was over `max_request_bytes` or broke off.
+    BadBody,
+    /// Not covered by idempotency: forwarded untouched.
+    Passthrough,
+    /// The store failed: rejected, or forwarded unprotected (`on_store_error = "pass"`).
+    StoreUnavailable,
+    /// The upstream could not be reached; the key was released.
+    UpstreamUnreachable,
+    /// The upstream timed out or broke after the request was sent.
+    OutcomeUnknown,
+    /// The upstream answered a `release_statuses` status; the key was released.
+    Released,
+    /// The proxy itself failed (a bug).
+    Internal,
+}
+
+impl RequestOutcome {
+    pub const ALL: [RequestOutcome; 13] = [
+        RequestOutcome::Executed,
+        RequestOutcome::Replayed,
+        RequestOutcome::Mismatch,
+        RequestOutcome::InFlight,
+        RequestOutcome::MissingKey,
+        RequestOutcome::InvalidKey,
+        RequestOutcome::BadBody,
+        RequestOutcome::Passthrough,
+        RequestOutcome::StoreUnavailable,
+        RequestOutcome::UpstreamUnreachable,
+        RequestOutcome::OutcomeUnknown,
+        RequestOutcome::Released,
+        RequestOutcome::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestOutcome::Executed => "executed",
+            RequestOutcome::Replayed => "replayed",
+            RequestOutcome::Mismatch => "mismatch",
+            RequestOutcome::InFlight => "in_flight",
+            RequestOutcome::MissingKey => "missing_key",
+            RequestOutcome::InvalidKey => "invalid_key",
+            RequestOutcome::BadBody => "bad_body",
+            RequestOutcome::Passthrough => "passthrough",
+            RequestOutcome::StoreUnavailable => "store_unavailable",
+            RequestOutcome::UpstreamUnreachable => "upstream_unreachable",
+            RequestOutcome::OutcomeUnknown => "outcome_unknown",
+            RequestOutcome::Released => "released",
+            RequestOutcome::Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for RequestOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}

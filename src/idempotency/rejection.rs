@@ -1,0 +1,338 @@
+//! The one place where the proxy's own answers become HTTP responses.
+//!
+//! Every error the proxy produces is an RFC 9457 `application/problem+json`
+//! document with `type`, `title`, `status`, `detail` and, where known, the
+//! key's state. Retry hints are explicit because real SDKs (stripe-python,
+//! the OpenAI and Anthropic SDKs) retry any 409 unless told not to and retry a
+//! 425 only when told to: `x-should-retry` and `Stripe-Should-Retry` say which.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderValue, Response, StatusCode};
+use serde::Serialize;
+
+use super::key::InvalidKey;
+use super::record::{KeyState, UnknownCause};
+use crate::config::Profile;
+
+/// Problem types are URNs (RFC 9457 allows any URI): stable names that need
+/// no web server. Each slug is documented in the README.
+pub const PROBLEM_BASE: &str = "urn:idemproxy:problem:";
+
+/// Why the proxy answered by itself instead of with the upstream's response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejection {
+    /// A covered request without a key on a route that requires one.
+    MissingKey,
+    InvalidKey(InvalidKey),
+    BodyTooLarge {
+        limit: usize,
+    },
+    /// The request body could not be read (the client went away mid-body).
+    BodyUnreadable,
+    /// The key belongs to a different request.
+    KeyReused {
+        state: KeyState,
+    },
+    /// The same request is still running.
+    InFlight {
+        retry_after: Duration,
+    },
+    StoreUnavailable {
+        retry_after: Duration,
+    },
+    /// The upstream could not be reached; nothing was sent and the key is
+    /// free again.
+    UpstreamUnreachable,
+    /// Whether the upstream executed is unknown; the key is settled with this
+    /// answer (or released, with `on_ambiguous = "release"`).
+    OutcomeUnknown {
+        cause: UnknownCause,
+        released: bool,
+    },
+    /// The upstream answered `status` but its body was not kept.
+    ResponseNotStored {
+        status: u16,
+    },
+    /// An uncovered request whose upstream exchange failed.
+    PassthroughFailed {
+        timeout: bool,
+    },
+    /// A bug in the proxy: the task answering the request ended without an
+    /// answer. The key, if claimed, is settled by its lease.
+    Internal,
+}
+
+#[derive(Serialize)]
+struct Problem<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'a str,
+    status: u16,
+    detail: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key_status: Option<&'static str>,
+}
+
+impl Rejection {
+    /// The stable slug of the problem type (`type` is `PROBLEM_BASE` + slug).
+    pub fn slug(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey => "missing-key",
+            Rejection::InvalidKey(_) => "invalid-key",
+            Rejection::BodyTooLarge { .. } => "body-too-large",
+            Rejection::BodyUnreadable => "body-unreadable",
+            Rejection::KeyReused { .. } => "key-reused",
+            Rejection::InFlight { .. } => "in-flight",
+            Rejection::StoreUnavailable { .. } => "store-unavailable",
+            Rejection::UpstreamUnreachable => "upstream-unreachable",
+            Rejection::OutcomeUnknown { .. } => "outcome-unknown",
+            Rejection::ResponseNotStored { .. } => "response-not-stored",
+            Rejection::PassthroughFailed { .. } => "upstream-failed",
+            Rejection::Internal => "internal",
+        }
+    }
+
+    pub fn status(&self, profile: Profile) -> StatusCode {
+        match (self, profile) {
+            (Rejection::MissingKey, _)
+            | (Rejection::InvalidKey(_), _)
+            | (Rejection::BodyUnreadable, _) => StatusCode::BAD_REQUEST,
+            (Rejection::BodyTooLarge { .. }, _) => StatusCode::PAYLOAD_TOO_LARGE,
+            (Rejection::KeyReused { .. }, Profile::Default) => StatusCode::CONFLICT,
+            (Rejection::KeyReused { .. }, Profile::Ietf) => StatusCode::UNPROCESSABLE_ENTITY,
+            (Rejection::InFlight { .. }, Profile::Default) => StatusCode::TOO_EARLY,
+            (Rejection::InFlight { .. }, Profile::Ietf) => StatusCode::CONFLICT,
+            (Rejection::StoreUnavailable { .. }, _) => StatusCode::SERVICE_UNAVAILABLE,
+            (Rejection::UpstreamUnreachable, _)
+            | (Rejection::ResponseNotStored { .. }, _)
+            | (Rejection::PassthroughFailed { timeout: false }, _) => StatusCode::BAD_GATEWAY,
+            (Rejection::PassthroughFailed { timeout: true }, _) => StatusCode::GATEWAY_TIMEOUT,
+            (Rejection::Internal, _) => StatusCode::INTERNAL_SERVER_ERROR,
+            (Rejection::OutcomeUnknown { cause, .. }, _) => {
+                StatusCode::from_u16(cause.status()).unwrap_or(StatusCode::BAD_GATEWAY)
+            }
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey => "Idempotency-Key header required",
+            Rejection::InvalidKey(_) => "Invalid Idempotency-Key",
+            Rejection::BodyTooLarge { .. } => "Request body too large",
+            Rejection::BodyUnreadable => "Request body could not be read",
+            Rejection::KeyReused { .. } => "Idempotency-Key reused with a different request",
+            Rejection::InFlight { .. } => "A request with this Idempotency-Key is in progress",
+            Rejection::StoreUnavailable { .. } => "Idempotency store unavailable",
+            Rejection::UpstreamUnreachable => "Upstream unreachable",
+            Rejection::OutcomeUnknown { .. } => "Outcome of the original request is unknown",
+            Rejection::ResponseNotStored { .. } => "Original response was not stored",
+            Rejection::PassthroughFailed { .. } => "Upstream request failed",
+            Rejection::Internal => "Internal proxy error",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Rejection::MissingKey => {
+                "This route requires an Idempotency-Key header on this method.".into()
+            }
+            Rejection::InvalidKey(why) => format!(
+                "{why}. A key is 1 to 255 visible ASCII characters, optionally as a quoted sf-string."
+            ),
+            Rejection::BodyTooLarge { limit } => {
+                format!("The request body exceeds the limit of {limit} bytes.")
+            }
+            Rejection::BodyUnreadable => {
+                "The request body ended before it was complete; nothing was executed.".into()
+            }
+            Rejection::KeyReused { .. } => "This Idempotency-Key was already used with a different \
+                 request (method, path, content or fingerprinted headers). Use a new key for a new \
+                 request."
+                .into(),
+            Rejection::InFlight { .. } => {
+                "The first request with this key has not finished yet. Retry after the delay given \
+                 in Retry-After to get its response."
+                    .into()
+            }
+            Rejection::StoreUnavailable { .. } => {
+                "The idempotency store did not answer in time; the request was not forwarded."
+                    .into()
+            }
+            Rejection::UpstreamUnreachable => {
+                "The upstream could not be reached and the request was never sent. The key was \
+                 released: retrying is safe."
+                    .into()
+            }
+            Rejection::OutcomeUnknown { cause, released } => {
+                let what = match cause {
+                    UnknownCause::Timeout => "The upstream did not answer in time",
+                    UnknownCause::Reset => "The upstream connection broke after the request was sent",
+                    UnknownCause::Abandoned => {
+                        "The proxy that was running the request stopped before it finished"
+                    }
+                };
+                if *released {
+                    format!(
+                        "{what}. It may or may not have executed. The key was released, so a retry \
+                         executes again."
+                    )
+                } else {
+                    format!(
+                        "{what}. It may or may not have executed, so it will not be executed again \
+                         with this key; reconcile with the upstream before using a new key."
+                    )
+                }
+            }
+            Rejection::ResponseNotStored { status } => format!(
+                "The original request executed and the upstream answered {status}, but its body was \
+                 too large to store (max_response_bytes) or broke off."
+            ),
+            Rejection::PassthroughFailed { timeout: true } => {
+                "The upstream did not answer in time.".into()
+            }
+            Rejection::PassthroughFailed { timeout: false } => {
+                "The upstream could not be reached or the connection broke.".into()
+            }
+            Rejection::Internal => {
+                "The proxy failed to answer this request; see its logs. Do not retry with a new \
+                 key before checking whether the request executed."
+                    .into()
+            }
+        }
+    }
+
+    fn key_status(&self) -> Option<&'static str> {
+        match self {
+            Rejection::KeyReused { state } => Some(state.as_str()),
+            Rejection::InFlight { .. } => Some(KeyState::Pending.as_str()),
+            Rejection::UpstreamUnreachable => Some("released"),
+            Rejection::OutcomeUnknown { released: true, .. } => Some("released"),
+            Rejection::OutcomeUnknown {
+                released: false, ..
+            }
+            | Rejection::ResponseNotStored { .. } => Some(KeyState::Completed.as_str()),
+            _ => None,
+        }
+    }
+
+    /// Whether a retry with the same key can succeed: the hint SDKs read.
+    fn should_retry(&self) -> Option<bool> {
+        match self {
+            Rejection::KeyReused { .. }
+            | Rejection::OutcomeUnknown {
+                released: false, ..
+            }
+            | Rejection::ResponseNotStored { .. }
+            | Rejection::MissingKey
+            | Rejection::InvalidKey(_)
+            | Rejection::BodyTooLarge { .. } => Some(false),
+            Rejection::InFlight { .. }
+            | Rejection::StoreUnavailable { .. }
+            | Rejection::UpstreamUnreachable
+            | Rejection::OutcomeUnknown { released: true, .. } => Some(true),
+            Rejection::BodyUnreadable
+            | Rejection::PassthroughFailed { .. }
+            | Rejection::Internal => None,
+        }
+    }
+
+    pub fn into_response(self, profile: Profile) -> Response<Body> {
+        let status = self.status(profile);
+        let problem = Problem {
+            kind: format!("{PROBLEM_BASE}{}", self.slug()),
+            title: self.title(),
+            status: status.as_u16(),
+            detail: self.detail(),
+            key_status: self.key_status(),
+        };
+        let body = serde_json::to_vec(&problem).unwrap_or_default();
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(retry) = self.should_retry() {
+            let v = HeaderValue::from_static(if retry { "true" } else { "false" });
+            headers.insert("x-should-retry", v.clone());
+            headers.insert("stripe-should-retry", v);
+        }
+        if let Rejection::InFlight { retry_after } | Rejection::StoreUnavailable { retry_after } =
+            &self
+        {
+            // Retry-After has whole seconds; SDKs that read retry-after-ms get
+            // the finer hint.
+            let secs = retry_after.as_millis().div_ceil(1000).max(1);
+            headers.insert(RETRY_AFTER, HeaderValue::from(secs as u64));
+            headers.insert(
+                "retry-after-ms",
+                HeaderValue::from(retry_after.as_millis() as u64),
+            );
+        }
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn problem(r: Rejection, profile: Profile) -> (Response<()>, serde_json::Value) {
+        let (parts, body) = r.into_response(profile).into_parts();
+        let bytes = body.collect().await.expect("body").to_bytes();
+        let json = serde_json::from_slice(&bytes).expect("problem json");
+        (Response::from_parts(parts, ()), json)
+    }
+
+    #[tokio::test]
+    async fn profiles_choose_the_status_codes() {
+        let reused = Rejection::KeyReused {
+            state: KeyState::Completed,
+        };
+        let in_flight = Rejection::InFlight {
+            retry_after: Duration::from_millis(300),
+        };
+        assert_eq!(reused.status(Profile::Default), 409);
+        assert_eq!(reused.status(Profile::Ietf), 422);
+        assert_eq!(in_flight.status(Profile::Default), 425);
+        assert_eq!(in_flight.status(Profile::Ietf), 409);
+    }
+
+    #[tokio::test]
+    async fn problems_carry_type_status_and_retry_hints() {
+        let (resp, json) = problem(
+            Rejection::InFlight {
+                retry_after: Duration::from_millis(300),
+            },
+            Profile::Default,
+        )
+        .await;
+        assert_eq!(resp.headers()[CONTENT_TYPE], "application/problem+json");
+        assert_eq!(resp.headers()[RETRY_AFTER], "1");
+        assert_eq!(resp.headers()["retry-after-ms"], "300");
+        assert_eq!(resp.headers()["x-should-retry"], "true");
+        assert_eq!(resp.headers()["stripe-should-retry"], "true");
+        assert_eq!(json["type"], "urn:idemproxy:problem:in-flight");
+        assert_eq!(json["status"], 425);
+        assert_eq!(json["key_status"], "pending");
+
+        let (resp, json) = problem(
+            Rejection::KeyReused {
+                state: KeyState::Pending,
+            },
+            Profile::Ietf,
+        )
+        .await;
+        assert_eq!(resp.status(), 422);
+        assert_eq!(resp.headers()["x-should-retry"], "false");
+        assert_eq!(resp.headers()["stripe-should-retry"], "false");
+        assert_eq!(json["status"], 422);
+        assert!(json["detail"].as_str().is_some_and(|d| !d.is_empty()));
+    }
+}

@@ -1,0 +1,707 @@
+//! The middleware: [`IdempotencyLayer`] holds the settings, [`Idempotency`]
+//! decides per request, and [`ResponseFuture`] boxes only the covered path
+//! (the one that waits for the store).
+//!
+//! The covered path, in order:
+//! 1. read the body under `max_request_bytes`, fingerprint it, derive the
+//!    record key from scope and key;
+//! 2. hand the rest to a spawned task, so that a client that disconnects
+//!    cancels nothing: a claimed key is always completed or released;
+//! 3. `begin` in the store, then replay, reject, wait, or execute;
+//! 4. when executing, stream the upstream's response to the client while
+//!    keeping a bounded copy, and store it before ending the client's body,
+//!    so the client's next retry finds the record.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use http::{HeaderValue, Method, Request, Response};
+use http_body_util::BodyExt;
+use pin_project_lite::pin_project;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+use tower::util::Oneshot;
+use tower::{Layer, Service, ServiceExt};
+
+use super::body::{channel_body, read_request_body, BoundedCopy};
+use super::key::{parse_key, IdempotencyKey, InvalidKey};
+use super::outcome::RequestOutcome;
+use super::policy::{Policies, Policy};
+use super::record::{
+    from_millis, millis, now_millis, CompletedRecord, FencingToken, Fingerprint, Outcome,
+    RecordKey, StoredResponse, UnknownCause,
+};
+use super::rejection::Rejection;
+use crate::config::{OnAmbiguous, OnInFlight, OnStoreError};
+use crate::store::{Begin, BeginOutcome, SharedStore, StoreError};
+use crate::upstream::UpstreamError;
+
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+pub const IDEMPOTENCY_ORIGINAL_DATE: &str = "idempotency-original-date";
+
+/// Applies idempotency to the requests the policies cover.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    settings: Arc<Settings>,
+}
+
+struct Settings {
+    policies: Policies,
+    store: SharedStore,
+    store_timeout: Duration,
+    upstream_timeout: Duration,
+    /// Executions outlive the connection that started them (a client may
+    /// disconnect mid-call); graceful shutdown waits on this tracker, not on
+    /// connections, before the process exits.
+    tasks: TaskTracker,
+}
+
+impl IdempotencyLayer {
+    pub fn new(policies: Policies, store: SharedStore) -> Self {
+        Self {
+            settings: Arc::new(Settings {
+                policies,
+                store,
+                store_timeout: Duration::from_millis(250),
+                upstream_timeout: Duration::from_secs(30),
+                tasks: TaskTracker::new(),
+            }),
+        }
+    }
+
+    /// Bounds every store call; past it the store counts as unavailable.
+    pub fn store_timeout(self, timeout: Duration) -> Self {
+        self.map(|s| s.store_timeout = timeout)
+    }
+
+    /// Bounds the whole upstream exchange, response body included.
+    pub fn upstream_timeout(self, timeout: Duration) -> Self {
+        self.map(|s| s.upstream_timeout = timeout)
+    }
+
+    /// Tracks every execution in flight, for graceful shutdown.
+    pub fn tasks(&self) -> TaskTracker {
+        self.settings.tasks.clone()
+    }
+
+    fn map(self, f: impl FnOnce(&mut Settings)) -> Self {
+        let mut settings = match Arc::try_unwrap(self.settings) {
+            Ok(s) => s,
+            Err(shared) => Settings {
+                policies: shared.policies.clone(),
+                store: shared.store.clone(),
+                store_timeout: shared.store_timeout,
+                upstream_timeout: shared.upstream_timeout,
+                tasks: shared.tasks.clone(),
+            },
+        };
+        f(&mut settings);
+        Self {
+            settings: Arc::new(settings),
+        }
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency {
+            inner,
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+/// The middleware service. `S` forwards a request to the upstream and
+/// classifies its failures (see [`UpstreamError`]).
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    settings: Arc<Settings>,
+}
+
+impl<S> Service<Request<Body>> for Idempotency<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = ResponseFuture<S>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // Readiness of the upstream is awaited per request (`Oneshot`), where
+        // a failure can become a response instead of an error.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let policy = self.settings.policies.for_path(req.uri().path()).clone();
+        let log = RequestLog::new(&policy, req.method());
+        if !policy.covers(req.method()) {
+            return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log);
+        }
+        let key = match key_of(req.headers()) {
+            Ok(Some(key)) => key,
+            Ok(None) if policy.require_key => {
+                return ResponseFuture::rejected(log, Rejection::MissingKey, &policy)
+            }
+            Ok(None) => return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log),
+            Err(invalid) => {
+                return ResponseFuture::rejected(log, Rejection::InvalidKey(invalid), &policy)
+            }
+        };
+        let exchange = Exchange {
+            settings: self.settings.clone(),
+            policy,
+            inner: self.inner.clone(),
+            log,
+        };
+        ResponseFuture::Covered {
+            fut: Box::pin(exchange.start(req, key)),
+        }
+    }
+}
+
+/// At most one `Idempotency-Key` header: two would make the key ambiguous.
+fn key_of(headers: &http::HeaderMap) -> Result<Option<IdempotencyKey>, InvalidKey> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    match (values.next(), values.next()) {
+        (None, _) => Ok(None),
+        (Some(v), None) => parse_key(v).map(Some),
+        (Some(_), Some(_)) => Err(InvalidKey::Repeated),
+    }
+}
+
+pin_project! {
+    #[project = ResponseFutureProj]
+    pub enum ResponseFuture<S: Service<Request<Body>>> {
+        Passthrough {
+            #[pin]
+            fut: Oneshot<S, Request<Body>>,
+            log: Option<RequestLog>,
+        },
+        Covered {
+            fut: BoxFuture<'static, Response<Body>>,
+        },
+        Ready {
+            response: Option<Response<Body>>,
+        },
+    }
+}
+
+impl<S: Service<Request<Body>>> ResponseFuture<S> {
+    fn passthrough(fut: Oneshot<S, Request<Body>>, log: RequestLog) -> Self {
+        ResponseFuture::Passthrough {
+            fut,
+            log: Some(log),
+        }
+    }
+
+    fn rejected(log: RequestLog, rejection: Rejection, policy: &Policy) -> Self {
+        let outcome = match rejection {
+            Rejection::MissingKey => RequestOutcome::MissingKey,
+            _ => RequestOutcome::InvalidKey,
+        };
+        let response = rejection.into_response(policy.profile);
+        log.finish(outcome, &response);
+        ResponseFuture::Ready {
+            response: Some(response),
+        }
+    }
+}
+
+impl<S> Future for ResponseFuture<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>,
+{
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            ResponseFutureProj::Passthrough { fut, log } => {
+                let response = match std::task::ready!(fut.poll(cx)) {
+                    Ok(response) => response,
+                    Err(e) => Rejection::PassthroughFailed {
+                        timeout: matches!(e, UpstreamError::Timeout),
+                    }
+                    .into_response(crate::config::Profile::Default),
+                };
+                if let Some(log) = log.take() {
+                    log.finish(RequestOutcome::Passthrough, &response);
+                }
+                Poll::Ready(Ok(response))
+            }
+            ResponseFutureProj::Covered { fut } => fut.as_mut().poll(cx).map(Ok),
+            ResponseFutureProj::Ready { response } => Poll::Ready(Ok(response
+                .take()
+                .unwrap_or_else(|| Rejection::Internal.into_response(Default::default())))),
+        }
+    }
+}
+
+/// One covered request, from its body to its stored outcome.
+struct Exchange<S> {
+    settings: Arc<Settings>,
+    policy: Arc<Policy>,
+    inner: S,
+    log: RequestLog,
+}
+
+/// The identity of a covered request, carried into the task that runs it.
+#[derive(Clone, Copy)]
+struct Claim {
+    /// When the request arrived: the record's `created_at`.
+    arrived_at: u64,
+    key: RecordKey,
+    fingerprint: Fingerprint,
+}
+
+type Responder = oneshot::Sender<Response<Body>>;
+
+impl<S> Exchange<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    /// Runs on the connection's task: reads the body, then hands over to a
+    /// spawned task and waits for its answer.
+    async fn start(mut self, req: Request<Body>, key: IdempotencyKey) -> Response<Body> {
+        let (parts, body) = req.into_parts();
+        let body =
+            match read_request_body(&parts.headers, body, self.policy.max_request_bytes).await {
+                Ok(body) => body,
+                Err(rejection) => return self.reject(RequestOutcome::BadBody, rejection),
+            };
+        let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
+        let scope = self.policy.scope.scope(&parts);
+        let record_key = RecordKey::new(&scope, key.as_str());
+        self.log.key = Some(record_key);
+        let claim = Claim {
+            arrived_at: now_millis(),
+            key: record_key,
+            fingerprint,
+        };
+        let request = Request::from_parts(parts, Body::from(body));
+        let (respond, answer) = oneshot::channel();
+        let tasks = self.settings.tasks.clone();
+        tasks.spawn(self.run(claim, request, respond));
+        answer
+            .await
+            .unwrap_or_else(|_| Rejection::Internal.into_response(Default::default()))
+    }
+
+    fn reject(self, outcome: RequestOutcome, rejection: Rejection) -> Response<Body> {
+        let response = rejection.into_response(self.policy.profile);
+        self.log.finish(outcome, &response);
+        response
+    }
+
+    /// Sends `response` to the client (if it still listens) and logs.
+    fn answer(self, respond: Responder, outcome: RequestOutcome, response: Response<Body>) {
+        self.log.finish(outcome, &response);
+        let _ = respond.send(response);
+    }
+
+    fn answer_rejection(self, respond: Responder, outcome: RequestOutcome, rejection: Rejection) {
+        let response = rejection.into_response(self.policy.profile);
+        self.answer(respond, outcome, response);
+    }
+
+    async fn run(mut self, claim: Claim, request: Request<Body>, respond: Responder) {
+        let begin = Begin {
+            key: claim.key,
+            fingerprint: claim.fingerprint,
+            lease: self.policy.lease,
+            ttl: self.policy.ttl,
+            on_stale: self.policy.on_stale,
+        };
+        let wait_until = Instant::now() + self.policy.wait_timeout;
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            let begun = timed(&self.settings, &mut self.log, |s| s.begin(&begin)).await;
+            match begun {
+                Err(e) => return self.store_failed(request, respond, e).await,
+                Ok(BeginOutcome::Acquired { token, took_over }) => {
+                    if took_over {
+                        tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
+                    }
+                    return self.execute(claim, request, token, respond).await;
+                }
+                Ok(BeginOutcome::Completed(record)) => {
+                    let response = replay(&record, &self.policy);
+                    return self.answer(respond, RequestOutcome::Replayed, response);
+                }
+                Ok(BeginOutcome::Mismatch { state }) => {
+                    return self.answer_rejection(
+                        respond,
+                        RequestOutcome::Mismatch,
+                        Rejection::KeyReused { state },
+                    );
+                }
+                Ok(BeginOutcome::InFlight { lease_expires_at }) => {
+                    let now = Instant::now();
+                    if self.policy.on_in_flight == OnInFlight::Wait
+                        && now < wait_until
+                        && !respond.is_closed()
+                    {
+                        // Polling `begin` is one round trip per look, works
+                        // across replicas, and takes the key over at once if
+                        // the first request released it.
+                        tokio::time::sleep(backoff.min(wait_until - now)).await;
+                        backoff = (backoff * 2).min(Duration::from_millis(250));
+                        continue;
+                    }
+                    let remaining =
+                        Duration::from_millis(lease_expires_at.saturating_sub(now_millis()));
+                    let retry_after =
+                        remaining.clamp(Duration::from_millis(100), Duration::from_secs(1));
+                    return self.answer_rejection(
+                        respond,
+                        RequestOutcome::InFlight,
+                        Rejection::InFlight { retry_after },
+                    );
+                }
+            }
+        }
+    }
+
+    async fn store_failed(mut self, request: Request<Body>, respond: Responder, error: StoreError) {
+        tracing::error!(error = %error, route = %self.policy.route, "idempotency store failed");
+        match self.policy.on_store_error {
+            OnStoreError::Reject => self.answer_rejection(
+                respond,
+                RequestOutcome::StoreUnavailable,
+                Rejection::StoreUnavailable {
+                    retry_after: Duration::from_secs(1),
+                },
+            ),
+            OnStoreError::Pass => {
+                // Forwarded without protection, as the operator chose; the
+                // outcome says so in logs and metrics.
+                let started = Instant::now();
+                let result = self.inner.clone().oneshot(request).await;
+                self.log.upstream = Some(started.elapsed());
+                let response = result.unwrap_or_else(|e| {
+                    Rejection::PassthroughFailed {
+                        timeout: matches!(e, UpstreamError::Timeout),
+                    }
+                    .into_response(self.policy.profile)
+                });
+                self.answer(respond, RequestOutcome::StoreUnavailable, response)
+            }
+        }
+    }
+
+    async fn execute(
+        mut self,
+        claim: Claim,
+        request: Request<Body>,
+        token: FencingToken,
+        respond: Responder,
+    ) {
+        let deadline = Instant::now() + self.settings.upstream_timeout;
+        let started = Instant::now();
+        let result = self.inner.clone().oneshot(request).await;
+        self.log.upstream = Some(started.elapsed());
+        let response = match result {
+            Ok(response) => response,
+            Err(UpstreamError::Unreachable(why)) => {
+                tracing::warn!(error = %why, "upstream unreachable; releasing the key");
+                self.release(&claim.key, token).await;
+                return self.answer_rejection(
+                    respond,
+                    RequestOutcome::UpstreamUnreachable,
+                    Rejection::UpstreamUnreachable,
+                );
+            }
+            Err(UpstreamError::Timeout) => {
+                return self
+                    .ambiguous(claim, token, UnknownCause::Timeout, respond)
+                    .await
+            }
+            Err(UpstreamError::Reset(why)) => {
+                tracing::warn!(error = %why, "upstream connection broke after the request was sent");
+                return self
+                    .ambiguous(claim, token, UnknownCause::Reset, respond)
+                    .await;
+            }
+        };
+        let status = response.status().as_u16();
+        if self.policy.releases(status) {
+            self.release(&claim.key, token).await;
+            return self.answer(respond, RequestOutcome::Released, response);
+        }
+        self.stream_and_store(claim, token, response, deadline, respond)
+            .await
+    }
+
+    /// Streams the upstream's body to the client while keeping a bounded
+    /// copy, then stores the outcome. The client's body ends only after the
+    /// store has the record, so a retry sent on receipt finds it.
+    async fn stream_and_store(
+        mut self,
+        claim: Claim,
+        token: FencingToken,
+        response: Response<Body>,
+        deadline: Instant,
+        respond: Responder,
+    ) {
+        let (head, mut upstream_body) = response.into_parts();
+        let (tx, client_body) = channel_body(16);
+        let status = head.status.as_u16();
+        let stored_headers = stored_headers(&head.headers);
+        let client_response = Response::from_parts(head, client_body);
+        self.log.status = Some(status);
+        let _ = respond.send(client_response);
+
+        let mut client = Some(tx);
+        let mut copy = BoundedCopy::new(self.policy.max_response_bytes);
+        let complete_body = loop {
+            let frame = match tokio::time::timeout_at(deadline, upstream_body.frame()).await {
+                Err(_elapsed) => break false,
+                Ok(None) => break true,
+                Ok(Some(Err(e))) => {
+                    tracing::warn!(error = %e, "upstream response body broke off");
+                    break false;
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            if let Some(data) = frame.data_ref() {
+                copy.push(data);
+            }
+            if let Some(tx) = &client {
+                // A client that stops reading must not stall the upstream
+                // read (the result still has to be stored): past the deadline
+                // it is dropped.
+                let sent = tokio::time::timeout_at(deadline, tx.send(Ok(frame))).await;
+                if !matches!(sent, Ok(Ok(()))) {
+                    client = None;
+                }
+            }
+        };
+        let body = if complete_body { copy.finish() } else { None };
+        let outcome = match body {
+            Some(body) => Outcome::Response(StoredResponse {
+                status,
+                headers: stored_headers,
+                body,
+            }),
+            None => Outcome::NotStored { status },
+        };
+        self.complete(&claim, token, outcome).await;
+        if let Some(tx) = client {
+            if !complete_body {
+                let _ = tx
+                    .send(Err("upstream response body did not complete".into()))
+                    .await;
+            }
+        }
+        self.log.finish_streamed(RequestOutcome::Executed);
+    }
+
+    /// The request may have executed: settle the key as unknown (fail
+    /// closed) or release it, as `on_ambiguous` says.
+    async fn ambiguous(
+        mut self,
+        claim: Claim,
+        token: FencingToken,
+        cause: UnknownCause,
+        respond: Responder,
+    ) {
+        let released = self.policy.on_ambiguous == OnAmbiguous::Release;
+        if released {
+            self.release(&claim.key, token).await;
+        } else {
+            self.complete(&claim, token, Outcome::Unknown { cause })
+                .await;
+        }
+        self.answer_rejection(
+            respond,
+            RequestOutcome::OutcomeUnknown,
+            Rejection::OutcomeUnknown { cause, released },
+        )
+    }
+
+    async fn complete(&mut self, claim: &Claim, token: FencingToken, outcome: Outcome) {
+        let now = now_millis();
+        let record = CompletedRecord {
+            fingerprint: claim.fingerprint,
+            created_at: claim.arrived_at,
+            completed_at: now,
+            expires_at: now.saturating_add(millis(self.policy.ttl)),
+            outcome,
+        };
+        // A transient store error must not turn a known outcome into an
+        // unknown one, so completion is retried briefly; if it still fails,
+        // the lease expires and `on_stale` settles the key (fail closed).
+        for attempt in 0..3u32 {
+            match timed(&self.settings, &mut self.log, |s| {
+                s.complete(&claim.key, token, &record)
+            })
+            .await
+            {
+                Ok(()) => return,
+                Err(StoreError::Fenced) => {
+                    tracing::error!(
+                        key = %claim.key.to_hex(),
+                        "lost the key before completing it (lease expired and another request took it over)"
+                    );
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, attempt, "could not store the outcome");
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                }
+            }
+        }
+    }
+
+    async fn release(&mut self, key: &RecordKey, token: FencingToken) {
+        for attempt in 0..3u32 {
+            match timed(&self.settings, &mut self.log, |s| s.release(key, token)).await {
+                Ok(()) | Err(StoreError::Fenced) => return,
+                Err(e) => {
+                    tracing::error!(error = %e, attempt, "could not release the key");
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                }
+            }
+        }
+    }
+}
+
+/// Every store call is bounded by `store.timeout` and timed for the log.
+async fn timed<'a, T, F>(
+    settings: &'a Settings,
+    log: &mut RequestLog,
+    call: impl FnOnce(&'a dyn crate::store::Store) -> F,
+) -> Result<T, StoreError>
+where
+    F: Future<Output = Result<T, StoreError>> + 'a,
+{
+    let started = Instant::now();
+    let result = match tokio::time::timeout(settings.store_timeout, call(&*settings.store)).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::Unavailable(format!(
+            "no answer within {:?}",
+            settings.store_timeout
+        ))),
+    };
+    log.store += started.elapsed();
+    result
+}
+
+/// Builds the answer to a retry from the key's completed record.
+fn replay(record: &CompletedRecord, policy: &Policy) -> Response<Body> {
+    let mut response = match &record.outcome {
+        Outcome::Response(stored) => {
+            let mut response = Response::new(Body::from(stored.body.clone()));
+            *response.status_mut() =
+                http::StatusCode::from_u16(stored.status).unwrap_or(http::StatusCode::BAD_GATEWAY);
+            let headers = response.headers_mut();
+            headers.reserve(stored.headers.len() + 2);
+            for (name, value) in &stored.headers {
+                if let (Ok(name), Ok(value)) = (
+                    http::HeaderName::from_bytes(name.as_bytes()),
+                    HeaderValue::from_maybe_shared(value.clone()),
+                ) {
+                    headers.append(name, value);
+                }
+            }
+            response
+        }
+        Outcome::NotStored { status } => {
+            Rejection::ResponseNotStored { status: *status }.into_response(policy.profile)
+        }
+        Outcome::Unknown { cause } => Rejection::OutcomeUnknown {
+            cause: *cause,
+            released: false,
+        }
+        .into_response(policy.profile),
+    };
+    let headers = response.headers_mut();
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    let date = httpdate::fmt_http_date(from_millis(record.completed_at));
+    if let Ok(date) = HeaderValue::from_str(&date) {
+        headers.insert(IDEMPOTENCY_ORIGINAL_DATE, date);
+    }
+    response
+}
+
+/// The headers a replay carries: the upstream's end-to-end headers (the
+/// upstream client already removed hop-by-hop ones).
+fn stored_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
+    headers
+        .iter()
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                Bytes::copy_from_slice(value.as_bytes()),
+            )
+        })
+        .collect()
+}
+
+/// The one log event per request: route, method, outcome, status, key hash
+/// (never the raw key) and the time spent in the store and the upstream.
+pub struct RequestLog {
+    route: Arc<str>,
+    method: Method,
+    started: Instant,
+    key: Option<RecordKey>,
+    status: Option<u16>,
+    store: Duration,
+    upstream: Option<Duration>,
+}
+
+impl RequestLog {
+    fn new(policy: &Policy, method: &Method) -> Self {
+        Self {
+            route: policy.route.clone(),
+            method: method.clone(),
+            started: Instant::now(),
+            key: None,
+            status: None,
+            store: Duration::ZERO,
+            upstream: None,
+        }
+    }
+
+    fn finish(mut self, outcome: RequestOutcome, response: &Response<Body>) {
+        self.status = Some(response.status().as_u16());
+        self.finish_streamed(outcome);
+    }
+
+    fn finish_streamed(self, outcome: RequestOutcome) {
+        let key = self.key.map(|k| k.to_hex());
+        let key = key.as_deref().map(|k| &k[..16]).unwrap_or("-");
+        let upstream_ms = self.upstream.map(|d| d.as_secs_f64() * 1e3);
+        tracing::info!(
+            target: "idemproxy::request",
+            route = %self.route,
+            method = %self.method,
+            outcome = outcome.as_str(),
+            status = self.status.unwrap_or(0),
+            key_hash = key,
+            store_ms = self.store.as_secs_f64() * 1e3,
+            upstream_ms,
+            total_ms = self.started.elapsed().as_secs_f64() * 1e3,
+        );
+    }
+}

@@ -1,0 +1,168 @@
+//! The `idemproxy` command: flags, configuration, telemetry, serve.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use idemproxy::config::{Config, FlagOverrides, LogFormat, StoreKind};
+
+#[derive(Parser)]
+#[command(
+    name = "idemproxy",
+    version,
+    about = "An Idempotency-Key enforcing reverse proxy"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    flags: Flags,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve traffic (the default).
+    Run,
+    /// Validate the configuration and print the effective result.
+    Check,
+    /// Run the proxy on the embedded store in front of a built-in demo API.
+    Demo,
+}
+
+#[derive(Args)]
+struct Flags {
+    /// TOML configuration file.
+    #[arg(long, global = true, env = "IDEMPROXY_CONFIG")]
+    config: Option<PathBuf>,
+    /// Traffic listener address.
+    #[arg(long, global = true)]
+    listen: Option<SocketAddr>,
+    /// Admin listener address (health, readiness).
+    #[arg(long, global = true)]
+    admin_listen: Option<SocketAddr>,
+    /// Upstream base URL.
+    #[arg(long, global = true)]
+    upstream: Option<String>,
+    /// Store kind: memory, embedded, redis, redis-cluster.
+    #[arg(long, global = true, value_parser = parse_store_kind)]
+    store: Option<StoreKind>,
+    /// Directory of the embedded store.
+    #[arg(long, global = true)]
+    store_path: Option<PathBuf>,
+    /// Redis URL.
+    #[arg(long, global = true)]
+    redis_url: Option<String>,
+}
+
+fn parse_store_kind(s: &str) -> Result<StoreKind, String> {
+    serde_json::from_value(serde_json::Value::String(s.into()))
+        .map_err(|_| format!("`{s}`: expected memory, embedded, redis or redis-cluster"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let flags = FlagOverrides {
+        listen: cli.flags.listen,
+        admin_listen: cli.flags.admin_listen,
+        upstream_url: cli.flags.upstream,
+        store_kind: cli.flags.store,
+        store_path: cli.flags.store_path,
+        redis_url: cli.flags.redis_url,
+    };
+    let demo = matches!(cli.command, Some(Command::Demo));
+    let flags = if demo {
+        // The demo's upstream is its own API; its store is a local directory.
+        FlagOverrides {
+            store_path: flags.store_path.or(Some("idemproxy-demo-data".into())),
+            ..flags
+        }
+    } else {
+        flags
+    };
+    let config = match Config::load_from_process(cli.flags.config.as_deref(), &flags) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("idemproxy: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if matches!(cli.command, Some(Command::Check)) {
+        print!("{}", config.to_toml());
+        eprintln!("configuration is valid");
+        return ExitCode::SUCCESS;
+    }
+    init_tracing(&config);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemproxy: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        if demo {
+            run_demo(config).await
+        } else {
+            idemproxy::run(config, shutdown_signal()).await
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idemproxy: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {
+    let api = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let api_addr = api.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(api, idemproxy::demo::router()).await;
+    });
+    config.upstream.url = format!("http://{api_addr}");
+    if config.store.kind != StoreKind::Embedded && config.store.kind != StoreKind::Memory {
+        config.store.kind = StoreKind::Embedded;
+    }
+    println!(
+        "{}",
+        idemproxy::demo::walkthrough(&config.listen.to_string())
+    );
+    idemproxy::run(config, shutdown_signal()).await
+}
+
+fn init_tracing(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&config.log.level))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match config.log.format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Human => builder.init(),
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM: both mean "drain and exit".
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutdown signal received; draining");
+}

@@ -1,0 +1,54 @@
+//! The innermost service: forwards a request to the upstream and reports
+//! failures classified by whether the request could have executed.
+
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use futures_util::future::BoxFuture;
+use http::{Request, Response};
+use tower::Service;
+
+use crate::upstream::{ClientInfo, Upstream, UpstreamError};
+
+#[derive(Clone)]
+pub struct Proxy {
+    upstream: Upstream,
+    timeout: Duration,
+}
+
+impl Proxy {
+    pub fn new(upstream: Upstream, timeout: Duration) -> Self {
+        Self { upstream, timeout }
+    }
+}
+
+impl Service<Request<Body>> for Proxy {
+    type Response = Response<Body>;
+    type Error = UpstreamError;
+    type Future = BoxFuture<'static, Result<Response<Body>, UpstreamError>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), UpstreamError>> {
+        // The pooled client queues internally; there is no back-pressure to
+        // report here.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let client = req
+            .extensions()
+            .get::<ClientInfo>()
+            .copied()
+            .unwrap_or(ClientInfo {
+                addr: None,
+                https: false,
+            });
+        let req = self.upstream.prepare(req, client);
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let upstream = self.upstream.clone();
+        Box::pin(async move {
+            let response = upstream.send(req, deadline).await?;
+            Ok(response.map(Body::new))
+        })
+    }
+}

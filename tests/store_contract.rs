@@ -1,0 +1,825 @@
+//! The store contract: one suite, written once over `SharedStore`, run against
+//! every backend. A new backend joins with one line in `contract!` below (a
+//! constructor returning a [`Backend`]).
+//!
+//! Backend-specific behaviour (durability across reopen, purging, corrupt
+//! values, file locking) follows the contract, per backend.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idemproxy::idempotency::record::{
+    millis, now_millis, CompletedRecord, FencingToken, Fingerprint, KeyState, Outcome, Record,
+    RecordKey, StoredResponse, UnknownCause,
+};
+use idemproxy::store::embedded::{FILE_NAME, RECORDS_TABLE};
+use idemproxy::store::{
+    Begin, BeginOutcome, EmbeddedStore, MemoryStore, OnStale, SharedStore, Store, StoreError,
+};
+use tempfile::TempDir;
+
+/// A store under test, and whatever must outlive it (a temporary directory).
+pub struct Backend {
+    pub store: SharedStore,
+    pub _guard: Option<TempDir>,
+}
+
+async fn memory_backend() -> Backend {
+    Backend {
+        store: Arc::new(MemoryStore::new()),
+        _guard: None,
+    }
+}
+
+async fn embedded_backend() -> Backend {
+    let dir = tempfile::tempdir().expect("create a temporary directory");
+    let store = EmbeddedStore::open(dir.path()).expect("open the embedded store");
+    Backend {
+        store: Arc::new(store),
+        _guard: Some(dir),
+    }
+}
+
+/// Generates one `#[tokio::test]` per (backend, case).
+macro_rules! contract {
+    ($($backend:ident => $make:path),+ $(,)?) => {
+        $(
+            mod $backend {
+                contract!(@cases $make;
+                    absent_key_acquires_and_duplicates_wait,
+                    completed_record_replays,
+                    wrong_token_is_fenced,
+                    release_frees_the_key,
+                    takeover_fences_the_stale_holder,
+                    stale_claim_settles_as_unknown,
+                    completed_record_expires,
+                    abandoned_claim_expires,
+                    get_remove_ping,
+                    concurrent_begins_acquire_once,
+                );
+            }
+        )+
+    };
+    (@cases $make:path; $($case:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let backend = $make().await;
+                crate::cases::$case(backend.store.clone()).await;
+            }
+        )+
+    };
+}
+
+contract! {
+    memory => crate::memory_backend,
+    embedded => crate::embedded_backend,
+}
+
+// ---------------------------------------------------------------- fixtures
+
+const LONG_LEASE: Duration = Duration::from_secs(30);
+const SHORT_LEASE: Duration = Duration::from_millis(250);
+/// Comfortably past `SHORT_LEASE`, even on a loaded machine.
+const PAST_SHORT_LEASE: Duration = Duration::from_millis(400);
+const TTL: Duration = Duration::from_secs(3600);
+
+fn new_key() -> RecordKey {
+    RecordKey::from_bytes(rand::random())
+}
+
+fn begin(key: RecordKey, fingerprint: u8, lease: Duration, on_stale: OnStale) -> Begin {
+    Begin {
+        key,
+        fingerprint: Fingerprint([fingerprint; 32]),
+        lease,
+        ttl: TTL,
+        on_stale,
+    }
+}
+
+fn completed(fingerprint: u8, ttl: Duration) -> CompletedRecord {
+    let now = now_millis();
+    CompletedRecord {
+        fingerprint: Fingerprint([fingerprint; 32]),
+        created_at: now - 5,
+        completed_at: now,
+        expires_at: now + millis(ttl),
+        outcome: Outcome::Response(StoredResponse {
+            status: 201,
+            headers: vec![
+                (
+                    "content-type".into(),
+                    Bytes::from_static(b"application/json"),
+                ),
+                ("x-request-id".into(), Bytes::from_static(b"abc")),
+            ],
+            body: Bytes::from_static(b"{\"id\":42}"),
+        }),
+    }
+}
+
+fn acquired(outcome: BeginOutcome, expect_took_over: bool) -> FencingToken {
+    match outcome {
+        BeginOutcome::Acquired { token, took_over } => {
+            assert_eq!(took_over, expect_took_over, "took_over");
+            token
+        }
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+async fn claim(
+    store: &dyn Store,
+    key: RecordKey,
+    fingerprint: u8,
+    lease: Duration,
+) -> FencingToken {
+    let outcome = store
+        .begin(&begin(key, fingerprint, lease, OnStale::Store))
+        .await
+        .expect("begin");
+    acquired(outcome, false)
+}
+
+fn assert_fenced(result: Result<(), StoreError>, what: &str) {
+    assert!(
+        matches!(result, Err(StoreError::Fenced)),
+        "{what}: expected Fenced, got {result:?}"
+    );
+}
+
+// ------------------------------------------------------------------- cases
+
+mod cases {
+    use super::*;
+
+    pub async fn absent_key_acquires_and_duplicates_wait(store: SharedStore) {
+        let key = new_key();
+        let before = now_millis();
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+
+        let Some(Record::Pending(pending)) = store.get(&key).await.expect("get") else {
+            panic!("a claimed key reads as pending");
+        };
+        assert_eq!(pending.token, token);
+        assert_eq!(pending.fingerprint, Fingerprint([1; 32]));
+        assert!(pending.lease_expires_at >= before + millis(LONG_LEASE));
+        assert!(pending.lease_expires_at <= now_millis() + millis(LONG_LEASE));
+        assert_eq!(pending.expires_at, pending.lease_expires_at + millis(TTL));
+
+        let again = store
+            .begin(&begin(key, 1, LONG_LEASE, OnStale::Store))
+            .await
+            .expect("begin");
+        assert_eq!(
+            again,
+            BeginOutcome::InFlight {
+                lease_expires_at: pending.lease_expires_at
+            }
+        );
+
+        let other = store
+            .begin(&begin(key, 2, LONG_LEASE, OnStale::Store))
+            .await
+            .expect("begin");
+        assert_eq!(
+            other,
+            BeginOutcome::Mismatch {
+                state: KeyState::Pending
+            }
+        );
+        // Neither duplicate changed the claim.
+        assert_eq!(
+            store.get(&key).await.expect("get"),
+            Some(Record::Pending(pending))
+        );
+    }
+
+    pub async fn completed_record_replays(store: SharedStore) {
+        let key = new_key();
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+        let record = completed(1, TTL);
+        store
+            .complete(&key, token, &record)
+            .await
+            .expect("the owner completes");
+
+        for _ in 0..2 {
+            let replay = store
+                .begin(&begin(key, 1, LONG_LEASE, OnStale::Store))
+                .await
+                .expect("begin");
+            assert_eq!(replay, BeginOutcome::Completed(record.clone()));
+        }
+        assert_eq!(
+            store.get(&key).await.expect("get"),
+            Some(Record::Completed(record.clone()))
+        );
+
+        let other = store
+            .begin(&begin(key, 2, LONG_LEASE, OnStale::Store))
+            .await
+            .expect("begin");
+        assert_eq!(
+            other,
+            BeginOutcome::Mismatch {
+                state: KeyState::Completed
+            }
+        );
+
+        // A settled key has no holder any more, not even its former one.
+        let mut rewrite = completed(1, TTL);
+        rewrite.outcome = Outcome::NotStored { status: 500 };
+        assert_fenced(
+            store.complete(&key, token, &rewrite).await,
+            "second complete",
+        );
+        assert_fenced(store.release(&key, token).await, "release after complete");
+        assert_eq!(
+            store.get(&key).await.expect("get"),
+            Some(Record::Completed(record))
+        );
+    }
+
+    pub async fn wrong_token_is_fenced(store: SharedStore) {
+        let absent = new_key();
+        assert_fenced(
+            store
+                .complete(&absent, FencingToken::random(), &completed(1, TTL))
+                .await,
+            "complete of an absent key",
+        );
+        assert_fenced(
+            store.release(&absent, FencingToken::random()).await,
+            "release of an absent key",
+        );
+        assert_eq!(store.get(&absent).await.expect("get"), None);
+
+        let key = new_key();
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+        let before = store.get(&key).await.expect("get");
+        let intruder = FencingToken(token.0.wrapping_add(1));
+        assert_fenced(
+            store.complete(&key, intruder, &completed(1, TTL)).await,
+            "complete with a wrong token",
+        );
+        assert_fenced(
+            store.release(&key, intruder).await,
+            "release with a wrong token",
+        );
+        assert_eq!(store.get(&key).await.expect("get"), before);
+
+        let record = completed(1, TTL);
+        store
+            .complete(&key, token, &record)
+            .await
+            .expect("the owner still completes");
+        assert_eq!(
+            store.get(&key).await.expect("get"),
+            Some(Record::Completed(record))
+        );
+    }
+
+    pub async fn release_frees_the_key(store: SharedStore) {
+        let key = new_key();
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+        store
+            .release(&key, token)
+            .await
+            .expect("the owner releases");
+        assert_eq!(store.get(&key).await.expect("get"), None);
+        assert_fenced(store.release(&key, token).await, "second release");
+
+        // A released key is free for anyone, with any fingerprint.
+        let next = claim(&*store, key, 2, LONG_LEASE).await;
+        assert_ne!(next, token);
+    }
+
+    pub async fn takeover_fences_the_stale_holder(store: SharedStore) {
+        let key = new_key();
+        let a = claim(&*store, key, 1, SHORT_LEASE).await;
+
+        // While the lease runs, `retry` does not take over.
+        let early = store
+            .begin(&begin(key, 1, LONG_LEASE, OnStale::Retry))
+            .await
+            .expect("begin");
+        assert!(matches!(early, BeginOutcome::InFlight { .. }), "{early:?}");
+
+        tokio::time::sleep(PAST_SHORT_LEASE).await;
+        let b = acquired(
+            store
+                .begin(&begin(key, 1, LONG_LEASE, OnStale::Retry))
+                .await
+                .expect("begin"),
+            true,
+        );
+        assert_ne!(a, b);
+
+        assert_fenced(
+            store.complete(&key, a, &completed(1, TTL)).await,
+            "stale holder completes",
+        );
+        assert_fenced(store.release(&key, a).await, "stale holder releases");
+        let Some(Record::Pending(pending)) = store.get(&key).await.expect("get") else {
+            panic!("the new claim is still pending");
+        };
+        assert_eq!(pending.token, b);
+
+        let record = completed(1, TTL);
+        store
+            .complete(&key, b, &record)
+            .await
+            .expect("the new holder completes");
+        assert_eq!(
+            store
+                .begin(&begin(key, 1, LONG_LEASE, OnStale::Retry))
+                .await
+                .expect("begin"),
+            BeginOutcome::Completed(record)
+        );
+    }
+
+    pub async fn stale_claim_settles_as_unknown(store: SharedStore) {
+        let key = new_key();
+        let a = claim(&*store, key, 1, SHORT_LEASE).await;
+        let Some(Record::Pending(pending)) = store.get(&key).await.expect("get") else {
+            panic!("a claimed key reads as pending");
+        };
+        tokio::time::sleep(PAST_SHORT_LEASE).await;
+
+        // Another request's fingerprint does not settle the key.
+        let other = store
+            .begin(&begin(key, 2, LONG_LEASE, OnStale::Store))
+            .await
+            .expect("begin");
+        assert_eq!(
+            other,
+            BeginOutcome::Mismatch {
+                state: KeyState::Pending
+            }
+        );
+
+        let settled = match store
+            .begin(&begin(key, 1, LONG_LEASE, OnStale::Store))
+            .await
+            .expect("begin")
+        {
+            BeginOutcome::Completed(record) => record,
+            other => panic!("expected Completed, got {other:?}"),
+        };
+        assert_eq!(
+            settled.outcome,
+            Outcome::Unknown {
+                cause: UnknownCause::Abandoned
+            }
+        );
+        assert_eq!(settled.fingerprint, pending.fingerprint);
+        assert_eq!(settled.created_at, pending.created_at);
+        assert!(settled.completed_at >= pending.lease_expires_at);
+        assert_eq!(settled.expires_at, settled.completed_at + millis(TTL));
+
+        // Persisted: later requests get the very same record, even with
+        // `retry`, since the key is no longer pending.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        for on_stale in [OnStale::Store, OnStale::Retry] {
+            assert_eq!(
+                store
+                    .begin(&begin(key, 1, LONG_LEASE, on_stale))
+                    .await
+                    .expect("begin"),
+                BeginOutcome::Completed(settled.clone())
+            );
+        }
+        assert_eq!(
+            store.get(&key).await.expect("get"),
+            Some(Record::Completed(settled.clone()))
+        );
+
+        assert_fenced(
+            store.complete(&key, a, &completed(1, TTL)).await,
+            "the dead holder completes",
+        );
+        assert_fenced(store.release(&key, a).await, "the dead holder releases");
+        assert_eq!(
+            store.get(&key).await.expect("get"),
+            Some(Record::Completed(settled))
+        );
+    }
+
+    pub async fn completed_record_expires(store: SharedStore) {
+        let key = new_key();
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+        let record = completed(1, Duration::from_millis(500));
+        store
+            .complete(&key, token, &record)
+            .await
+            .expect("complete");
+        assert_eq!(
+            store.get(&key).await.expect("get"),
+            Some(Record::Completed(record))
+        );
+
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert_eq!(store.get(&key).await.expect("get"), None);
+        assert!(
+            !store.remove(&key).await.expect("remove"),
+            "an expired record reads as absent to remove too"
+        );
+        let again = store
+            .begin(&begin(key, 2, LONG_LEASE, OnStale::Store))
+            .await
+            .expect("begin");
+        acquired(again, false);
+    }
+
+    pub async fn abandoned_claim_expires(store: SharedStore) {
+        // A claim is kept for lease + ttl; after that it is forgotten rather
+        // than settled as abandoned.
+        let key = new_key();
+        let short_claim = Begin {
+            ttl: Duration::from_millis(100),
+            ..begin(key, 1, Duration::from_millis(100), OnStale::Store)
+        };
+        acquired(store.begin(&short_claim).await.expect("begin"), false);
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        assert_eq!(store.get(&key).await.expect("get"), None);
+        let again = store
+            .begin(&begin(key, 1, LONG_LEASE, OnStale::Store))
+            .await
+            .expect("begin");
+        acquired(again, false);
+    }
+
+    pub async fn get_remove_ping(store: SharedStore) {
+        store.ping().await.expect("ping");
+        assert!(!store.kind().is_empty());
+
+        let key = new_key();
+        assert_eq!(store.get(&key).await.expect("get"), None);
+        assert!(!store.remove(&key).await.expect("remove"));
+
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+        assert!(store.remove(&key).await.expect("remove a pending record"));
+        assert!(!store.remove(&key).await.expect("remove again"));
+        assert_eq!(store.get(&key).await.expect("get"), None);
+        assert_fenced(
+            store.complete(&key, token, &completed(1, TTL)).await,
+            "complete after remove",
+        );
+
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+        store
+            .complete(&key, token, &completed(1, TTL))
+            .await
+            .expect("complete");
+        assert!(store.remove(&key).await.expect("remove a completed record"));
+        assert!(!store.remove(&key).await.expect("remove again"));
+        claim(&*store, key, 2, LONG_LEASE).await;
+
+        // Other keys are untouched by all of this.
+        let bystander = new_key();
+        claim(&*store, bystander, 1, LONG_LEASE).await;
+        assert!(store.remove(&key).await.expect("remove"));
+        assert!(matches!(
+            store.get(&bystander).await.expect("get"),
+            Some(Record::Pending(_))
+        ));
+    }
+
+    pub async fn concurrent_begins_acquire_once(store: SharedStore) {
+        const N: usize = 50;
+        let key = new_key();
+        let barrier = Arc::new(tokio::sync::Barrier::new(N));
+        let tasks: Vec<_> = (0..N)
+            .map(|_| {
+                let store = store.clone();
+                let barrier = barrier.clone();
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store
+                        .begin(&begin(key, 1, LONG_LEASE, OnStale::Store))
+                        .await
+                })
+            })
+            .collect();
+        let mut outcomes = Vec::with_capacity(N);
+        for task in tasks {
+            outcomes.push(task.await.expect("task").expect("begin"));
+        }
+
+        let winners: Vec<_> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                BeginOutcome::Acquired { token, took_over } => {
+                    assert!(!took_over);
+                    Some(*token)
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(winners.len(), 1, "exactly one acquires: {outcomes:?}");
+        let Some(Record::Pending(pending)) = store.get(&key).await.expect("get") else {
+            panic!("the key is pending");
+        };
+        assert_eq!(pending.token, winners[0]);
+        let in_flight = outcomes
+            .iter()
+            .filter(|o| {
+                **o == BeginOutcome::InFlight {
+                    lease_expires_at: pending.lease_expires_at,
+                }
+            })
+            .count();
+        assert_eq!(in_flight, N - 1, "{outcomes:?}");
+    }
+}
+
+// ------------------------------------------------------------ memory only
+
+mod memory_only {
+    use super::*;
+
+    #[tokio::test]
+    async fn kind_and_shared_clones() {
+        let store = MemoryStore::new();
+        assert_eq!(store.kind(), "memory");
+        let clone = store.clone();
+        let key = new_key();
+        claim(&store, key, 1, LONG_LEASE).await;
+        assert!(clone.get(&key).await.expect("get").is_some());
+    }
+
+    #[tokio::test]
+    async fn purge_drops_only_expired_records() {
+        let store = MemoryStore::default();
+        let short = Duration::from_millis(50);
+        for _ in 0..2 {
+            let key = new_key();
+            let token = claim(&store, key, 1, LONG_LEASE).await;
+            store
+                .complete(&key, token, &completed(1, short))
+                .await
+                .expect("complete");
+        }
+        // A claim with a short lease and ttl expires too.
+        let pending = Begin {
+            ttl: short,
+            ..begin(new_key(), 1, short, OnStale::Store)
+        };
+        acquired(store.begin(&pending).await.expect("begin"), false);
+        let kept = new_key();
+        claim(&store, kept, 1, LONG_LEASE).await;
+
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert_eq!(store.purge_expired(), 3);
+        assert_eq!(store.purge_expired(), 0);
+        assert!(store.get(&kept).await.expect("get").is_some());
+    }
+}
+
+// ---------------------------------------------------------- embedded only
+
+mod embedded_only {
+    use super::*;
+    use redb::{ReadableDatabase, ReadableTableMetadata, TableDefinition};
+
+    const RAW_RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new(RECORDS_TABLE);
+
+    fn open(dir: &TempDir) -> Arc<EmbeddedStore> {
+        Arc::new(EmbeddedStore::open(dir.path()).expect("open the embedded store"))
+    }
+
+    /// Drops the last handle to `store` and waits for its purger to end, so
+    /// that the database file is closed and unlocked.
+    async fn close(store: Arc<EmbeddedStore>, purger: Option<tokio::task::JoinHandle<()>>) {
+        assert_eq!(
+            Arc::strong_count(&store),
+            1,
+            "the test holds the last handle"
+        );
+        drop(store);
+        if let Some(purger) = purger {
+            tokio::time::timeout(Duration::from_secs(2), purger)
+                .await
+                .expect("the purger ends once the store is dropped")
+                .expect("the purger did not panic");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn records_survive_a_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let done_key = new_key();
+        let pending_key = new_key();
+        let record = completed(1, TTL);
+        let pending = {
+            let store = open(&dir);
+            assert_eq!(store.kind(), "embedded");
+            let purger = store.spawn_purger(Duration::from_millis(20));
+            let token = claim(&*store, done_key, 1, LONG_LEASE).await;
+            store
+                .complete(&done_key, token, &record)
+                .await
+                .expect("complete");
+            claim(&*store, pending_key, 1, LONG_LEASE).await;
+            let pending = store.get(&pending_key).await.expect("get");
+            close(store, Some(purger)).await;
+            pending
+        };
+
+        let store = open(&dir);
+        assert_eq!(
+            store
+                .begin(&begin(done_key, 1, LONG_LEASE, OnStale::Store))
+                .await
+                .expect("begin"),
+            BeginOutcome::Completed(record)
+        );
+        let Some(Record::Pending(p)) = pending else {
+            panic!("the claim was pending");
+        };
+        assert_eq!(
+            store
+                .begin(&begin(pending_key, 1, LONG_LEASE, OnStale::Store))
+                .await
+                .expect("begin"),
+            BeginOutcome::InFlight {
+                lease_expires_at: p.lease_expires_at
+            }
+        );
+        assert_eq!(
+            store.get(&pending_key).await.expect("get"),
+            Some(Record::Pending(p))
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn purge_deletes_expired_records_from_the_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(&dir);
+        let short = Duration::from_millis(100);
+        let done = new_key();
+        let token = claim(&*store, done, 1, LONG_LEASE).await;
+        store
+            .complete(&done, token, &completed(1, short))
+            .await
+            .expect("complete");
+        let short_claim = Begin {
+            ttl: short,
+            ..begin(new_key(), 1, short, OnStale::Store)
+        };
+        acquired(store.begin(&short_claim).await.expect("begin"), false);
+        let kept = new_key();
+        let token = claim(&*store, kept, 1, LONG_LEASE).await;
+        store
+            .complete(&kept, token, &completed(1, TTL))
+            .await
+            .expect("complete");
+        assert_eq!(store.record_count().await.expect("count"), 3);
+
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(store.purge_expired().await.expect("purge"), 2);
+        assert_eq!(store.record_count().await.expect("count"), 1);
+        assert_eq!(store.purge_expired().await.expect("purge"), 0);
+        assert!(store.get(&kept).await.expect("get").is_some());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn purger_runs_in_the_background_and_ends_with_the_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(&dir);
+        let purger = store.spawn_purger(Duration::from_millis(30));
+        let key = new_key();
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+        store
+            .complete(&key, token, &completed(1, Duration::from_millis(50)))
+            .await
+            .expect("complete");
+
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        while store.record_count().await.expect("count") > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the purger deleted the expired record"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        close(store, Some(purger)).await;
+        // Closed for real: the file can be opened again.
+        open(&dir);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn corrupt_values_are_reported_not_fatal() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let garbled = new_key();
+        let empty = new_key();
+        let future = new_key();
+        let token = {
+            let store = open(&dir);
+            // Indexed to expire soon, so the purge below meets it.
+            let short = Begin {
+                ttl: Duration::from_millis(50),
+                ..begin(garbled, 1, Duration::from_millis(50), OnStale::Store)
+            };
+            let token = acquired(store.begin(&short).await.expect("begin"), false);
+            close(store, None).await;
+            token
+        };
+        {
+            let db = redb::Database::create(dir.path().join(FILE_NAME)).expect("open raw");
+            let txn = db.begin_write().expect("write");
+            {
+                let mut table = txn.open_table(RAW_RECORDS).expect("table");
+                table
+                    .insert(garbled.as_bytes(), &b"\x01garbage"[..])
+                    .expect("insert");
+                table.insert(empty.as_bytes(), &b""[..]).expect("insert");
+                table
+                    .insert(future.as_bytes(), &[99u8, 1, 2, 3][..])
+                    .expect("insert");
+            }
+            txn.commit().expect("commit");
+            let read = db.begin_read().expect("read");
+            assert_eq!(
+                read.open_table(RAW_RECORDS)
+                    .expect("table")
+                    .len()
+                    .expect("len"),
+                3
+            );
+        }
+
+        let store = open(&dir);
+        let corrupt = |what: &str, result: Result<(), StoreError>| {
+            assert!(
+                matches!(result, Err(StoreError::Corrupt(_))),
+                "{what}: expected Corrupt, got {result:?}"
+            );
+        };
+        for key in [garbled, empty, future] {
+            corrupt("get", store.get(&key).await.map(drop));
+            corrupt(
+                "begin",
+                store
+                    .begin(&begin(key, 1, LONG_LEASE, OnStale::Store))
+                    .await
+                    .map(drop),
+            );
+        }
+        corrupt(
+            "complete",
+            store.complete(&garbled, token, &completed(1, TTL)).await,
+        );
+        corrupt("release", store.release(&garbled, token).await);
+
+        // Due by its index entry, but the purger leaves what it cannot read
+        // for an operator.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(store.purge_expired().await.expect("purge"), 0);
+        assert_eq!(store.record_count().await.expect("count"), 3);
+
+        // Removing needs no decoding: it is how an operator clears them.
+        for key in [garbled, empty, future] {
+            assert!(store.remove(&key).await.expect("remove"));
+            assert_eq!(store.get(&key).await.expect("get"), None);
+        }
+        acquired(
+            store
+                .begin(&begin(garbled, 1, LONG_LEASE, OnStale::Store))
+                .await
+                .expect("begin"),
+            false,
+        );
+        store.ping().await.expect("ping");
+    }
+
+    #[tokio::test]
+    async fn a_second_open_is_refused_and_names_the_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = EmbeddedStore::open(dir.path()).expect("first open");
+        match EmbeddedStore::open(dir.path()) {
+            Err(StoreError::Unavailable(message)) => {
+                let file = dir.path().join(FILE_NAME);
+                assert!(message.contains(&file.display().to_string()), "{message}");
+            }
+            Err(other) => panic!("expected Unavailable, got {other:?}"),
+            Ok(_) => panic!("a second open of the same file must fail"),
+        }
+        drop(first);
+        EmbeddedStore::open(dir.path()).expect("open after the first closed");
+    }
+
+    #[tokio::test]
+    async fn open_creates_the_directory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let nested = dir.path().join("a").join("b");
+        let store = EmbeddedStore::open(&nested).expect("open");
+        assert_eq!(store.path(), nested.join(FILE_NAME));
+        assert!(nested.join(FILE_NAME).is_file());
+        store.ping().await.expect("ping");
+    }
+}

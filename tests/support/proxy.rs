@@ -1,0 +1,203 @@
+//! Runs the real proxy in-process on `127.0.0.1:0`, and a small HTTP client
+//! to talk to it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idemproxy::config::Config;
+use idemproxy::store::{MemoryStore, SharedStore};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// A test configuration in front of `upstream_url`: memory store, short
+/// timeouts so failure rows finish quickly.
+pub fn config(upstream_url: &str) -> Config {
+    let mut c = Config::default();
+    c.upstream.url = upstream_url.to_string();
+    c.upstream.timeout = Duration::from_secs(5);
+    c.upstream.connect_timeout = Duration::from_secs(1);
+    c.store.kind = idemproxy::config::StoreKind::Memory;
+    c.store.timeout = Duration::from_millis(250);
+    c.drain_timeout = Duration::from_secs(5);
+    c
+}
+
+pub struct TestProxy {
+    pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub store: SharedStore,
+    stop: Option<oneshot::Sender<()>>,
+    served: Option<JoinHandle<()>>,
+}
+
+impl TestProxy {
+    /// Starts the proxy on a fresh memory store.
+    pub async fn start(config: Config) -> TestProxy {
+        Self::start_with_store(config, Arc::new(MemoryStore::new())).await
+    }
+
+    pub async fn start_with_store(config: Config, store: SharedStore) -> TestProxy {
+        config.validate().expect("test config is valid");
+        let app = idemproxy::app(&config, store.clone()).expect("app builds");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let admin = TcpListener::bind("127.0.0.1:0").await.expect("bind admin");
+        let addr = listener.local_addr().expect("proxy addr");
+        let admin_addr = admin.local_addr().expect("admin addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let drain = config.drain_timeout;
+        let served = tokio::spawn(async move {
+            let shutdown = async {
+                let _ = stopped.await;
+            };
+            idemproxy::serve_app(app, listener, admin, shutdown, drain).await;
+        });
+        TestProxy {
+            addr,
+            admin_addr,
+            store,
+            stop: Some(stop),
+            served: Some(served),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin_addr, path)
+    }
+
+    /// Graceful shutdown: returns once connections and executions drained.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(served) = self.served.take() {
+            let _ = served.await;
+        }
+    }
+}
+
+impl Drop for TestProxy {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// A response read whole.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The problem type slug of a problem+json answer.
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "not a problem: {self:?}"
+        );
+        let json = self.json();
+        assert_eq!(
+            json["status"],
+            self.status.as_u16(),
+            "status member matches"
+        );
+        assert!(json["title"].is_string() && json["detail"].is_string());
+        json["type"]
+            .as_str()
+            .and_then(|t| t.strip_prefix("urn:idemproxy:problem:"))
+            .unwrap_or_else(|| panic!("problem type: {json}"))
+            .to_string()
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+}
+
+/// A pooled HTTP/1.1 client for tests.
+#[derive(Clone)]
+pub struct TestClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for TestClient {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl TestClient {
+    pub fn new() -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    pub async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Reply {
+        let mut req = Request::builder().method(method).uri(url);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let req = req.body(Full::new(body.into())).expect("request builds");
+        let response = tokio::time::timeout(Duration::from_secs(20), self.client.request(req))
+            .await
+            .expect("proxy answers within 20 s")
+            .expect("request succeeds");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("body reads").to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    /// POSTs a JSON body with an `Idempotency-Key`.
+    pub async fn post_json(&self, url: &str, key: &str, body: &str) -> Reply {
+        self.send(
+            Method::POST,
+            url,
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ],
+            body.to_string(),
+        )
+        .await
+    }
+}
