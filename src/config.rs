@@ -98,8 +98,28 @@ pub struct StoreConfig {
     pub kind: StoreKind,
     /// Directory of the embedded store.
     pub path: PathBuf,
+    /// `redis://` or `rediss://` (TLS) URL of a standalone Redis; may carry
+    /// `user:password@` and a `/db` number.
     pub url: String,
+    /// Seed nodes of a Redis Cluster (`kind = "redis-cluster"`).
     pub urls: Vec<String>,
+    /// ACL user name; overrides one in the URL.
+    pub username: Option<String>,
+    /// Redis password; overrides one in the URL. Prefer setting it through
+    /// `IDEMPROXY_STORE__PASSWORD` (or `password_env`) over the file.
+    pub password: Option<String>,
+    /// Name of an environment variable holding the Redis password.
+    pub password_env: Option<String>,
+    /// Database number (standalone only); overrides one in the URL.
+    pub database: Option<i64>,
+    /// Prefix of every Redis key this proxy writes.
+    pub key_prefix: String,
+    /// Extra PEM CA bundle trusted for `rediss://`.
+    pub ca_file: Option<PathBuf>,
+    /// Completed records cached in-process to answer replays without a
+    /// round trip (0 = off). Completed records never change, so the cache
+    /// only has to respect their expiry.
+    pub local_cache_entries: usize,
     /// Bounds every store call; past it the store counts as unavailable.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
@@ -115,6 +135,13 @@ impl Default for StoreConfig {
             path: PathBuf::from("idemproxy-data"),
             url: "redis://127.0.0.1:6379".into(),
             urls: Vec::new(),
+            username: None,
+            password: None,
+            password_env: None,
+            database: None,
+            key_prefix: "idemproxy:".into(),
+            ca_file: None,
+            local_cache_entries: 0,
             timeout: Duration::from_millis(250),
             purge_interval: Duration::from_secs(60),
         }
@@ -378,13 +405,25 @@ impl Config {
         }
         match self.store.kind {
             StoreKind::Memory | StoreKind::Embedded => {}
-            StoreKind::Redis | StoreKind::RedisCluster => problems.push(format!(
-                "store.kind: `{}` is not available in this build yet (use memory or embedded)",
-                match self.store.kind {
-                    StoreKind::Redis => "redis",
-                    _ => "redis-cluster",
+            StoreKind::Redis => check_redis_url("store.url", &self.store.url, &mut problems),
+            StoreKind::RedisCluster => {
+                if self.store.urls.is_empty() {
+                    problems.push(
+                        "store.urls: redis-cluster needs at least one seed node URL".into(),
+                    );
                 }
-            )),
+                for url in &self.store.urls {
+                    check_redis_url("store.urls", url, &mut problems);
+                }
+                if self.store.database.is_some_and(|db| db != 0) {
+                    problems.push("store.database: Redis Cluster has only database 0".into());
+                }
+            }
+        }
+        if let Some(ca) = &self.store.ca_file {
+            if !ca.is_file() {
+                problems.push(format!("store.ca_file: {} is not a file", ca.display()));
+            }
         }
         if self.admin_token.as_deref() == Some("") {
             problems.push("admin_token: must not be empty when set".into());
@@ -416,7 +455,40 @@ impl Config {
         if shown.admin_token.is_some() {
             shown.admin_token = Some("<redacted>".into());
         }
+        if shown.store.password.is_some() {
+            shown.store.password = Some("<redacted>".into());
+        }
+        shown.store.url = redact_url(&shown.store.url);
+        shown.store.urls = shown.store.urls.iter().map(|u| redact_url(u)).collect();
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    }
+}
+
+fn check_redis_url(at: &str, url: &str, problems: &mut Vec<String>) {
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        problems.push(format!(
+            "{at}: `{}` must be a redis:// or rediss:// URL",
+            redact_url(url)
+        ));
+    }
+}
+
+/// Hides the password of a `redis://user:password@host` URL.
+fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let userinfo = &url[scheme_end + 3..at];
+            match userinfo.find(':') {
+                Some(colon) => format!(
+                    "{}{}:<redacted>{}",
+                    &url[..scheme_end + 3],
+                    &userinfo[..colon],
+                    &url[at..]
+                ),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
     }
 }
 
@@ -650,6 +722,11 @@ require_key = true
         };
         let text = c.to_toml();
         assert!(!text.contains("s3cret"));
+        assert_eq!(
+            redact_url("redis://app:pw@127.0.0.1:6379/2"),
+            "redis://app:<redacted>@127.0.0.1:6379/2"
+        );
+        assert_eq!(redact_url("redis://127.0.0.1"), "redis://127.0.0.1");
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("c.toml");
         std::fs::write(&file, text).expect("write");
