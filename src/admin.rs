@@ -1,28 +1,55 @@
-//! The admin listener, separate from traffic: liveness and readiness.
+//! The admin listener, separate from traffic: liveness, readiness, metrics,
+//! and the key reconciliation API.
+//!
+//! The key API lets an operator who reconciled an `outcome-unknown` with the
+//! upstream inspect and delete the key's record. It is refused unless
+//! `admin_token` is configured, and then requires `Authorization: Bearer
+//! <admin_token>`. Keys are addressed by their store hash (the `key_hash` of
+//! the request log) or looked up from the raw key and the scope attributes
+//! the caller sent; raw keys are never stored, so the reverse is impossible.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::routing::get;
-use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 
+use crate::idempotency::record::{from_millis, Outcome, Record, RecordKey};
+use crate::idempotency::Policies;
+use crate::metrics::Metrics;
 use crate::store::SharedStore;
 
 #[derive(Clone)]
-struct AdminState {
-    store: SharedStore,
-    store_timeout: Duration,
+pub struct AdminState {
+    pub store: SharedStore,
+    pub store_timeout: Duration,
+    pub metrics: Arc<Metrics>,
+    pub policies: Arc<Policies>,
+    /// SHA-256 of the configured token, so comparisons take the same time
+    /// whatever the guess. `None`: the key API is refused.
+    pub token_digest: Option<[u8; 32]>,
 }
 
-pub fn router(store: SharedStore, store_timeout: Duration) -> Router {
+impl AdminState {
+    pub fn token_digest(token: Option<&str>) -> Option<[u8; 32]> {
+        token.map(|t| Sha256::digest(t.as_bytes()).into())
+    }
+}
+
+pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(AdminState {
-            store,
-            store_timeout,
-        })
+        .route("/metrics", get(metrics))
+        .route("/v1/keys/{hash}", get(show_key).delete(delete_key))
+        .route("/v1/keys/lookup", post(lookup_key))
+        .with_state(state)
 }
 
 /// Ready when the store answers within its timeout: a proxy that cannot reach
@@ -35,5 +62,216 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
             StatusCode::SERVICE_UNAVAILABLE,
             format!("store: no answer within {:?}\n", state.store_timeout),
         ),
+    }
+}
+
+async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+}
+
+/// An admin API error, as problem+json.
+struct AdminProblem {
+    status: StatusCode,
+    slug: &'static str,
+    detail: String,
+}
+
+impl IntoResponse for AdminProblem {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "type": format!("urn:idemproxy:problem:{}", self.slug),
+            "title": self.status.canonical_reason().unwrap_or("Error"),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        let mut response = (
+            self.status,
+            [(header::CONTENT_TYPE, "application/problem+json")],
+            body.to_string(),
+        )
+            .into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem> {
+    let Some(expected) = state.token_digest else {
+        return Err(AdminProblem {
+            status: StatusCode::FORBIDDEN,
+            slug: "admin-disabled",
+            detail: "The key API is disabled: set admin_token (or IDEMPROXY_ADMIN_TOKEN).".into(),
+        });
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let ok = given.is_some_and(|g| {
+        let digest: [u8; 32] = Sha256::digest(g.as_bytes()).into();
+        digest == expected
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(AdminProblem {
+            status: StatusCode::UNAUTHORIZED,
+            slug: "admin-unauthorized",
+            detail: "A valid `Authorization: Bearer <admin_token>` header is required.".into(),
+        })
+    }
+}
+
+fn parse_hash(hash: &str) -> Result<RecordKey, AdminProblem> {
+    RecordKey::from_hex(hash).ok_or(AdminProblem {
+        status: StatusCode::BAD_REQUEST,
+        slug: "invalid-key-hash",
+        detail: "A key hash is 64 lower-case hex digits (the key_hash of the request log).".into(),
+    })
+}
+
+fn store_problem(e: impl std::fmt::Display) -> AdminProblem {
+    AdminProblem {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        slug: "store-unavailable",
+        detail: format!("store: {e}"),
+    }
+}
+
+async fn read(state: &AdminState, key: RecordKey) -> Result<Json<Value>, AdminProblem> {
+    let record = tokio::time::timeout(state.store_timeout, state.store.get(&key))
+        .await
+        .map_err(|_| store_problem("no answer in time"))?
+        .map_err(store_problem)?;
+    match record {
+        Some(record) => Ok(Json(describe(&key, &record))),
+        None => Err(AdminProblem {
+            status: StatusCode::NOT_FOUND,
+            slug: "key-not-found",
+            detail: "No record for this key (never used, expired, released or deleted).".into(),
+        }),
+    }
+}
+
+async fn show_key(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Path(hash): Path<String>,
+) -> Result<Json<Value>, AdminProblem> {
+    authorize(&state, &headers)?;
+    read(&state, parse_hash(&hash)?).await
+}
+
+async fn delete_key(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Path(hash): Path<String>,
+) -> Result<Json<Value>, AdminProblem> {
+    authorize(&state, &headers)?;
+    let key = parse_hash(&hash)?;
+    let removed = tokio::time::timeout(state.store_timeout, state.store.remove(&key))
+        .await
+        .map_err(|_| store_problem("no answer in time"))?
+        .map_err(store_problem)?;
+    if removed {
+        tracing::warn!(key_hash = %key.to_hex(), "key deleted through the admin API");
+        Ok(Json(json!({ "key_hash": key.to_hex(), "deleted": true })))
+    } else {
+        Err(AdminProblem {
+            status: StatusCode::NOT_FOUND,
+            slug: "key-not-found",
+            detail: "No record for this key.".into(),
+        })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Lookup {
+    /// The raw `Idempotency-Key` value, as the client sent it.
+    key: String,
+    /// The route whose scope rules apply (default: `default`).
+    #[serde(default)]
+    route: Option<String>,
+    /// The scope attributes as the client sent them, e.g.
+    /// `{"authorization": "Bearer sk_..."}`.
+    #[serde(default)]
+    headers: std::collections::HashMap<String, String>,
+}
+
+async fn lookup_key(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Json(lookup): Json<Lookup>,
+) -> Result<Json<Value>, AdminProblem> {
+    authorize(&state, &headers)?;
+    let route = lookup.route.as_deref().unwrap_or("default");
+    let policy = state.policies.by_name(route).ok_or(AdminProblem {
+        status: StatusCode::BAD_REQUEST,
+        slug: "unknown-route",
+        detail: format!("No route is named `{route}`."),
+    })?;
+    let bad = |detail: String| AdminProblem {
+        status: StatusCode::BAD_REQUEST,
+        slug: "invalid-lookup",
+        detail,
+    };
+    let value = axum::http::HeaderValue::from_str(&lookup.key)
+        .map_err(|_| bad("`key` is not a valid header value".into()))?;
+    let key = crate::idempotency::key::parse_key(&value).map_err(|e| bad(e.to_string()))?;
+    let mut request = axum::http::Request::builder();
+    for (name, value) in &lookup.headers {
+        request = request.header(name.as_str(), value.as_str());
+    }
+    let (parts, ()) = request
+        .body(())
+        .map_err(|e| bad(format!("`headers`: {e}")))?
+        .into_parts();
+    let scope = policy.scope.scope(&parts);
+    read(&state, RecordKey::new(&scope, key.as_str())).await
+}
+
+fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(from_millis(ms)).to_string()
+}
+
+fn describe(key: &RecordKey, record: &Record) -> Value {
+    match record {
+        Record::Pending(p) => json!({
+            "key_hash": key.to_hex(),
+            "state": "pending",
+            "created_at": rfc3339(p.created_at),
+            "lease_expires_at": rfc3339(p.lease_expires_at),
+            "expires_at": rfc3339(p.expires_at),
+        }),
+        Record::Completed(c) => {
+            let (outcome, status) = match &c.outcome {
+                Outcome::Response(r) => ("response".to_string(), r.status),
+                Outcome::NotStored { status } => ("response-not-stored".to_string(), *status),
+                Outcome::Unknown { cause } => (
+                    format!("outcome-unknown ({})", cause.as_str()),
+                    cause.status(),
+                ),
+            };
+            json!({
+                "key_hash": key.to_hex(),
+                "state": "completed",
+                "created_at": rfc3339(c.created_at),
+                "completed_at": rfc3339(c.completed_at),
+                "expires_at": rfc3339(c.expires_at),
+                "outcome": outcome,
+                "status": status,
+            })
+        }
     }
 }

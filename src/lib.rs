@@ -18,6 +18,7 @@ pub mod admin;
 pub mod config;
 pub mod demo;
 pub mod idempotency;
+pub mod metrics;
 pub mod proxy;
 pub mod server;
 pub mod store;
@@ -30,9 +31,11 @@ use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 use tower::Layer;
 
+use admin::AdminState;
 pub use config::Config;
 use config::StoreKind;
 use idempotency::{Idempotency, IdempotencyLayer, Policies};
+use metrics::Metrics;
 use proxy::Proxy;
 use store::{EmbeddedStore, MemoryStore, SharedStore};
 use upstream::Upstream;
@@ -47,6 +50,7 @@ pub struct App {
     pub proxy: ProxyService,
     pub admin: axum::Router,
     pub store: SharedStore,
+    pub metrics: Arc<Metrics>,
     /// Executions in flight; shutdown waits for them to store their outcome.
     pub tasks: TaskTracker,
 }
@@ -55,16 +59,25 @@ pub struct App {
 pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
     let policies = Policies::from_config(config)?;
     let upstream = Upstream::new(&config.upstream)?;
-    let layer = IdempotencyLayer::new(policies, store.clone())
+    let metrics = Metrics::new();
+    let layer = IdempotencyLayer::new(policies.clone(), store.clone())
         .store_timeout(config.store.timeout)
-        .upstream_timeout(config.upstream.timeout);
+        .upstream_timeout(config.upstream.timeout)
+        .metrics(metrics.clone());
     let tasks = layer.tasks();
     let proxy = layer.layer(Proxy::new(upstream, config.upstream.timeout));
-    let admin = admin::router(store.clone(), config.store.timeout);
+    let admin = admin::router(AdminState {
+        store: store.clone(),
+        store_timeout: config.store.timeout,
+        metrics: metrics.clone(),
+        policies: Arc::new(policies),
+        token_digest: AdminState::token_digest(config.admin_token.as_deref()),
+    });
     Ok(App {
         proxy,
         admin,
         store,
+        metrics,
         tasks,
     })
 }

@@ -106,6 +106,19 @@ impl Policies {
     }
 }
 
+impl Policies {
+    /// The policy of the route called `name` (`default` for `[idempotency]`).
+    pub fn by_name(&self, name: &str) -> Option<&Arc<Policy>> {
+        if name == "default" {
+            return Some(&self.default);
+        }
+        self.routes
+            .iter()
+            .map(|(_, p)| p)
+            .find(|p| &*p.route == name)
+    }
+}
+
 fn prefix_matches(prefix: &str, path: &str) -> bool {
     match path.strip_prefix(prefix) {
         Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),

@@ -41,6 +41,7 @@ use super::record::{
 };
 use super::rejection::Rejection;
 use crate::config::{OnAmbiguous, OnInFlight, OnStoreError};
+use crate::metrics::Metrics;
 use crate::store::{Begin, BeginOutcome, SharedStore, StoreError};
 use crate::upstream::UpstreamError;
 
@@ -59,6 +60,7 @@ struct Settings {
     store: SharedStore,
     store_timeout: Duration,
     upstream_timeout: Duration,
+    metrics: Arc<Metrics>,
     /// Executions outlive the connection that started them (a client may
     /// disconnect mid-call); graceful shutdown waits on this tracker, not on
     /// connections, before the process exits.
@@ -73,6 +75,7 @@ impl IdempotencyLayer {
                 store,
                 store_timeout: Duration::from_millis(250),
                 upstream_timeout: Duration::from_secs(30),
+                metrics: Metrics::new(),
                 tasks: TaskTracker::new(),
             }),
         }
@@ -88,6 +91,11 @@ impl IdempotencyLayer {
         self.map(|s| s.upstream_timeout = timeout)
     }
 
+    /// Where requests, store calls and executions are counted.
+    pub fn metrics(self, metrics: Arc<Metrics>) -> Self {
+        self.map(|s| s.metrics = metrics)
+    }
+
     /// Tracks every execution in flight, for graceful shutdown.
     pub fn tasks(&self) -> TaskTracker {
         self.settings.tasks.clone()
@@ -101,6 +109,7 @@ impl IdempotencyLayer {
                 store: shared.store.clone(),
                 store_timeout: shared.store_timeout,
                 upstream_timeout: shared.upstream_timeout,
+                metrics: shared.metrics.clone(),
                 tasks: shared.tasks.clone(),
             },
         };
@@ -150,7 +159,7 @@ where
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let policy = self.settings.policies.for_path(req.uri().path()).clone();
-        let log = RequestLog::new(&policy, req.method());
+        let log = RequestLog::new(&policy, req.method(), &self.settings.metrics);
         if !policy.covers(req.method()) {
             return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log);
         }
@@ -335,16 +344,27 @@ where
         let wait_until = Instant::now() + self.policy.wait_timeout;
         let mut backoff = Duration::from_millis(10);
         loop {
-            let begun = timed(&self.settings, &mut self.log, |s| s.begin(&begin)).await;
+            let begun = timed(&self.settings, &mut self.log, "begin", |s| s.begin(&begin)).await;
             match begun {
                 Err(e) => return self.store_failed(request, respond, e).await,
                 Ok(BeginOutcome::Acquired { token, took_over }) => {
                     if took_over {
+                        self.settings.metrics.lease_expired(&self.policy.route);
                         tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
                     }
                     return self.execute(claim, request, token, respond).await;
                 }
                 Ok(BeginOutcome::Completed(record)) => {
+                    let settled_now = record.completed_at >= claim.arrived_at
+                        && matches!(
+                            record.outcome,
+                            Outcome::Unknown {
+                                cause: UnknownCause::Abandoned
+                            }
+                        );
+                    if settled_now {
+                        self.settings.metrics.lease_expired(&self.policy.route);
+                    }
                     let response = replay(&record, &self.policy);
                     return self.answer(respond, RequestOutcome::Replayed, response);
                 }
@@ -397,7 +417,7 @@ where
                 // outcome says so in logs and metrics.
                 let started = Instant::now();
                 let result = self.inner.clone().oneshot(request).await;
-                self.log.upstream = Some(started.elapsed());
+                self.upstream_done(started);
                 let response = result.unwrap_or_else(|e| {
                     Rejection::PassthroughFailed {
                         timeout: matches!(e, UpstreamError::Timeout),
@@ -416,10 +436,13 @@ where
         token: FencingToken,
         respond: Responder,
     ) {
+        // Counted until the outcome is stored (this function awaits the
+        // streaming of the body too).
+        let _executing = self.settings.metrics.executing();
         let deadline = Instant::now() + self.settings.upstream_timeout;
         let started = Instant::now();
         let result = self.inner.clone().oneshot(request).await;
-        self.log.upstream = Some(started.elapsed());
+        self.upstream_done(started);
         let response = match result {
             Ok(response) => response,
             Err(UpstreamError::Unreachable(why)) => {
@@ -552,7 +575,7 @@ where
         // unknown one, so completion is retried briefly; if it still fails,
         // the lease expires and `on_stale` settles the key (fail closed).
         for attempt in 0..3u32 {
-            match timed(&self.settings, &mut self.log, |s| {
+            match timed(&self.settings, &mut self.log, "complete", |s| {
                 s.complete(&claim.key, token, &record)
             })
             .await
@@ -573,10 +596,24 @@ where
         }
     }
 
+    fn upstream_done(&mut self, started: Instant) {
+        let elapsed = started.elapsed();
+        self.log.upstream = Some(elapsed);
+        self.settings.metrics.upstream(&self.policy.route, elapsed);
+    }
+
     async fn release(&mut self, key: &RecordKey, token: FencingToken) {
         for attempt in 0..3u32 {
-            match timed(&self.settings, &mut self.log, |s| s.release(key, token)).await {
-                Ok(()) | Err(StoreError::Fenced) => return,
+            match timed(&self.settings, &mut self.log, "release", |s| {
+                s.release(key, token)
+            })
+            .await
+            {
+                Ok(()) => {
+                    self.settings.metrics.key_released(&self.policy.route);
+                    return;
+                }
+                Err(StoreError::Fenced) => return,
                 Err(e) => {
                     tracing::error!(error = %e, attempt, "could not release the key");
                     tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
@@ -590,6 +627,7 @@ where
 async fn timed<'a, T, F>(
     settings: &'a Settings,
     log: &mut RequestLog,
+    op: &'static str,
     call: impl FnOnce(&'a dyn crate::store::Store) -> F,
 ) -> Result<T, StoreError>
 where
@@ -603,7 +641,13 @@ where
             settings.store_timeout
         ))),
     };
-    log.store += started.elapsed();
+    let elapsed = started.elapsed();
+    log.store += elapsed;
+    settings.metrics.store_call(
+        op,
+        elapsed,
+        result.is_ok() || matches!(result, Err(StoreError::Fenced)),
+    );
     result
 }
 
@@ -661,6 +705,7 @@ fn stored_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
 /// The one log event per request: route, method, outcome, status, key hash
 /// (never the raw key) and the time spent in the store and the upstream.
 pub struct RequestLog {
+    metrics: Arc<Metrics>,
     route: Arc<str>,
     method: Method,
     started: Instant,
@@ -671,8 +716,9 @@ pub struct RequestLog {
 }
 
 impl RequestLog {
-    fn new(policy: &Policy, method: &Method) -> Self {
+    fn new(policy: &Policy, method: &Method, metrics: &Arc<Metrics>) -> Self {
         Self {
+            metrics: metrics.clone(),
             route: policy.route.clone(),
             method: method.clone(),
             started: Instant::now(),
@@ -689,8 +735,12 @@ impl RequestLog {
     }
 
     fn finish_streamed(self, outcome: RequestOutcome) {
+        let elapsed = self.started.elapsed();
+        self.metrics.request(&self.route, outcome, elapsed);
+        // The full store hash: an operator can look the key up through the
+        // admin API. It is a hash of scope and key, never the key itself.
         let key = self.key.map(|k| k.to_hex());
-        let key = key.as_deref().map(|k| &k[..16]).unwrap_or("-");
+        let key = key.as_deref().unwrap_or("-");
         let upstream_ms = self.upstream.map(|d| d.as_secs_f64() * 1e3);
         tracing::info!(
             target: "idemproxy::request",
@@ -701,7 +751,7 @@ impl RequestLog {
             key_hash = key,
             store_ms = self.store.as_secs_f64() * 1e3,
             upstream_ms,
-            total_ms = self.started.elapsed().as_secs_f64() * 1e3,
+            total_ms = elapsed.as_secs_f64() * 1e3,
         );
     }
 }

@@ -1,0 +1,243 @@
+//! Prometheus metrics, served as text on the admin listener's `/metrics`.
+//!
+//! One [`Metrics`] per [`App`](crate::App), not a process-global recorder, so
+//! several proxies in one test process count separately. Labels are bounded:
+//! `route` is a configured route name (never a raw path), `outcome` and `op`
+//! come from fixed lists.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::idempotency::RequestOutcome;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    route: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+/// Buckets from 100 µs to 60 s: resolve both sub-millisecond store calls and
+/// upstream calls near a 30 s timeout.
+const BUCKETS: [f64; 19] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 20.0, 30.0, 60.0,
+];
+
+fn histogram() -> Histogram {
+    Histogram::new(BUCKETS)
+}
+
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<OutcomeLabels, Counter>,
+    request_duration: Family<RouteLabels, Histogram, fn() -> Histogram>,
+    upstream_duration: Family<RouteLabels, Histogram, fn() -> Histogram>,
+    store_duration: Family<OpLabels, Histogram, fn() -> Histogram>,
+    store_errors: Family<OpLabels, Counter>,
+    in_flight: Gauge,
+    released: Family<RouteLabels, Counter>,
+    stale: Family<RouteLabels, Counter>,
+    cache_hits: Counter,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::with_prefix("idemproxy");
+        let requests = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests by route and idempotency outcome",
+            requests.clone(),
+        );
+        let request_duration = Family::new_with_constructor(histogram as fn() -> Histogram);
+        registry.register(
+            "request_duration_seconds",
+            "Time from request to response head",
+            request_duration.clone(),
+        );
+        let upstream_duration = Family::new_with_constructor(histogram as fn() -> Histogram);
+        registry.register(
+            "upstream_duration_seconds",
+            "Time the upstream took to answer (response head)",
+            upstream_duration.clone(),
+        );
+        let store_duration = Family::new_with_constructor(histogram as fn() -> Histogram);
+        registry.register(
+            "store_duration_seconds",
+            "Store call latency by operation",
+            store_duration.clone(),
+        );
+        let store_errors = Family::<OpLabels, Counter>::default();
+        registry.register(
+            "store_errors",
+            "Store calls that failed or timed out, by operation",
+            store_errors.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "in_flight",
+            "Covered requests executing against the upstream now",
+            in_flight.clone(),
+        );
+        let released = Family::<RouteLabels, Counter>::default();
+        registry.register(
+            "keys_released",
+            "Keys released so that a retry executes (unreachable upstream, release_statuses, on_ambiguous = release)",
+            released.clone(),
+        );
+        let stale = Family::<RouteLabels, Counter>::default();
+        registry.register(
+            "expired_leases",
+            "Claims found with an expired lease (their proxy died), settled per on_stale",
+            stale.clone(),
+        );
+        let cache_hits = Counter::default();
+        registry.register(
+            "local_cache_hits",
+            "Replays answered from the in-process cache without a store round trip",
+            cache_hits.clone(),
+        );
+        Arc::new(Self {
+            registry,
+            requests,
+            request_duration,
+            upstream_duration,
+            store_duration,
+            store_errors,
+            in_flight,
+            released,
+            stale,
+            cache_hits,
+        })
+    }
+
+    pub fn request(&self, route: &str, outcome: RequestOutcome, elapsed: Duration) {
+        self.requests
+            .get_or_create(&OutcomeLabels {
+                route: route.to_owned(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+        self.request_duration
+            .get_or_create(&RouteLabels {
+                route: route.to_owned(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn upstream(&self, route: &str, elapsed: Duration) {
+        self.upstream_duration
+            .get_or_create(&RouteLabels {
+                route: route.to_owned(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn store_call(&self, op: &'static str, elapsed: Duration, ok: bool) {
+        let labels = OpLabels { op };
+        self.store_duration
+            .get_or_create(&labels)
+            .observe(elapsed.as_secs_f64());
+        if !ok {
+            self.store_errors.get_or_create(&labels).inc();
+        }
+    }
+
+    pub fn key_released(&self, route: &str) {
+        self.released
+            .get_or_create(&RouteLabels {
+                route: route.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn lease_expired(&self, route: &str) {
+        self.stale
+            .get_or_create(&RouteLabels {
+                route: route.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn cache_hit(&self) {
+        self.cache_hits.inc();
+    }
+
+    /// Counts an execution against the upstream until the guard drops.
+    pub fn executing(self: &Arc<Self>) -> InFlightGuard {
+        self.in_flight.inc();
+        InFlightGuard {
+            metrics: self.clone(),
+        }
+    }
+
+    /// The Prometheus text exposition of every series.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+pub struct InFlightGuard {
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.metrics.in_flight.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn series_are_named_as_documented() {
+        let m = Metrics::new();
+        m.request(
+            "payments",
+            RequestOutcome::Executed,
+            Duration::from_millis(3),
+        );
+        m.store_call("begin", Duration::from_micros(300), false);
+        {
+            let _g = m.executing();
+            assert!(m.render().contains("idemproxy_in_flight 1"));
+        }
+        let text = m.render();
+        assert!(
+            text.contains(r#"idemproxy_requests_total{route="payments",outcome="executed"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"idemproxy_store_errors_total{op="begin"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"idemproxy_store_duration_seconds_bucket{le="0.0005",op="begin"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains("idemproxy_in_flight 0"), "{text}");
+    }
+}
