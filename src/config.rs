@@ -408,9 +408,8 @@ impl Config {
             StoreKind::Redis => check_redis_url("store.url", &self.store.url, &mut problems),
             StoreKind::RedisCluster => {
                 if self.store.urls.is_empty() {
-                    problems.push(
-                        "store.urls: redis-cluster needs at least one seed node URL".into(),
-                    );
+                    problems
+                        .push("store.urls: redis-cluster needs at least one seed node URL".into());
                 }
                 for url in &self.store.urls {
                     check_redis_url("store.urls", url, &mut problems);
