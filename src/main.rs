@@ -28,6 +28,14 @@ enum Command {
     Check,
     /// Run the proxy on the embedded store in front of a built-in demo API.
     Demo,
+    /// Serve only the demo payments API (on --listen, default 127.0.0.1:3000).
+    DemoApi,
+    /// GET a URL and exit 0 on a 2xx answer: a health check for images
+    /// that carry no curl.
+    Probe {
+        #[arg(long, default_value = "http://127.0.0.1:9090/readyz")]
+        url: String,
+    },
 }
 
 #[derive(Args)]
@@ -62,6 +70,21 @@ fn parse_store_kind(s: &str) -> Result<StoreKind, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    match &cli.command {
+        Some(Command::Probe { url }) => return probe(url),
+        Some(Command::DemoApi) => {
+            let listen = cli.flags.listen.unwrap_or(([127, 0, 0, 1], 3000).into());
+            return block_on(async move {
+                let listener = tokio::net::TcpListener::bind(listen).await?;
+                println!("demo payments API on http://{listen}");
+                axum::serve(listener, idemproxy::demo::router())
+                    .with_graceful_shutdown(shutdown_signal())
+                    .await?;
+                Ok(())
+            });
+        }
+        _ => {}
+    }
     let flags = FlagOverrides {
         listen: cli.flags.listen,
         admin_listen: cli.flags.admin_listen,
@@ -93,6 +116,16 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_tracing(&config);
+    block_on(async move {
+        if demo {
+            run_demo(config).await
+        } else {
+            idemproxy::run(config, shutdown_signal()).await
+        }
+    })
+}
+
+fn block_on(work: impl std::future::Future<Output = Result<(), idemproxy::Error>>) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -100,20 +133,33 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(async move {
-        if demo {
-            run_demo(config).await
-        } else {
-            idemproxy::run(config, shutdown_signal()).await
-        }
-    });
-    match result {
+    match runtime.block_on(work) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("idemproxy: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+fn probe(url: &str) -> ExitCode {
+    use http_body_util::Empty;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let url = url.to_string();
+    block_on(async move {
+        let uri: http::Uri = url.parse()?;
+        let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+        let response = tokio::time::timeout(std::time::Duration::from_secs(3), client.get(uri))
+            .await
+            .map_err(|_| "no answer within 3 s")??;
+        if response.status().is_success() {
+            Ok(())
+        } else {
+            Err(format!("{url} answered {}", response.status()).into())
+        }
+    })
 }
 
 async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {

@@ -1,0 +1,196 @@
+//! The files in deploy/ parse, and every metric a Prometheus rule or a
+//! Grafana panel uses is one the proxy exports, so dashboards cannot drift
+//! from the code silently.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use idemproxy::config::{Config, FlagOverrides};
+use idemproxy::idempotency::RequestOutcome;
+use idemproxy::metrics::Metrics;
+use yaml_rust2::{Yaml, YamlLoader};
+
+fn deploy(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy")
+        .join(path)
+}
+
+fn yaml_docs(path: &str) -> Vec<Yaml> {
+    let text = std::fs::read_to_string(deploy(path)).expect("deploy file exists");
+    YamlLoader::load_from_str(&text).unwrap_or_else(|e| panic!("{path} is not YAML: {e}"))
+}
+
+/// Every series name the proxy exports, read from a real exposition after
+/// each metric has been touched once.
+fn exported_series() -> BTreeSet<String> {
+    let m = Metrics::new();
+    for outcome in RequestOutcome::ALL {
+        m.request("default", outcome, Duration::from_millis(1));
+    }
+    m.upstream("default", Duration::from_millis(1));
+    m.store_call("begin", Duration::from_micros(200), false);
+    m.key_released("default");
+    m.lease_expired("default");
+    m.cache_hit();
+    drop(m.executing());
+    m.render()
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// `idemproxy_*` names in a PromQL expression.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("idemproxy_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        names.push(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    names
+}
+
+fn check_exprs(source: &str, exprs: &[String]) {
+    let exported = exported_series();
+    assert!(!exprs.is_empty(), "{source} has no expressions");
+    for expr in exprs {
+        let names = metric_names(expr);
+        assert!(
+            !names.is_empty(),
+            "{source}: `{expr}` uses no idemproxy metric"
+        );
+        for name in names {
+            assert!(
+                exported.contains(&name),
+                "{source}: `{name}` is not exported; exported: {exported:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn alert_rules_use_exported_metrics() {
+    let docs = yaml_docs("prometheus/alerts.yaml");
+    let mut exprs = Vec::new();
+    for group in docs[0]["groups"].as_vec().expect("groups") {
+        for rule in group["rules"].as_vec().expect("rules") {
+            assert!(rule["alert"].as_str().is_some(), "every rule is an alert");
+            assert!(rule["annotations"]["summary"].as_str().is_some());
+            exprs.push(rule["expr"].as_str().expect("expr").to_string());
+        }
+    }
+    assert!(
+        exprs.len() >= 4,
+        "store errors, outcome unknown, stuck, p99"
+    );
+    check_exprs("alerts.yaml", &exprs);
+}
+
+#[test]
+fn dashboard_panels_use_exported_metrics() {
+    let text = std::fs::read_to_string(deploy("grafana/idemproxy.json")).expect("dashboard");
+    let dash: serde_json::Value = serde_json::from_str(&text).expect("dashboard is JSON");
+    let mut exprs = Vec::new();
+    for panel in dash["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            exprs.push(target["expr"].as_str().expect("expr").to_string());
+        }
+    }
+    check_exprs("idemproxy.json", &exprs);
+}
+
+#[test]
+fn metric_name_extraction_finds_every_name() {
+    assert_eq!(
+        metric_names("rate(idemproxy_a_total[5m]) / idemproxy_b_bucket{le=\"1\"}"),
+        vec!["idemproxy_a_total", "idemproxy_b_bucket"]
+    );
+    // The check itself must be able to fail.
+    assert!(!exported_series().contains("idemproxy_made_up_total"));
+}
+
+#[test]
+fn kubernetes_sidecar_is_complete() {
+    let docs = yaml_docs("kubernetes/sidecar.yaml");
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(kinds, ["ConfigMap", "Deployment", "PodMonitor"]);
+
+    // The ConfigMap's configuration is one the proxy accepts.
+    let toml = docs[0]["data"]["idemproxy.toml"].as_str().expect("config");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("idemproxy.toml");
+    std::fs::write(&file, toml).expect("write");
+    let config = Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+        .unwrap_or_else(|e| panic!("the ConfigMap's config is invalid: {e}"));
+    assert_eq!(config.upstream.url, "http://127.0.0.1:3000");
+
+    let pod = &docs[1]["spec"]["template"]["spec"];
+    let containers = pod["containers"].as_vec().expect("containers");
+    let sidecar = containers
+        .iter()
+        .find(|c| c["name"].as_str() == Some("idemproxy"))
+        .expect("an idemproxy container");
+    assert_eq!(
+        sidecar["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
+    assert_eq!(
+        sidecar["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/readyz")
+    );
+    assert!(sidecar["resources"]["limits"]["memory"].as_str().is_some());
+    let env = sidecar["env"].as_vec().expect("env");
+    assert!(
+        env.iter().any(
+            |e| e["valueFrom"]["secretKeyRef"]["name"].as_str().is_some()
+                && e["name"].as_str() == Some("REDIS_PASSWORD")
+        ),
+        "the Redis password comes from a Secret"
+    );
+    assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+    let grace = pod["terminationGracePeriodSeconds"]
+        .as_i64()
+        .expect("grace period");
+    assert!(
+        Duration::from_secs(grace as u64) > config.drain_timeout,
+        "the pod outlives the drain"
+    );
+}
+
+#[test]
+fn compose_runs_redis_with_aof_and_health_checks() {
+    let docs = yaml_docs("compose.yaml");
+    let services = &docs[0]["services"];
+    let redis_cmd: Vec<&str> = services["redis"]["command"]
+        .as_vec()
+        .expect("redis command")
+        .iter()
+        .filter_map(Yaml::as_str)
+        .collect();
+    assert!(redis_cmd.windows(2).any(|w| w == ["--appendonly", "yes"]));
+    for name in ["redis", "payments-api", "idemproxy"] {
+        assert!(
+            services[name]["healthcheck"]["test"].as_vec().is_some(),
+            "{name} has a health check"
+        );
+    }
+}
+
+#[test]
+fn dockerfile_is_multi_stage_and_non_root() {
+    let text = std::fs::read_to_string(deploy("Dockerfile")).expect("Dockerfile");
+    assert!(text.matches("\nFROM ").count() + usize::from(text.starts_with("FROM ")) >= 2);
+    let user = text
+        .lines()
+        .rfind(|l| l.starts_with("USER "))
+        .expect("a USER line");
+    assert!(!user.contains("root") && !user.ends_with(" 0"), "{user}");
+}
