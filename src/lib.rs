@@ -82,19 +82,19 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
     })
 }
 
-/// Opens the store `config.store` names.
+/// Opens the store `config.store` names, behind the local replay cache when
+/// `store.local_cache_entries` is set.
 pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
-    match config.store.kind {
-        StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),
+    let store: SharedStore = match config.store.kind {
+        StoreKind::Memory => Arc::new(MemoryStore::new()),
         StoreKind::Embedded => {
             let store = Arc::new(EmbeddedStore::open(&config.store.path)?);
             store.spawn_purger(config.store.purge_interval);
-            Ok(store)
+            store
         }
-        StoreKind::Redis | StoreKind::RedisCluster => {
-            Err("the redis store kinds are not available in this build".into())
-        }
-    }
+        StoreKind::Redis | StoreKind::RedisCluster => store::redis::open(&config.store).await?,
+    };
+    Ok(store::cache::wrap(store, config.store.local_cache_entries))
 }
 
 /// Binds the traffic and admin listeners and serves until `shutdown`.

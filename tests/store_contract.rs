@@ -9,15 +9,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use idemproxy::config::StoreConfig;
 use idemproxy::idempotency::record::{
     millis, now_millis, CompletedRecord, FencingToken, Fingerprint, KeyState, Outcome, Record,
     RecordKey, StoredResponse, UnknownCause,
 };
 use idemproxy::store::embedded::{FILE_NAME, RECORDS_TABLE};
 use idemproxy::store::{
-    Begin, BeginOutcome, EmbeddedStore, MemoryStore, OnStale, SharedStore, Store, StoreError,
+    Begin, BeginOutcome, CachedStore, EmbeddedStore, MemoryStore, OnStale, RedisStore, SharedStore,
+    Store, StoreError,
 };
 use tempfile::TempDir;
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
 
 /// A store under test, and whatever must outlive it (a temporary directory).
 pub struct Backend {
@@ -38,6 +43,48 @@ async fn embedded_backend() -> Backend {
     Backend {
         store: Arc::new(store),
         _guard: Some(dir),
+    }
+}
+
+/// The memory store behind a local replay cache: the cache must keep the
+/// contract too.
+async fn memory_cached_backend() -> Backend {
+    Backend {
+        store: Arc::new(CachedStore::new(Arc::new(MemoryStore::new()), 64)),
+        _guard: None,
+    }
+}
+
+/// One private redis-server per test binary; each test writes under a key
+/// prefix of its own.
+async fn redis_backend() -> Backend {
+    let config = StoreConfig {
+        url: redis_server::shared().url(),
+        key_prefix: redis_server::unique_prefix("contract"),
+        ..StoreConfig::default()
+    };
+    let store = RedisStore::connect(&config)
+        .await
+        .expect("connect to redis");
+    Backend {
+        store: Arc::new(store),
+        _guard: None,
+    }
+}
+
+/// One private 3-master Redis Cluster per test binary, as for `redis`.
+async fn redis_cluster_backend() -> Backend {
+    let config = StoreConfig {
+        urls: redis_server::shared_cluster().urls(),
+        key_prefix: redis_server::unique_prefix("contract"),
+        ..StoreConfig::default()
+    };
+    let store = RedisStore::connect_cluster(&config)
+        .await
+        .expect("connect to the redis cluster");
+    Backend {
+        store: Arc::new(store),
+        _guard: None,
     }
 }
 
@@ -75,6 +122,9 @@ macro_rules! contract {
 contract! {
     memory => crate::memory_backend,
     embedded => crate::embedded_backend,
+    memory_cached => crate::memory_cached_backend,
+    redis => crate::redis_backend,
+    redis_cluster => crate::redis_cluster_backend,
 }
 
 // ---------------------------------------------------------------- fixtures

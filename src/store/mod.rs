@@ -14,8 +14,10 @@
 //! Every call is bounded by `store.timeout` by the caller, not here, so a
 //! store implementation only reports what it observed.
 
+pub mod cache;
 pub mod embedded;
 pub mod memory;
+pub mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +29,8 @@ use crate::idempotency::record::{
     RecordKey, UnixMillis, UnknownCause,
 };
 
+pub use self::redis::RedisStore;
+pub use cache::CachedStore;
 pub use embedded::EmbeddedStore;
 pub use memory::MemoryStore;
 

@@ -1,4 +1,8 @@
 #![allow(dead_code)]
 
+pub mod faulty;
+pub mod keys;
 pub mod proxy;
+pub mod raw;
+pub mod redis_server;
 pub mod upstream;

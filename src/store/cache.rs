@@ -1,0 +1,433 @@
+//! A local replay cache in front of a shared store (`local_cache_entries`).
+//!
+//! Completed records never change until they expire (only an operator's
+//! `remove` deletes one early), so a proxy can answer replays of keys it has
+//! seen completed without asking the store. Only completed records are
+//! cached, never pending ones: a pending record changes with every
+//! completion, release and takeover, and caching it would answer "in flight"
+//! for a key that is done.
+//!
+//! What is cached, and when an entry is answered from:
+//!
+//! - `begin` answers from the cache when it holds a live completed record for
+//!   the key: `Completed` for the same fingerprint, `Mismatch { Completed }`
+//!   for another (the record is immutable, so the store would say the same).
+//!   Otherwise it asks the store and caches a `Completed` answer.
+//! - A successful `complete` caches the record it wrote: retries tend to come
+//!   back to the proxy that served the first request.
+//! - `release` and `remove` drop the key's entry; `get` always asks the store
+//!   (it is the operator's view).
+//! - An entry is used only while its record's `expires_at` is in the future
+//!   and it is younger than the cache's `max_age` ([`DEFAULT_MAX_AGE`]). The
+//!   age bound exists for `remove`: it drops only this proxy's entry, so other
+//!   replicas may go on replaying a removed record from their caches for up
+//!   to `max_age`.
+//!
+//! The cache is bounded by entry count (quick_cache's S3-FIFO-like eviction:
+//! rarely hit entries go first). Memory is at most about `entries` times the
+//! largest stored response (`max_response_bytes`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use quick_cache::sync::Cache;
+
+use super::{Begin, BeginOutcome, SharedStore, Store, StoreError};
+use crate::idempotency::record::{
+    now_millis, CompletedRecord, FencingToken, KeyState, Record, RecordKey,
+};
+
+/// How long a cached record may be answered from before the store is asked
+/// again, whatever its own expiry: the bound on how long another replica's
+/// `remove` can go unnoticed here.
+pub const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);
+
+/// Wraps `store` in a [`CachedStore`] of `entries` entries; with 0 entries
+/// (the cache is off) returns `store` itself.
+pub fn wrap(store: SharedStore, entries: usize) -> SharedStore {
+    if entries == 0 {
+        store
+    } else {
+        Arc::new(CachedStore::new(store, entries))
+    }
+}
+
+#[derive(Clone)]
+struct Entry {
+    record: Arc<CompletedRecord>,
+    cached_at: Instant,
+}
+
+/// A [`Store`] that answers replays of completed keys from a bounded local
+/// cache and delegates everything else to `S` (see the module docs).
+pub struct CachedStore<S: ?Sized = dyn Store> {
+    inner: Arc<S>,
+    cache: Cache<RecordKey, Entry>,
+    max_age: Duration,
+}
+
+impl<S: Store + ?Sized> CachedStore<S> {
+    /// A cache of at most `entries` completed records (at least 1) in front
+    /// of `inner`.
+    pub fn new(inner: Arc<S>, entries: usize) -> Self {
+        Self {
+            inner,
+            cache: Cache::new(entries.max(1)),
+            max_age: DEFAULT_MAX_AGE,
+        }
+    }
+
+    /// Sets how long an entry may be answered from (default
+    /// [`DEFAULT_MAX_AGE`]).
+    pub fn max_age(mut self, max_age: Duration) -> Self {
+        self.max_age = max_age;
+        self
+    }
+
+    /// The store behind the cache.
+    pub fn inner(&self) -> &Arc<S> {
+        &self.inner
+    }
+
+    /// Records cached now (live or not yet found expired).
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
+
+    /// The live cached record of `key`, dropping it if it is due.
+    fn lookup(&self, key: &RecordKey) -> Option<Arc<CompletedRecord>> {
+        let entry = self.cache.get(key)?;
+        if entry.record.expires_at > now_millis() && entry.cached_at.elapsed() < self.max_age {
+            Some(entry.record)
+        } else {
+            self.cache.remove(key);
+            None
+        }
+    }
+
+    fn insert(&self, key: RecordKey, record: CompletedRecord) {
+        if record.expires_at > now_millis() {
+            self.cache.insert(
+                key,
+                Entry {
+                    record: Arc::new(record),
+                    cached_at: Instant::now(),
+                },
+            );
+        }
+    }
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> Store for CachedStore<S> {
+    async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+        if let Some(record) = self.lookup(&begin.key) {
+            return Ok(if record.fingerprint == begin.fingerprint {
+                BeginOutcome::Completed((*record).clone())
+            } else {
+                BeginOutcome::Mismatch {
+                    state: KeyState::Completed,
+                }
+            });
+        }
+        let outcome = self.inner.begin(begin).await?;
+        if let BeginOutcome::Completed(record) = &outcome {
+            self.insert(begin.key, record.clone());
+        }
+        Ok(outcome)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        record: &CompletedRecord,
+    ) -> Result<(), StoreError> {
+        let result = self.inner.complete(key, token, record).await;
+        match &result {
+            Ok(()) => self.insert(*key, record.clone()),
+            Err(_) => {
+                self.cache.remove(key);
+            }
+        }
+        result
+    }
+
+    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
+        self.cache.remove(key);
+        self.inner.release(key, token).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+
+    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        // Dropped before and after: a `begin` that read the record from the
+        // store while it was being removed may have cached it in between.
+        self.cache.remove(key);
+        let removed = self.inner.remove(key).await;
+        self.cache.remove(key);
+        removed
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::idempotency::record::{millis, Fingerprint, Outcome, StoredResponse};
+    use crate::store::{MemoryStore, OnStale};
+
+    const LEASE: Duration = Duration::from_secs(30);
+    const TTL: Duration = Duration::from_secs(3600);
+
+    /// A MemoryStore that counts the calls that reach it.
+    #[derive(Default)]
+    struct Counting {
+        inner: MemoryStore,
+        begins: AtomicUsize,
+        removes: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Store for Counting {
+        async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+            self.begins.fetch_add(1, Ordering::SeqCst);
+            self.inner.begin(begin).await
+        }
+        async fn complete(
+            &self,
+            key: &RecordKey,
+            token: FencingToken,
+            record: &CompletedRecord,
+        ) -> Result<(), StoreError> {
+            self.inner.complete(key, token, record).await
+        }
+        async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
+            self.inner.release(key, token).await
+        }
+        async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+            self.removes.fetch_add(1, Ordering::SeqCst);
+            self.inner.remove(key).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            self.inner.ping().await
+        }
+        fn kind(&self) -> &'static str {
+            "counting"
+        }
+    }
+
+    fn key() -> RecordKey {
+        RecordKey::from_bytes(rand::random())
+    }
+
+    fn begin(key: RecordKey, fingerprint: u8) -> Begin {
+        Begin {
+            key,
+            fingerprint: Fingerprint([fingerprint; 32]),
+            lease: LEASE,
+            ttl: TTL,
+            on_stale: OnStale::Store,
+        }
+    }
+
+    fn completed(fingerprint: u8, ttl: Duration) -> CompletedRecord {
+        let now = now_millis();
+        CompletedRecord {
+            fingerprint: Fingerprint([fingerprint; 32]),
+            created_at: now,
+            completed_at: now,
+            expires_at: now + millis(ttl),
+            outcome: Outcome::Response(StoredResponse {
+                status: 200,
+                headers: vec![],
+                body: Bytes::from_static(b"ok"),
+            }),
+        }
+    }
+
+    fn cached(entries: usize) -> (Arc<Counting>, CachedStore<Counting>) {
+        let inner = Arc::new(Counting::default());
+        (inner.clone(), CachedStore::new(inner, entries))
+    }
+
+    async fn claim(store: &dyn Store, key: RecordKey, fingerprint: u8) -> FencingToken {
+        match store.begin(&begin(key, fingerprint)).await {
+            Ok(BeginOutcome::Acquired { token, .. }) => token,
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn replays_come_from_the_cache_and_pending_is_never_cached() {
+        let (inner, store) = cached(16);
+        let k = key();
+        let token = claim(&store, k, 1).await;
+        // In flight: asked twice, answered by the store both times.
+        for _ in 0..2 {
+            assert!(matches!(
+                store.begin(&begin(k, 1)).await,
+                Ok(BeginOutcome::InFlight { .. })
+            ));
+        }
+        assert_eq!(inner.begins.load(Ordering::SeqCst), 3);
+        assert!(store.is_empty(), "pending records are not cached");
+
+        let record = completed(1, TTL);
+        store.complete(&k, token, &record).await.expect("complete");
+        for _ in 0..3 {
+            assert_eq!(
+                store.begin(&begin(k, 1)).await.ok(),
+                Some(BeginOutcome::Completed(record.clone()))
+            );
+        }
+        assert_eq!(
+            store.begin(&begin(k, 2)).await.ok(),
+            Some(BeginOutcome::Mismatch {
+                state: KeyState::Completed
+            })
+        );
+        assert_eq!(
+            inner.begins.load(Ordering::SeqCst),
+            3,
+            "replays hit the cache"
+        );
+        assert_eq!(store.kind(), "counting");
+    }
+
+    #[tokio::test]
+    async fn completed_answers_from_the_store_are_cached() {
+        let (inner, writer) = cached(16);
+        let k = key();
+        let token = claim(&*inner, k, 1).await;
+        let record = completed(1, TTL);
+        inner.complete(&k, token, &record).await.expect("complete");
+
+        // A second proxy's cache, which has not seen the completion.
+        let reader = CachedStore::new(inner.clone(), 16);
+        let before = inner.begins.load(Ordering::SeqCst);
+        for _ in 0..3 {
+            assert_eq!(
+                reader.begin(&begin(k, 1)).await.ok(),
+                Some(BeginOutcome::Completed(record.clone()))
+            );
+        }
+        assert_eq!(inner.begins.load(Ordering::SeqCst), before + 1);
+        drop(writer);
+    }
+
+    #[tokio::test]
+    async fn expired_records_are_not_answered() {
+        let (inner, store) = cached(16);
+        let k = key();
+        let token = claim(&store, k, 1).await;
+        let record = completed(1, Duration::from_millis(100));
+        store.complete(&k, token, &record).await.expect("complete");
+        assert_eq!(store.len(), 1);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Expired: the store is asked, and the key is free again.
+        let before = inner.begins.load(Ordering::SeqCst);
+        assert!(matches!(
+            store.begin(&begin(k, 2)).await,
+            Ok(BeginOutcome::Acquired { .. })
+        ));
+        assert_eq!(inner.begins.load(Ordering::SeqCst), before + 1);
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn entries_older_than_max_age_are_asked_again() {
+        let inner = Arc::new(Counting::default());
+        let store = CachedStore::new(inner.clone(), 16).max_age(Duration::from_millis(50));
+        let k = key();
+        let token = claim(&store, k, 1).await;
+        store
+            .complete(&k, token, &completed(1, TTL))
+            .await
+            .expect("complete");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = inner.begins.load(Ordering::SeqCst);
+        assert!(matches!(
+            store.begin(&begin(k, 1)).await,
+            Ok(BeginOutcome::Completed(_))
+        ));
+        assert_eq!(inner.begins.load(Ordering::SeqCst), before + 1);
+    }
+
+    #[tokio::test]
+    async fn remove_invalidates() {
+        let (inner, store) = cached(16);
+        let k = key();
+        let token = claim(&store, k, 1).await;
+        store
+            .complete(&k, token, &completed(1, TTL))
+            .await
+            .expect("complete");
+        assert!(store.remove(&k).await.expect("remove"));
+        assert_eq!(inner.removes.load(Ordering::SeqCst), 1);
+        assert!(store.is_empty());
+        // Free again, for any fingerprint.
+        claim(&store, k, 2).await;
+        assert_eq!(
+            store.get(&k).await.ok().flatten().map(|r| r.state()),
+            Some(KeyState::Pending)
+        );
+    }
+
+    #[tokio::test]
+    async fn fenced_completions_are_not_cached() {
+        let (_inner, store) = cached(16);
+        let k = key();
+        claim(&store, k, 1).await;
+        let result = store
+            .complete(&k, FencingToken::random(), &completed(1, TTL))
+            .await;
+        assert!(matches!(result, Err(StoreError::Fenced)));
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_cache_is_bounded() {
+        let (_inner, store) = cached(8);
+        for _ in 0..100 {
+            let k = key();
+            let token = claim(&store, k, 1).await;
+            store
+                .complete(&k, token, &completed(1, TTL))
+                .await
+                .expect("complete");
+        }
+        assert!(store.len() <= 8, "{} entries", store.len());
+        assert!(!store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn wrap_with_zero_entries_is_the_store_itself() {
+        let inner: SharedStore = Arc::new(MemoryStore::new());
+        let same = wrap(inner.clone(), 0);
+        assert!(Arc::ptr_eq(&inner, &same));
+        let wrapped = wrap(inner, 4);
+        assert_eq!(wrapped.kind(), "memory");
+    }
+}

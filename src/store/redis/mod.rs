@@ -1,0 +1,795 @@
+//! Redis and Redis Cluster stores: many proxy replicas share one Redis (or
+//! one cluster), so a key claimed through one replica is seen by all.
+//!
+//! # Layout
+//!
+//! One Redis HASH per record, under `<key_prefix>{<hex of the RecordKey>}`.
+//! The braces are a cluster hash tag: the slot is computed from the record
+//! key alone, and since every script touches exactly that one key, the same
+//! scripts run unchanged on a standalone Redis and on a Redis Cluster (no
+//! CROSSSLOT, no multi-key transactions).
+//!
+//! | field   | holds                                                      |
+//! |---------|------------------------------------------------------------|
+//! | `st`    | `p` pending, `c` completed, `a` a pending claim settled as abandoned |
+//! | `fp`    | the request fingerprint, 32 raw bytes (for the mismatch check)  |
+//! | `tok`   | pending only: the fencing token, 16 bytes, big-endian       |
+//! | `lease` | pending only: `lease_expires_at`, decimal Unix ms           |
+//! | `done`  | `a` only: the instant the claim was settled, decimal Unix ms |
+//! | `exp`   | `expires_at`, decimal Unix ms                               |
+//! | `rec`   | [`Record::encode`] bytes: the versioned record itself (for `a`, the abandoned claim) |
+//!
+//! The scripts only ever compare `fp`, `tok`, `lease` and `exp`; they never
+//! parse `rec`, so the record format can evolve in Rust alone. A stale claim
+//! settled fail-closed cannot be encoded by the client in advance (its
+//! `created_at` is only known inside the script), so the script marks it `a`
+//! and keeps the claim's bytes; the client rebuilds the completed record from
+//! them exactly as [`decide_begin`](super::decide_begin) would.
+//!
+//! # One round trip per state change
+//!
+//! `begin`, `complete` and `release` are one `EVALSHA` each (scripts in this
+//! directory, preloaded at connect so the first call does not pay for a
+//! `NOSCRIPT` retry; after a Redis restart [`redis::Script`] reloads them
+//! once). Everything that depends on randomness or the record encoding (the
+//! new token, the new claim's bytes) is computed client-side and passed in;
+//! the script decides which to write. `get` is one `HMGET`, `remove` one
+//! `EVALSHA`, `ping` one `PING`.
+//!
+//! # Clocks
+//!
+//! Every instant a script compares (`now`, leases, expiries) comes from the
+//! calling proxy's wall clock ([`now_millis`]), never from Redis's, so the
+//! decisions are exactly those of `decide_begin`. The assumption is that the
+//! proxies sharing a Redis keep their clocks in step (NTP): a proxy whose
+//! clock runs S ahead presumes a holder dead S early (and settles or takes
+//! over its key S early), one running behind presumes it S late. Keep skew
+//! well under the lease margin. Redis's own clock only decides when it
+//! reclaims memory: keys get a relative `PEXPIRE` of `expires_at - now`, so
+//! proxy/Redis skew does not shift that either.
+//!
+//! # Expiry
+//!
+//! A completed record lives until completion + ttl. A pending claim lives
+//! until lease + ttl, not just its lease: if it vanished with its lease, a
+//! retry after the holder died would find the key absent and execute again;
+//! kept, it is found stale and settled fail-closed (`on_stale = "store"`).
+//!
+//! # Durability
+//!
+//! At most once holds as long as Redis keeps what it acknowledged: run it
+//! with `appendonly yes`. Replication is asynchronous, so a failover can lose
+//! the last writes (a claim, a completion) and let a retry execute again.
+//!
+//! # Failures
+//!
+//! Single node: a [`ConnectionManager`] (one multiplexed connection shared by
+//! all requests; it reconnects by itself). Cluster: the async cluster
+//! connection (one multiplexed connection per node). Connection attempts and
+//! responses have timeouts of their own, so nothing waits forever even
+//! without the caller's `store.timeout`; a dead Redis surfaces as
+//! [`StoreError::Unavailable`] and the store recovers when Redis returns.
+//! A value that is not a record this build can read surfaces as
+//! [`StoreError::Corrupt`].
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{
+    Client, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisError,
+    RedisFuture, Script, TlsCertificates, Value,
+};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+
+use super::{Begin, BeginOutcome, OnStale, SharedStore, Store, StoreError};
+use crate::config::{StoreConfig, StoreKind};
+use crate::idempotency::record::{
+    millis, now_millis, CompletedRecord, FencingToken, KeyState, Outcome, PendingRecord, Record,
+    RecordKey, UnixMillis, UnknownCause,
+};
+
+/// Longest relative expiry handed to `PEXPIRE`. Redis refuses expiries that
+/// overflow its own clock arithmetic; a `ttl` this long (about 35,000 years)
+/// means "keep", so clamping changes nothing real.
+const MAX_PEXPIRE_MS: u64 = 1 << 50;
+
+/// Floor of the connect and response timeouts. `store.timeout` (250 ms by
+/// default) already bounds every call at the caller; these only stop a
+/// connection attempt or an answer from hanging forever, e.g. against a
+/// host that drops packets, and let a reconnection that outlives one
+/// request's timeout still finish for the next one.
+const MIN_IO_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Reconnection attempts per failed connection (single node). Kept low so
+/// that a dead Redis fails calls quickly; the next call starts a new round.
+const RECONNECT_RETRIES: usize = 2;
+
+struct Scripts {
+    begin: Script,
+    settle: Script,
+    remove: Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    begin: Script::new(include_str!("begin.lua")),
+    settle: Script::new(include_str!("settle.lua")),
+    remove: Script::new(include_str!("remove.lua")),
+});
+
+/// The Redis key of `key` under `prefix`: `<prefix>{<hex>}`. The hash tag
+/// (the part in braces) makes the cluster slot depend on the record key only.
+pub fn redis_key(prefix: &str, key: &RecordKey) -> String {
+    format!("{prefix}{{{}}}", key.to_hex())
+}
+
+/// Opens the store `config.kind` names (`redis` or `redis-cluster`).
+pub async fn open(config: &StoreConfig) -> Result<SharedStore, StoreError> {
+    match config.kind {
+        StoreKind::Redis => Ok(std::sync::Arc::new(RedisStore::connect(config).await?)),
+        StoreKind::RedisCluster => Ok(std::sync::Arc::new(
+            RedisStore::connect_cluster(config).await?,
+        )),
+        other => Err(StoreError::Unavailable(format!(
+            "store kind {other:?} is not a Redis store"
+        ))),
+    }
+}
+
+/// The connection a store shares between all its calls. Both variants are
+/// multiplexed and cheap to clone (a handle to the same connection).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A [`Store`] in Redis (`kind = "redis"`) or a Redis Cluster
+/// (`kind = "redis-cluster"`). See the module docs for the layout.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: Conn,
+    prefix: String,
+    kind: &'static str,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("kind", &self.kind)
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects to the standalone Redis at `config.url` (`redis://` or
+    /// `rediss://`), with the credentials, database and CA of `config`, and
+    /// loads the scripts. Fails if Redis cannot be reached or refuses the
+    /// credentials; once connected, the store reconnects by itself.
+    pub async fn connect(config: &StoreConfig) -> Result<RedisStore, StoreError> {
+        let info = config
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| config_error("store.url", e))?;
+        let mut settings = info.redis_settings().clone();
+        if let Some(username) = &config.username {
+            settings = settings.set_username(username);
+        }
+        if let Some(password) = password(config)? {
+            settings = settings.set_password(password);
+        }
+        if let Some(db) = config.database {
+            settings = settings.set_db(db);
+        }
+        let info = info.set_redis_settings(settings);
+        let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
+        let client = match tls_certificates(config, tls)? {
+            Some(certs) => Client::build_with_tls(info, certs),
+            None => Client::open(info),
+        }
+        .map_err(|e| config_error("store.url", e))?;
+
+        let io_timeout = io_timeout(config);
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(io_timeout))
+            .set_response_timeout(Some(io_timeout))
+            .set_number_of_retries(RECONNECT_RETRIES)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_millis(500));
+        let manager = ConnectionManager::new_with_config(client, manager_config)
+            .await
+            .map_err(|e| connect_error(&redacted(&config.url), e))?;
+        Self::ready(Conn::Single(manager), config, "redis").await
+    }
+
+    /// Connects to the Redis Cluster whose seed nodes are `config.urls`
+    /// (`config.url` alone when `urls` is empty), with the credentials and CA
+    /// of `config`, and loads the scripts on every primary.
+    pub async fn connect_cluster(config: &StoreConfig) -> Result<RedisStore, StoreError> {
+        let urls: Vec<&str> = if config.urls.is_empty() {
+            vec![config.url.as_str()]
+        } else {
+            config.urls.iter().map(String::as_str).collect()
+        };
+        if config.key_prefix.contains(['{', '}']) {
+            // Redis hashes the first `{...}` of a key: braces in the prefix
+            // would make them the hash tag, and put every record in one slot.
+            tracing::warn!(
+                prefix = %config.key_prefix,
+                "store.key_prefix contains braces: records may not spread over the cluster"
+            );
+        }
+        if config.database.is_some_and(|db| db != 0) {
+            return Err(StoreError::Unavailable(
+                "store.database: a Redis Cluster has database 0 only".into(),
+            ));
+        }
+        let mut infos: Vec<ConnectionInfo> = Vec::with_capacity(urls.len());
+        for url in &urls {
+            infos.push(
+                url.into_connection_info()
+                    .map_err(|e| config_error("store.urls", e))?,
+            );
+        }
+        let tls = infos
+            .first()
+            .is_some_and(|info| matches!(info.addr(), ConnectionAddr::TcpTls { .. }));
+        let io_timeout = io_timeout(config);
+        let mut builder = ClusterClientBuilder::new(infos)
+            .connection_timeout(io_timeout)
+            .response_timeout(io_timeout)
+            // MOVED/ASK redirections during resharding are retried within
+            // these; a dead cluster fails calls after them.
+            .retries(3)
+            .min_retry_wait(10)
+            .max_retry_wait(200);
+        if let Some(username) = &config.username {
+            builder = builder.username(username);
+        }
+        if let Some(password) = password(config)? {
+            builder = builder.password(password);
+        }
+        if let Some(certs) = tls_certificates(config, tls)? {
+            builder = builder.certs(certs);
+        }
+        let client = builder.build().map_err(|e| config_error("store.urls", e))?;
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| connect_error(&redacted_list(&urls), e))?;
+        Self::ready(Conn::Cluster(conn), config, "redis-cluster").await
+    }
+
+    /// Loads the scripts (on every primary of a cluster), so that the first
+    /// request does not pay for a `NOSCRIPT` round trip.
+    async fn ready(
+        conn: Conn,
+        config: &StoreConfig,
+        kind: &'static str,
+    ) -> Result<RedisStore, StoreError> {
+        let store = RedisStore {
+            conn,
+            prefix: config.key_prefix.clone(),
+            kind,
+        };
+        for script in [&SCRIPTS.begin, &SCRIPTS.settle, &SCRIPTS.remove] {
+            script
+                .load_async(&mut store.conn.clone())
+                .await
+                .map_err(|e| connect_error("redis (SCRIPT LOAD)", e))?;
+        }
+        Ok(store)
+    }
+
+    /// The prefix of every key this store writes.
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The Redis key holding `key`'s record.
+    pub fn redis_key(&self, key: &RecordKey) -> String {
+        redis_key(&self.prefix, key)
+    }
+
+    async fn settle(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        completed: Option<&CompletedRecord>,
+    ) -> Result<(), StoreError> {
+        let now = now_millis();
+        let mut invocation = SCRIPTS.settle.key(self.redis_key(key));
+        invocation.arg(now).arg(&token.0.to_be_bytes()[..]);
+        match completed {
+            Some(record) => invocation
+                .arg("complete")
+                .arg(&record.fingerprint.0[..])
+                .arg(record.expires_at)
+                .arg(Record::Completed(record.clone()).encode())
+                .arg(pexpire_ms(record.expires_at, now)),
+            None => invocation.arg("release"),
+        };
+        let reply: Value = invocation
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+        let mut reply = Reply::new(reply)?;
+        match reply.status.as_str() {
+            "ok" => Ok(()),
+            "fenced" => Err(StoreError::Fenced),
+            "corrupt" => Err(reply.corrupt()),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+        let now = now_millis();
+        // The claim the script writes if the key is free (or taken over):
+        // prepared here, because the token is random and the encoding is Rust's.
+        let token = FencingToken::random();
+        let lease_expires_at = now.saturating_add(millis(begin.lease));
+        let claim = PendingRecord {
+            fingerprint: begin.fingerprint,
+            token,
+            created_at: now,
+            lease_expires_at,
+            // As in `decide_begin`: an abandoned claim is kept as long as a
+            // completion would be, so it is found stale and settled
+            // fail-closed instead of vanishing with its lease.
+            expires_at: lease_expires_at.saturating_add(millis(begin.ttl)),
+        };
+        let settled_expires_at = now.saturating_add(millis(begin.ttl));
+        let on_stale = match begin.on_stale {
+            OnStale::Store => "store",
+            OnStale::Retry => "retry",
+        };
+        let reply: Value = SCRIPTS
+            .begin
+            .key(self.redis_key(&begin.key))
+            .arg(now)
+            .arg(&begin.fingerprint.0[..])
+            .arg(on_stale)
+            .arg(&token.0.to_be_bytes()[..])
+            .arg(claim.lease_expires_at)
+            .arg(claim.expires_at)
+            .arg(Record::Pending(claim.clone()).encode())
+            .arg(pexpire_ms(claim.expires_at, now))
+            .arg(settled_expires_at)
+            .arg(pexpire_ms(settled_expires_at, now))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+
+        let mut reply = Reply::new(reply)?;
+        match reply.status.as_str() {
+            "acquired" => Ok(BeginOutcome::Acquired {
+                token,
+                took_over: reply.int()? == 1,
+            }),
+            "completed" => match decode(&reply.bytes()?)? {
+                Record::Completed(done) => Ok(BeginOutcome::Completed(done)),
+                Record::Pending(_) => Err(corrupt("a completed record holds a pending claim")),
+            },
+            "abandoned" => {
+                let rec = reply.bytes()?;
+                let completed_at = reply.int()?;
+                let expires_at = reply.int()?;
+                Ok(BeginOutcome::Completed(abandoned(
+                    &rec,
+                    completed_at,
+                    expires_at,
+                )?))
+            }
+            "in_flight" => Ok(BeginOutcome::InFlight {
+                lease_expires_at: reply.int()?,
+            }),
+            "mismatch" => {
+                let state = match reply.bytes()?.as_slice() {
+                    b"pending" => KeyState::Pending,
+                    b"completed" => KeyState::Completed,
+                    _ => return Err(unexpected("mismatch state")),
+                };
+                Ok(BeginOutcome::Mismatch { state })
+            }
+            "corrupt" => Err(reply.corrupt()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        record: &CompletedRecord,
+    ) -> Result<(), StoreError> {
+        self.settle(key, token, Some(record)).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
+        self.settle(key, token, None).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let now = now_millis();
+        let fields: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+            .arg(self.redis_key(key))
+            .arg(&["st", "fp", "exp", "done", "rec"])
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+        let [st, fp, exp, done, rec]: [Option<Vec<u8>>; 5] = fields
+            .try_into()
+            .map_err(|_| unexpected("HMGET reply length"))?;
+        if st.is_none() && fp.is_none() && exp.is_none() {
+            return Ok(None);
+        }
+        let (Some(st), Some(exp), Some(rec)) = (st, exp, rec) else {
+            return Err(corrupt("record hash lacks st, exp or rec"));
+        };
+        let exp = parse_millis(&exp)?;
+        if exp <= now {
+            // Expired by this proxy's clock, whether or not Redis reclaimed it.
+            return Ok(None);
+        }
+        match st.as_slice() {
+            b"p" => match decode(&rec)? {
+                pending @ Record::Pending(_) => Ok(Some(pending)),
+                Record::Completed(_) => Err(corrupt("a pending record holds a completion")),
+            },
+            b"c" => match decode(&rec)? {
+                done @ Record::Completed(_) => Ok(Some(done)),
+                Record::Pending(_) => Err(corrupt("a completed record holds a pending claim")),
+            },
+            b"a" => {
+                let done = done.ok_or_else(|| corrupt("abandoned record without done"))?;
+                Ok(Some(Record::Completed(abandoned(
+                    &rec,
+                    parse_millis(&done)?,
+                    exp,
+                )?)))
+            }
+            _ => Err(corrupt("unknown record state")),
+        }
+    }
+
+    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let removed: i64 = SCRIPTS
+            .remove
+            .key(self.redis_key(key))
+            .arg(now_millis())
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)?;
+        Ok(removed == 1)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        redis::cmd("PING")
+            .query_async::<()>(&mut self.conn.clone())
+            .await
+            .map_err(redis_error)
+    }
+
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+}
+
+/// The completed record of a claim settled as abandoned: what
+/// `decide_begin` writes for `on_stale = "store"`.
+fn abandoned(
+    claim: &[u8],
+    completed_at: UnixMillis,
+    expires_at: UnixMillis,
+) -> Result<CompletedRecord, StoreError> {
+    match decode(claim)? {
+        Record::Pending(p) => Ok(CompletedRecord {
+            fingerprint: p.fingerprint,
+            created_at: p.created_at,
+            completed_at,
+            expires_at,
+            outcome: Outcome::Unknown {
+                cause: UnknownCause::Abandoned,
+            },
+        }),
+        Record::Completed(_) => Err(corrupt("an abandoned claim holds a completion")),
+    }
+}
+
+/// A script reply: a status word, then its values in order.
+struct Reply {
+    status: String,
+    values: std::vec::IntoIter<Value>,
+}
+
+impl Reply {
+    fn new(reply: Value) -> Result<Reply, StoreError> {
+        let Value::Array(values) = reply else {
+            return Err(unexpected("script reply is not an array"));
+        };
+        let mut values = values.into_iter();
+        let status = match values.next() {
+            Some(Value::BulkString(s)) => String::from_utf8_lossy(&s).into_owned(),
+            Some(Value::SimpleString(s)) => s,
+            _ => return Err(unexpected("script reply has no status")),
+        };
+        Ok(Reply { status, values })
+    }
+
+    fn bytes(&mut self) -> Result<Vec<u8>, StoreError> {
+        match self.values.next() {
+            Some(Value::BulkString(b)) => Ok(b),
+            Some(Value::SimpleString(s)) => Ok(s.into_bytes()),
+            _ => Err(unexpected("script reply lacks a string")),
+        }
+    }
+
+    fn int(&mut self) -> Result<u64, StoreError> {
+        match self.values.next() {
+            Some(Value::Int(i)) => u64::try_from(i).map_err(|_| unexpected("negative integer")),
+            Some(Value::BulkString(b)) => parse_millis(&b),
+            _ => Err(unexpected("script reply lacks an integer")),
+        }
+    }
+
+    fn corrupt(&mut self) -> StoreError {
+        let why = self.bytes().unwrap_or_default();
+        corrupt(&String::from_utf8_lossy(&why))
+    }
+}
+
+fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
+    Record::decode(bytes).map_err(|e| StoreError::Corrupt(e.to_string()))
+}
+
+fn parse_millis(bytes: &[u8]) -> Result<UnixMillis, StoreError> {
+    std::str::from_utf8(bytes)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| corrupt("a time field is not a decimal number"))
+}
+
+/// The relative expiry of a key that should live until `expires_at`. At
+/// least 1 ms: `PEXPIRE 0` would delete the key at once, while a record that
+/// is due already reads as absent anyway.
+fn pexpire_ms(expires_at: UnixMillis, now: UnixMillis) -> u64 {
+    expires_at.saturating_sub(now).clamp(1, MAX_PEXPIRE_MS)
+}
+
+fn io_timeout(config: &StoreConfig) -> Duration {
+    config.timeout.saturating_mul(4).max(MIN_IO_TIMEOUT)
+}
+
+/// The password `config` asks for: `password`, else the variable named by
+/// `password_env` (read now, at connect), else none (the URL's, if any).
+fn password(config: &StoreConfig) -> Result<Option<String>, StoreError> {
+    if let Some(password) = &config.password {
+        return Ok(Some(password.clone()));
+    }
+    match &config.password_env {
+        Some(name) => std::env::var(name).map(Some).map_err(|_| {
+            StoreError::Unavailable(format!(
+                "store.password_env names {name}, which is not set (or not UTF-8)"
+            ))
+        }),
+        None => Ok(None),
+    }
+}
+
+/// The trust roots for `rediss://` when `ca_file` is set: its certificates
+/// in addition to the system roots (the ones redis-rs uses without it).
+/// redis-rs takes a single PEM bundle, which then replaces the system roots,
+/// so the system roots are appended to it here.
+fn tls_certificates(
+    config: &StoreConfig,
+    tls: bool,
+) -> Result<Option<TlsCertificates>, StoreError> {
+    let Some(path) = &config.ca_file else {
+        return Ok(None);
+    };
+    let shown = path.display();
+    if !tls {
+        return Err(StoreError::Unavailable(format!(
+            "store.ca_file ({shown}) is set, but the Redis URL is not rediss:// (TLS)"
+        )));
+    }
+    let mut pem = std::fs::read(path)
+        .map_err(|e| StoreError::Unavailable(format!("store.ca_file {shown}: {e}")))?;
+    let mut found = 0usize;
+    for cert in CertificateDer::pem_slice_iter(&pem) {
+        cert.map_err(|e| StoreError::Unavailable(format!("store.ca_file {shown}: {e}")))?;
+        found += 1;
+    }
+    if found == 0 {
+        return Err(StoreError::Unavailable(format!(
+            "store.ca_file {shown}: no PEM certificate in it"
+        )));
+    }
+    let native = rustls_native_certs::load_native_certs();
+    for e in &native.errors {
+        // A broken system store must not stop the proxy: `ca_file` applies.
+        tracing::warn!(error = %e, "cannot load some system CA certificates");
+    }
+    pem.push(b'\n');
+    for cert in &native.certs {
+        append_pem(&mut pem, cert);
+    }
+    Ok(Some(TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem),
+    }))
+}
+
+/// Appends `cert` to `pem` as a PEM `CERTIFICATE` block.
+fn append_pem(pem: &mut Vec<u8>, cert: &[u8]) {
+    use base64::Engine;
+    let body = base64::engine::general_purpose::STANDARD.encode(cert);
+    pem.extend_from_slice(b"-----BEGIN CERTIFICATE-----\n");
+    for line in body.as_bytes().chunks(64) {
+        pem.extend_from_slice(line);
+        pem.push(b'\n');
+    }
+    pem.extend_from_slice(b"-----END CERTIFICATE-----\n");
+}
+
+/// `url` without its userinfo, for messages.
+fn redacted(url: &str) -> String {
+    match (url.split_once("://"), url.rfind('@')) {
+        (Some((scheme, _)), Some(at)) => format!("{scheme}://***@{}", &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
+fn redacted_list(urls: &[&str]) -> String {
+    urls.iter()
+        .map(|u| redacted(u))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn config_error(field: &str, e: RedisError) -> StoreError {
+    StoreError::Unavailable(format!("{field}: {e}"))
+}
+
+fn connect_error(target: &str, e: RedisError) -> StoreError {
+    StoreError::Unavailable(format!("cannot connect to {target}: {e}"))
+}
+
+/// A failed command. A value of the wrong type under a record key (for the
+/// plain commands; scripts report it themselves) is corrupt data; anything
+/// else means the store cannot serve: unreachable, timed out, out of memory,
+/// not allowed, in a failover.
+fn redis_error(e: RedisError) -> StoreError {
+    if e.code() == Some("WRONGTYPE") {
+        StoreError::Corrupt(format!("not a record hash: {e}"))
+    } else {
+        StoreError::Unavailable(format!("redis: {e}"))
+    }
+}
+
+fn corrupt(why: &str) -> StoreError {
+    StoreError::Corrupt(why.to_string())
+}
+
+fn unexpected(what: &str) -> StoreError {
+    StoreError::Unavailable(format!("unexpected reply from redis: {what}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::idempotency::record::Fingerprint;
+
+    #[test]
+    fn keys_carry_the_record_key_as_hash_tag() {
+        let key = RecordKey::from_bytes([0xab; 32]);
+        assert_eq!(
+            redis_key("idemproxy:", &key),
+            format!("idemproxy:{{{}}}", "ab".repeat(32))
+        );
+    }
+
+    #[test]
+    fn pexpire_is_relative_and_bounded() {
+        assert_eq!(pexpire_ms(1_500, 1_000), 500);
+        assert_eq!(pexpire_ms(1_000, 1_000), 1);
+        assert_eq!(pexpire_ms(900, 1_000), 1);
+        assert_eq!(pexpire_ms(u64::MAX, 1_000), MAX_PEXPIRE_MS);
+    }
+
+    #[test]
+    fn appended_pem_parses_back() {
+        let der: Vec<u8> = (0..=255u8).cycle().take(700).collect();
+        let mut pem = Vec::new();
+        append_pem(&mut pem, &der);
+        append_pem(&mut pem, &der[..10]);
+        let parsed: Vec<_> = CertificateDer::pem_slice_iter(&pem)
+            .map(|c| c.map(|c| c.to_vec()).ok())
+            .collect();
+        assert_eq!(parsed, vec![Some(der.clone()), Some(der[..10].to_vec())]);
+    }
+
+    #[test]
+    fn redacts_credentials() {
+        assert_eq!(redacted("redis://u:p@h:1/2"), "redis://***@h:1/2");
+        assert_eq!(redacted("rediss://h:1"), "rediss://h:1");
+    }
+
+    #[test]
+    fn password_precedence() {
+        let mut config = StoreConfig::default();
+        assert_eq!(password(&config).ok().flatten(), None);
+        config.password_env = Some("IDEMPROXY_TEST_SURELY_UNSET_VARIABLE".into());
+        assert!(matches!(
+            password(&config),
+            Err(StoreError::Unavailable(m)) if m.contains("IDEMPROXY_TEST_SURELY_UNSET_VARIABLE")
+        ));
+        config.password = Some("direct".into());
+        assert_eq!(password(&config).ok().flatten().as_deref(), Some("direct"));
+    }
+
+    #[test]
+    fn abandoned_rebuilds_the_settled_record() {
+        let claim = PendingRecord {
+            fingerprint: Fingerprint([3; 32]),
+            token: FencingToken(7),
+            created_at: 10,
+            lease_expires_at: 20,
+            expires_at: 30,
+        };
+        let done = abandoned(&Record::Pending(claim).encode(), 25, 99).ok();
+        assert_eq!(
+            done,
+            Some(CompletedRecord {
+                fingerprint: Fingerprint([3; 32]),
+                created_at: 10,
+                completed_at: 25,
+                expires_at: 99,
+                outcome: Outcome::Unknown {
+                    cause: UnknownCause::Abandoned
+                },
+            })
+        );
+        assert!(matches!(
+            abandoned(b"\x01junk", 1, 2),
+            Err(StoreError::Corrupt(_))
+        ));
+    }
+}

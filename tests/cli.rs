@@ -1,0 +1,258 @@
+//! The real binary: `idemproxy check`, and a smoke run that serves, replays
+//! and exits cleanly on SIGTERM.
+
+mod support;
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use idemproxy::Config;
+use support::proxy::TestClient;
+use support::upstream::TestUpstream;
+use tokio::time::Instant;
+
+const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
+
+/// The binary with no `IDEMPROXY_*` variable inherited from the test's
+/// environment.
+fn idemproxy() -> Command {
+    let mut cmd = Command::new(BIN);
+    for (name, _) in std::env::vars() {
+        if name.starts_with("IDEMPROXY_") {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.env_remove("RUST_LOG");
+    cmd
+}
+
+fn run(cmd: &mut Command) -> (Output, String, String) {
+    let out = cmd.output().expect("run idemproxy");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stdout, stderr)
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write the config file");
+    path
+}
+
+const VALID: &str = r#"
+listen = "127.0.0.1:18080"
+
+[upstream]
+url = "http://127.0.0.1:3001"
+timeout = "5s"
+
+[store]
+kind = "memory"
+
+[idempotency]
+ttl = "1h"
+release_statuses = [429]
+
+[[routes]]
+name = "payments"
+path = "/v1/payments"
+require_key = true
+"#;
+
+#[test]
+fn check_prints_the_effective_configuration() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(dir.path(), "idemproxy.toml", VALID);
+    let (out, stdout, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file));
+    assert!(out.status.success(), "{:?}\n{stderr}", out.status);
+
+    // The output is itself a complete, valid configuration: the file's values
+    // and every default.
+    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    printed.validate().expect("printed configuration is valid");
+    assert_eq!(printed.listen.to_string(), "127.0.0.1:18080");
+    assert_eq!(printed.upstream.url, "http://127.0.0.1:3001");
+    assert_eq!(printed.upstream.timeout, Duration::from_secs(5));
+    assert_eq!(printed.idempotency.ttl, Duration::from_secs(3600));
+    assert_eq!(printed.idempotency.release_statuses, vec![429]);
+    assert_eq!(printed.idempotency.methods, vec!["POST", "PATCH"]);
+    assert_eq!(printed.admin_listen.to_string(), "127.0.0.1:9090");
+    assert_eq!(printed.routes.len(), 1);
+    assert_eq!(printed.routes[0].name, "payments");
+    assert_eq!(printed.routes[0].require_key, Some(true));
+    assert!(stdout.contains("max_response_bytes"), "defaults are shown");
+}
+
+#[test]
+fn check_applies_environment_and_flag_overrides() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(dir.path(), "idemproxy.toml", VALID);
+    let (out, stdout, stderr) = run(idemproxy()
+        .arg("check")
+        .arg("--config")
+        .arg(&file)
+        .arg("--listen")
+        .arg("127.0.0.1:18081")
+        .env("IDEMPROXY_UPSTREAM__TIMEOUT", "7s")
+        .env("IDEMPROXY_LISTEN", "127.0.0.1:18082")
+        .env("IDEMPROXY_IDEMPOTENCY__ON_IN_FLIGHT", "wait"));
+    assert!(out.status.success(), "{:?}\n{stderr}", out.status);
+    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    assert_eq!(printed.upstream.timeout, Duration::from_secs(7), "{stdout}");
+    assert!(stdout.contains("timeout = \"7s\""), "{stdout}");
+    assert_eq!(
+        printed.idempotency.on_in_flight,
+        idemproxy::config::OnInFlight::Wait
+    );
+    // Flags win over the environment, which wins over the file.
+    assert_eq!(printed.listen.to_string(), "127.0.0.1:18081");
+}
+
+#[test]
+fn check_refuses_invalid_files_naming_the_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases = [
+        (
+            "[idempotency]\nrelease_statuses = [1000]\n",
+            "idempotency.release_statuses",
+        ),
+        ("[upstream]\nurll = \"http://x\"\n", "urll"),
+        (
+            "[[routes]]\nname = \"r\"\npath = \"/r\"\nmax_request_bytes = 0\n",
+            "routes[0].max_request_bytes",
+        ),
+        ("[upstream]\ntimeout = \"soon\"\n", "timeout"),
+    ];
+    for (text, field) in cases {
+        let file = write(dir.path(), "bad.toml", text);
+        let (out, stdout, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file));
+        assert!(!out.status.success(), "{text:?} was accepted:\n{stdout}");
+        assert!(stderr.contains(field), "{text:?}: {stderr}");
+        assert!(stdout.is_empty(), "nothing printed for an invalid file");
+    }
+
+    // An invalid value from the environment is named as well.
+    let file = write(dir.path(), "ok.toml", VALID);
+    let (out, _, stderr) = run(idemproxy()
+        .arg("check")
+        .arg("--config")
+        .arg(&file)
+        .env("IDEMPROXY_STORE__TIMEOUT", "0s"));
+    assert!(!out.status.success());
+    assert!(stderr.contains("store.timeout"), "{stderr}");
+
+    // A missing file is an error, not the defaults.
+    let (out, _, stderr) = run(idemproxy()
+        .arg("check")
+        .arg("--config")
+        .arg(dir.path().join("missing.toml")));
+    assert!(!out.status.success());
+    assert!(stderr.contains("missing.toml"), "{stderr}");
+}
+
+fn free_addr() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("ephemeral address")
+}
+
+/// Kills the child if the test fails before it exits by itself.
+struct Running(Option<Child>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_replays_and_exits_cleanly_on_sigterm() {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let listen = free_addr();
+    let admin = free_addr();
+    let file = write(
+        dir.path(),
+        "idemproxy.toml",
+        &format!(
+            "listen = \"{listen}\"\nadmin_listen = \"{admin}\"\ndrain_timeout = \"3s\"\n\
+             [upstream]\nurl = \"{}\"\n[store]\nkind = \"memory\"\n[log]\nlevel = \"warn\"\n",
+            upstream.url()
+        ),
+    );
+    let log = dir.path().join("idemproxy.log");
+    let log_file = std::fs::File::create(&log).expect("log file");
+    let child = idemproxy()
+        .arg("--config")
+        .arg(&file)
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone().expect("log file"))
+        .stderr(log_file)
+        .spawn()
+        .expect("start idemproxy");
+    let pid = child.id();
+    let mut running = Running(Some(child));
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    // Ready when /healthz answers on the admin port.
+    let client = TestClient::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if tokio::net::TcpStream::connect(admin).await.is_ok() {
+            break;
+        }
+        if let Some(child) = &mut running.0 {
+            if let Some(status) = child.try_wait().expect("poll the child") {
+                panic!("idemproxy exited early with {status}:\n{}", logs());
+            }
+        }
+        assert!(Instant::now() < deadline, "no admin listener:\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let health = client
+        .send(
+            http::Method::GET,
+            &format!("http://{admin}/healthz"),
+            &[],
+            "",
+        )
+        .await;
+    assert_eq!(health.status, 200, "{health:?}");
+
+    let url = format!("http://{listen}/v1/orders");
+    let first = client.post_json(&url, "smoke-1", r#"{"amount":5}"#).await;
+    assert_eq!(first.status, 201, "{first:?}\n{}", logs());
+    assert!(!first.replayed());
+    let retry = client.post_json(&url, "smoke-1", r#"{"amount":5}"#).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+    drop(client);
+
+    let killed = Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        let child = running.0.as_mut().expect("child");
+        if let Some(status) = child.try_wait().expect("poll the child") {
+            running.0 = None;
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still running 5 s after SIGTERM:\n{}",
+            logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "exit status {status}:\n{}", logs());
+}

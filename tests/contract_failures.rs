@@ -1,0 +1,521 @@
+//! DESIGN.md §1, the failure rows: oversized requests, an unreachable,
+//! releasing, slow or broken upstream, a proxy that died holding a key, an
+//! oversized response, a client that goes away, and a failing store.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+use idemproxy::config::{OnAmbiguous, OnStoreError};
+use idemproxy::idempotency::record::{
+    now_millis, CompletedRecord, Outcome, Record, StoredResponse, UnknownCause,
+};
+use idemproxy::store::{Begin, BeginOutcome, OnStale, SharedStore, StoreError};
+use support::faulty::{Fault, FaultyStore};
+use support::keys;
+use support::proxy::{config, Reply, TestClient, TestProxy};
+use support::raw;
+use support::upstream::{expected_body, unused_port_url, TestUpstream};
+use tokio::io::AsyncWriteExt;
+use tokio::time::Instant;
+
+const JSON: (&str, &str) = ("content-type", "application/json");
+const ARRIVAL: Duration = Duration::from_secs(5);
+
+fn assert_problem(reply: &Reply, status: u16, slug: &str) {
+    assert_eq!(reply.status, status, "{reply:?}");
+    assert_eq!(reply.problem(), slug, "{reply:?}");
+}
+
+async fn record(store: &SharedStore, target: &str, key: &str) -> Option<Record> {
+    let key = keys::record_key(&keys::json_post(target), key);
+    store.get(&key).await.expect("store answers")
+}
+
+#[tokio::test]
+async fn a_body_over_max_request_bytes_is_413_and_never_executes() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.max_request_bytes = 1024;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let big = format!(r#"{{"blob":"{}"}}"#, "x".repeat(2048));
+
+    let reply = client
+        .post_json(&proxy.url("/v1/orders"), "big-1", &big)
+        .await;
+    assert_problem(&reply, 413, "body-too-large");
+    assert_eq!(reply.header("x-should-retry"), Some("false"));
+    assert!(record(&proxy.store, "/v1/orders", "big-1").await.is_none());
+
+    // Without a Content-Length (chunked), the limit holds while reading.
+    let mut chunked = b"POST /v1/orders HTTP/1.1\r\nhost: proxy.test\r\nconnection: close\r\n\
+idempotency-key: big-2\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+        .to_vec();
+    for _ in 0..4 {
+        chunked.extend_from_slice(format!("400\r\n{}\r\n", "y".repeat(0x400)).as_bytes());
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let reply = raw::exchange(proxy.addr, &chunked).await;
+    assert_problem(&reply, 413, "body-too-large");
+
+    // At the limit it is fine.
+    let exact = format!(r#"{{"b":"{}"}}"#, "z".repeat(1024 - 8));
+    assert_eq!(exact.len(), 1024);
+    let reply = client
+        .post_json(&proxy.url("/v1/exact"), "exact-1", &exact)
+        .await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 0);
+    assert_eq!(upstream.executions("/v1/exact"), 1);
+}
+
+#[tokio::test]
+async fn an_unreachable_upstream_is_502_and_releases_the_key() {
+    let mut c = config(&unused_port_url());
+    c.upstream.connect_timeout = Duration::from_millis(500);
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders");
+
+    for attempt in 1..=2 {
+        let reply = client.post_json(&url, "refused-1", "{}").await;
+        assert_problem(&reply, 502, "upstream-unreachable");
+        assert!(!reply.replayed(), "attempt {attempt} is not a replay");
+        assert_eq!(reply.header("x-should-retry"), Some("true"));
+        assert_eq!(reply.header("stripe-should-retry"), Some("true"));
+        assert_eq!(reply.json()["key_status"], "released");
+        // Released: the store holds nothing under the key, so the retry
+        // (attempt 2) was free to execute, and did try.
+        assert!(
+            record(&proxy.store, "/v1/orders", "refused-1")
+                .await
+                .is_none(),
+            "attempt {attempt}: the key was released"
+        );
+    }
+}
+
+#[tokio::test]
+async fn release_statuses_pass_through_and_release_the_key() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+
+    for status in [429u16, 503] {
+        let path = format!("/v1/s{status}");
+        let target = format!("{path}?status={status}&header=retry-after%3A0");
+        let url = proxy.url(&target);
+        for n in 1..=2usize {
+            let reply = client.post_json(&url, "busy-1", "{}").await;
+            assert_eq!(reply.status, status, "{reply:?}");
+            assert!(!reply.replayed(), "{status} #{n}");
+            // The upstream's own answer, not a problem of the proxy's.
+            assert_eq!(reply.header("content-type"), Some("application/json"));
+            assert_eq!(reply.header("retry-after"), Some("0"));
+            assert_eq!(reply.header("x-upstream-execution"), Some(&*n.to_string()));
+            assert!(
+                record(&proxy.store, &target, "busy-1").await.is_none(),
+                "{status}: the key was released"
+            );
+        }
+        assert_eq!(upstream.executions(&path), 2, "{status} executes again");
+    }
+}
+
+#[tokio::test]
+async fn an_upstream_timeout_is_504_outcome_unknown_and_stored() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.upstream.timeout = Duration::from_millis(300);
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let target = "/v1/orders?delay_ms=2000";
+
+    let started = Instant::now();
+    let first = client.post_json(&proxy.url(target), "slow-1", "{}").await;
+    assert!(started.elapsed() < Duration::from_millis(1500));
+    assert_problem(&first, 504, "outcome-unknown");
+    assert!(!first.replayed());
+    assert_eq!(first.json()["key_status"], "completed");
+    assert_eq!(first.header("x-should-retry"), Some("false"));
+    assert_eq!(first.header("stripe-should-retry"), Some("false"));
+    assert!(matches!(
+        record(&proxy.store, target, "slow-1").await,
+        Some(Record::Completed(CompletedRecord {
+            outcome: Outcome::Unknown {
+                cause: UnknownCause::Timeout
+            },
+            ..
+        }))
+    ));
+
+    for _ in 0..2 {
+        let retry = client.post_json(&proxy.url(target), "slow-1", "{}").await;
+        assert_problem(&retry, 504, "outcome-unknown");
+        assert!(retry.replayed(), "the stored answer: {retry:?}");
+        assert!(retry.header("idempotency-original-date").is_some());
+        assert_eq!(retry.header("x-should-retry"), Some("false"));
+    }
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test]
+async fn an_upstream_reset_is_502_outcome_unknown_and_stored() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+    let target = "/v1/orders?reset=1";
+
+    let first = client.post_json(&proxy.url(target), "reset-1", "{}").await;
+    assert_problem(&first, 502, "outcome-unknown");
+    assert!(!first.replayed());
+    assert_eq!(first.json()["key_status"], "completed");
+    assert_eq!(first.header("x-should-retry"), Some("false"));
+    assert!(matches!(
+        record(&proxy.store, target, "reset-1").await,
+        Some(Record::Completed(CompletedRecord {
+            outcome: Outcome::Unknown {
+                cause: UnknownCause::Reset
+            },
+            ..
+        }))
+    ));
+
+    let retry = client.post_json(&proxy.url(target), "reset-1", "{}").await;
+    assert_problem(&retry, 502, "outcome-unknown");
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test]
+async fn with_on_ambiguous_release_a_timeout_or_reset_releases_the_key() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.upstream.timeout = Duration::from_millis(300);
+    c.idempotency.on_ambiguous = OnAmbiguous::Release;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+
+    for (target, path, status) in [
+        ("/v1/reset?reset=1", "/v1/reset", 502u16),
+        ("/v1/slow?delay_ms=1000", "/v1/slow", 504),
+    ] {
+        for n in 1..=2 {
+            let reply = client.post_json(&proxy.url(target), "amb-1", "{}").await;
+            assert_problem(&reply, status, "outcome-unknown");
+            assert!(!reply.replayed(), "{target} #{n}: executed, not replayed");
+            assert_eq!(reply.json()["key_status"], "released");
+            assert_eq!(reply.header("x-should-retry"), Some("true"));
+            assert!(record(&proxy.store, target, "amb-1").await.is_none());
+            assert_eq!(upstream.executions(path), n, "{target}: the retry executes");
+        }
+    }
+}
+
+/// Plants a pending claim for `key` on `target`, as the proxy would have
+/// made it for `post_json(target, key, body)`, with a 50 ms lease, and
+/// waits for the lease to expire: a proxy that died mid-call.
+async fn plant_stale_claim(
+    store: &SharedStore,
+    target: &str,
+    key: &str,
+    body: &[u8],
+) -> (
+    idemproxy::idempotency::record::RecordKey,
+    idemproxy::idempotency::record::FencingToken,
+) {
+    let parts = keys::json_post(target);
+    let record_key = keys::record_key(&parts, key);
+    let begun = store
+        .begin(&Begin {
+            key: record_key,
+            fingerprint: keys::fingerprint(&parts, body),
+            lease: Duration::from_millis(50),
+            ttl: Duration::from_secs(3600),
+            on_stale: OnStale::Store,
+        })
+        .await
+        .expect("begin");
+    let BeginOutcome::Acquired { token, .. } = begun else {
+        panic!("the key was free: {begun:?}");
+    };
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    (record_key, token)
+}
+
+fn zombie_record(status: u16) -> CompletedRecord {
+    let now = now_millis();
+    CompletedRecord {
+        fingerprint: idemproxy::idempotency::record::Fingerprint([0; 32]),
+        created_at: now,
+        completed_at: now,
+        expires_at: now + 3_600_000,
+        outcome: Outcome::Response(StoredResponse {
+            status,
+            headers: Vec::new(),
+            body: bytes::Bytes::from_static(b"zombie"),
+        }),
+    }
+}
+
+#[tokio::test]
+async fn a_stale_pending_key_fails_closed_as_outcome_unknown() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+    let body = r#"{"amount":5}"#;
+    let (record_key, token) =
+        plant_stale_claim(&proxy.store, "/v1/orders", "stale-1", body.as_bytes()).await;
+
+    for attempt in 1..=2 {
+        let reply = client
+            .post_json(&proxy.url("/v1/orders"), "stale-1", body)
+            .await;
+        assert_problem(&reply, 502, "outcome-unknown");
+        assert!(reply.replayed(), "attempt {attempt}: the settled answer");
+        assert_eq!(reply.json()["key_status"], "completed");
+        assert_eq!(reply.header("x-should-retry"), Some("false"));
+    }
+    assert_eq!(upstream.executions("/v1/orders"), 0, "fail closed");
+    assert!(matches!(
+        proxy.store.get(&record_key).await.expect("store answers"),
+        Some(Record::Completed(CompletedRecord {
+            outcome: Outcome::Unknown {
+                cause: UnknownCause::Abandoned
+            },
+            ..
+        }))
+    ));
+    // The dead holder, were it to come back, cannot overwrite the answer.
+    let late = proxy
+        .store
+        .complete(&record_key, token, &zombie_record(201))
+        .await;
+    assert!(matches!(late, Err(StoreError::Fenced)), "{late:?}");
+}
+
+#[tokio::test]
+async fn with_on_stale_retry_the_request_takes_a_stale_key_over() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.on_stale = OnStale::Retry;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let body = r#"{"amount":5}"#;
+    let (record_key, token) =
+        plant_stale_claim(&proxy.store, "/v1/orders", "stale-2", body.as_bytes()).await;
+
+    let reply = client
+        .post_json(&proxy.url("/v1/orders"), "stale-2", body)
+        .await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert!(!reply.replayed());
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+
+    // The old holder is fenced off; the new outcome stands.
+    let late = proxy
+        .store
+        .complete(&record_key, token, &zombie_record(500))
+        .await;
+    assert!(matches!(late, Err(StoreError::Fenced)), "{late:?}");
+    let retry = client
+        .post_json(&proxy.url("/v1/orders"), "stale-2", body)
+        .await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(retry.replayed());
+    assert_eq!(retry.body, reply.body);
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test]
+async fn a_response_over_max_response_bytes_is_streamed_but_not_stored() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.max_response_bytes = 64 * 1024;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let n = 300_000;
+    let target = format!("/v1/export?body_bytes={n}");
+
+    let first = client.post_json(&proxy.url(&target), "big-1", "{}").await;
+    assert_eq!(first.status, 201, "status {}", first.status);
+    assert!(!first.replayed());
+    assert_eq!(first.body.len(), n);
+    assert!(first.body == expected_body(n), "every byte arrived intact");
+
+    let retry = client.post_json(&proxy.url(&target), "big-1", "{}").await;
+    assert_problem(&retry, 502, "response-not-stored");
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["key_status"], "completed");
+    let detail = retry.json()["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        detail.contains("201"),
+        "names the original status: {detail}"
+    );
+    assert_eq!(retry.header("x-should-retry"), Some("false"));
+    assert!(matches!(
+        record(&proxy.store, &target, "big-1").await,
+        Some(Record::Completed(CompletedRecord {
+            outcome: Outcome::NotStored { status: 201 },
+            ..
+        }))
+    ));
+    assert_eq!(upstream.executions("/v1/export"), 1);
+
+    // Just under the limit it is stored whole.
+    let small = format!("/v1/small?body_bytes={}", 64 * 1024);
+    let first = client.post_json(&proxy.url(&small), "small-1", "{}").await;
+    let retry = client.post_json(&proxy.url(&small), "small-1", "{}").await;
+    assert!(retry.replayed());
+    assert_eq!(retry.status, 201);
+    assert!(retry.body == first.body && retry.body == expected_body(64 * 1024));
+    assert_eq!(upstream.executions("/v1/small"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_call_gets_the_stored_result_on_retry() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+    let target = "/v1/orders?delay_ms=500";
+    let body = r#"{"amount":5}"#;
+
+    let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect to the proxy");
+    let request = raw::request(
+        "POST",
+        target,
+        &[
+            b"idempotency-key: gone-1",
+            b"content-type: application/json",
+        ],
+        body.as_bytes(),
+    );
+    socket.write_all(&request).await.expect("write the request");
+    assert!(
+        upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await,
+        "the request reached the upstream"
+    );
+    drop(socket);
+
+    // Retry as a client would: 425 while the upstream still runs, then the
+    // stored result.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let reply = loop {
+        let reply = client.post_json(&proxy.url(target), "gone-1", body).await;
+        if reply.status != 425 || Instant::now() > deadline {
+            break reply;
+        }
+        let wait: u64 = reply
+            .header("retry-after-ms")
+            .and_then(|v| v.parse().ok())
+            .expect("retry-after-ms");
+        tokio::time::sleep(Duration::from_millis(wait.min(200))).await;
+    };
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert!(reply.replayed(), "{reply:?}");
+    assert_eq!(reply.header("x-upstream-execution"), Some("1"));
+    assert_eq!(reply.json()["body_len"], body.len());
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+async fn proxy_on_faulty_store(
+    upstream: &TestUpstream,
+    on_store_error: OnStoreError,
+) -> (TestProxy, Arc<FaultyStore>) {
+    let mut c = config(&upstream.url());
+    c.store.timeout = Duration::from_millis(250);
+    c.idempotency.on_store_error = on_store_error;
+    let store = FaultyStore::new();
+    let proxy = TestProxy::start_with_store(c, store.clone()).await;
+    (proxy, store)
+}
+
+#[tokio::test]
+async fn an_unavailable_store_is_503_and_nothing_executes() {
+    let upstream = TestUpstream::start().await;
+    let (proxy, store) = proxy_on_faulty_store(&upstream, OnStoreError::Reject).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders");
+
+    for (fault, within) in [
+        // Slower than store.timeout (250 ms): answered at the timeout.
+        (Fault::Hang, Duration::from_millis(250 + 750)),
+        // Refusing outright: answered at once.
+        (Fault::Fail, Duration::from_millis(500)),
+    ] {
+        store.set(fault);
+        let started = Instant::now();
+        let reply = client.post_json(&url, "k", "{}").await;
+        let took = started.elapsed();
+        assert_problem(&reply, 503, "store-unavailable");
+        let secs: u64 = reply
+            .header("retry-after")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("Retry-After: {reply:?}"));
+        assert!(secs >= 1);
+        assert_eq!(reply.header("x-should-retry"), Some("true"));
+        assert!(took < within, "{fault:?}: answered after {took:?}");
+        if fault == Fault::Hang {
+            assert!(took >= Duration::from_millis(250), "{took:?}");
+        }
+    }
+    assert_eq!(upstream.executions("/v1/orders"), 0);
+
+    // The store recovers: normal service, no restart.
+    store.set(Fault::None);
+    let first = client.post_json(&url, "k", "{}").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(!first.replayed());
+    let retry = client.post_json(&url, "k", "{}").await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test]
+async fn with_on_store_error_pass_requests_are_forwarded_unprotected() {
+    let upstream = TestUpstream::start().await;
+    let (proxy, store) = proxy_on_faulty_store(&upstream, OnStoreError::Pass).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders");
+
+    store.set(Fault::Hang);
+    let reply = client.post_json(&url, "k", "{}").await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert!(!reply.replayed());
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+    store.set(Fault::Fail);
+    let reply = client.post_json(&url, "k", "{}").await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert!(!reply.replayed(), "no protection while the store is down");
+    assert_eq!(upstream.executions("/v1/orders"), 2);
+    // Nothing was recorded while the store was down.
+    let key = keys::record_key(&keys::json_post("/v1/orders"), "k");
+    let stored = idemproxy::store::Store::get(store.inner(), &key)
+        .await
+        .expect("memory store answers");
+    assert!(stored.is_none(), "{stored:?}");
+
+    // Recovered: protected again.
+    store.set(Fault::None);
+    let first = client.post_json(&url, "k", "{}").await;
+    assert!(!first.replayed());
+    assert_eq!(upstream.executions("/v1/orders"), 3);
+    let retry = client.post_json(&url, "k", "{}").await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 3);
+
+    // Uncovered requests never touch the store.
+    store.set(Fault::Fail);
+    let get = client
+        .send(Method::GET, &proxy.url("/v1/orders"), &[JSON], "")
+        .await;
+    assert_eq!(get.status, 201);
+}

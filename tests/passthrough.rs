@@ -1,0 +1,129 @@
+//! Uncovered requests are forwarded untouched and unbuffered; what the
+//! upstream sees of the client; HTTP/2 (h2c) clients.
+
+mod support;
+
+use bytes::Bytes;
+use http::{Method, Request, Version};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use support::proxy::{config, TestClient, TestProxy};
+use support::upstream::{expected_body, TestUpstream};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_uncovered_response_passes_through_intact_and_unlimited() {
+    let upstream = TestUpstream::start().await;
+    let c = config(&upstream.url());
+    // Larger than max_response_bytes: passthrough is not buffered or capped.
+    let n = 3_000_000;
+    assert!(n > c.idempotency.max_response_bytes);
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+
+    let reply = client
+        .send(
+            Method::GET,
+            &proxy.url(&format!("/v1/export?body_bytes={n}")),
+            &[("idempotency-key", "ignored-on-get")],
+            "",
+        )
+        .await;
+    assert_eq!(reply.status, 201);
+    assert_eq!(reply.body.len(), n);
+    assert!(reply.body == expected_body(n), "every byte intact");
+    assert_eq!(reply.header("content-length"), Some(&*n.to_string()));
+    assert!(!reply.replayed());
+    assert_eq!(upstream.executions("/v1/export"), 1);
+}
+
+#[tokio::test]
+async fn the_upstream_sees_forwarded_headers_and_its_own_host() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+
+    // Covered and uncovered requests are forwarded alike.
+    for (method, path, key) in [
+        (Method::GET, "/v1/get", None),
+        (Method::POST, "/v1/post", Some("fwd-1")),
+    ] {
+        let mut headers = vec![
+            ("x-forwarded-for", "203.0.113.7"),
+            ("content-type", "application/json"),
+            ("x-custom", "kept"),
+            ("connection", "x-hop"),
+            ("x-hop", "dropped"),
+        ];
+        if let Some(key) = key {
+            headers.push(("idempotency-key", key));
+        }
+        let reply = client
+            .send(method.clone(), &proxy.url(path), &headers, "{}")
+            .await;
+        assert_eq!(reply.status, 201, "{method}: {reply:?}");
+
+        let seen = upstream.last_headers(path).expect("the request arrived");
+        assert_eq!(seen["host"], upstream.addr.to_string(), "{method}");
+        assert_eq!(
+            seen["x-forwarded-for"], "203.0.113.7, 127.0.0.1",
+            "{method}: the client's address is appended"
+        );
+        assert_eq!(seen["x-forwarded-host"], proxy.addr.to_string(), "{method}");
+        assert_eq!(seen["x-forwarded-proto"], "http", "{method}");
+        assert_eq!(seen["x-custom"], "kept", "{method}");
+        assert!(seen.get("x-hop").is_none(), "{method}: hop-by-hop removed");
+        if let Some(key) = key {
+            assert_eq!(seen["idempotency-key"], key, "the key reaches the upstream");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_client_is_served_with_the_same_contract() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let send = |method: Method, path: &str, key: Option<&str>| {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(proxy.url(path))
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            req = req.header("idempotency-key", key);
+        }
+        let req = req
+            .body(Full::new(Bytes::from_static(b"{\"a\":1}")))
+            .expect("request builds");
+        let client = client.clone();
+        async move {
+            let response = client.request(req).await.expect("h2c request");
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.expect("h2c body").to_bytes();
+            (parts, body)
+        }
+    };
+
+    let (first, first_body) = send(Method::POST, "/v1/orders", Some("h2-1")).await;
+    assert_eq!(first.version, Version::HTTP_2);
+    assert_eq!(first.status, 201);
+    assert!(first.headers.get("idempotent-replayed").is_none());
+    let (retry, retry_body) = send(Method::POST, "/v1/orders", Some("h2-1")).await;
+    assert_eq!(retry.version, Version::HTTP_2);
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(retry_body, first_body);
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+
+    let (get, _) = send(Method::GET, "/v1/orders", None).await;
+    assert_eq!(get.version, Version::HTTP_2);
+    assert_eq!(get.status, 201);
+    assert_eq!(upstream.executions("/v1/orders"), 2);
+    // HTTP/2 carries the host in the URI: the upstream still gets its own
+    // Host and the client's in X-Forwarded-Host.
+    let seen = upstream.last_headers("/v1/orders").expect("arrived");
+    assert_eq!(seen["host"], upstream.addr.to_string());
+    assert_eq!(seen["x-forwarded-host"], proxy.addr.to_string());
+}

@@ -1,0 +1,748 @@
+//! The Redis stores beyond the shared contract (`tests/store_contract.rs`):
+//! fencing across proxies, credentials, database selection, TLS, the key
+//! layout on a cluster, expiry, corrupt values, a Redis that dies and comes
+//! back, and the number of Redis commands per request.
+//!
+//! Every test runs its own `redis-server` processes (tests/support), never
+//! the machine's shared Redis.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use idemproxy::config::{StoreConfig, StoreKind};
+use idemproxy::idempotency::record::{
+    millis, now_millis, CompletedRecord, FencingToken, Fingerprint, KeyState, Outcome, Record,
+    RecordKey, StoredResponse, UnknownCause,
+};
+use idemproxy::store::redis::{open, redis_key};
+use idemproxy::store::{Begin, BeginOutcome, CachedStore, OnStale, RedisStore, Store, StoreError};
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use redis_server::{RedisCluster, RedisOptions, RedisServer, TlsFiles};
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(3600);
+
+fn new_key() -> RecordKey {
+    RecordKey::from_bytes(rand::random())
+}
+
+fn begin(key: RecordKey, fingerprint: u8, lease: Duration, on_stale: OnStale) -> Begin {
+    Begin {
+        key,
+        fingerprint: Fingerprint([fingerprint; 32]),
+        lease,
+        ttl: TTL,
+        on_stale,
+    }
+}
+
+fn completed(fingerprint: u8) -> CompletedRecord {
+    let now = now_millis();
+    CompletedRecord {
+        fingerprint: Fingerprint([fingerprint; 32]),
+        created_at: now,
+        completed_at: now,
+        expires_at: now + millis(TTL),
+        outcome: Outcome::Response(StoredResponse {
+            status: 201,
+            headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+            body: Bytes::from_static(b"created"),
+        }),
+    }
+}
+
+fn config(url: String) -> StoreConfig {
+    StoreConfig {
+        kind: StoreKind::Redis,
+        url,
+        key_prefix: redis_server::unique_prefix("redis"),
+        ..StoreConfig::default()
+    }
+}
+
+async fn connect(server: &RedisServer) -> RedisStore {
+    RedisStore::connect(&config(server.url()))
+        .await
+        .expect("connect to redis")
+}
+
+async fn claim(store: &dyn Store, key: RecordKey, lease: Duration) -> FencingToken {
+    match store
+        .begin(&begin(key, 1, lease, OnStale::Store))
+        .await
+        .expect("begin")
+    {
+        BeginOutcome::Acquired { token, .. } => token,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+fn assert_corrupt<T: std::fmt::Debug>(what: &str, result: Result<T, StoreError>) {
+    assert!(
+        matches!(result, Err(StoreError::Corrupt(_))),
+        "{what}: expected Corrupt, got {result:?}"
+    );
+}
+
+/// A plain connection for poking at what the store wrote.
+async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection")
+}
+
+async fn pttl(url: &str, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(&mut raw(url).await)
+        .await
+        .expect("PTTL")
+}
+
+fn assert_about(what: &str, actual: i64, expected: Duration) {
+    let expected = expected.as_millis() as i64;
+    assert!(
+        actual <= expected && actual > expected - 5_000,
+        "{what}: PTTL {actual} ms, expected about {expected} ms"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_lease_expired_is_fenced_out_by_the_new_owner() {
+    let server = RedisServer::start();
+    let config = config(server.url());
+    // Two proxies sharing one Redis.
+    let a = RedisStore::connect(&config).await.expect("connect a");
+    let b = RedisStore::connect(&config).await.expect("connect b");
+    let key = new_key();
+    let stale = claim(&a, key, Duration::from_millis(200)).await;
+
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    let fresh = match b
+        .begin(&begin(key, 1, LEASE, OnStale::Retry))
+        .await
+        .expect("begin")
+    {
+        BeginOutcome::Acquired {
+            token,
+            took_over: true,
+        } => token,
+        other => panic!("expected a takeover, got {other:?}"),
+    };
+
+    let result = a.complete(&key, stale, &completed(1)).await;
+    assert!(matches!(result, Err(StoreError::Fenced)), "{result:?}");
+    let result = a.release(&key, stale).await;
+    assert!(matches!(result, Err(StoreError::Fenced)), "{result:?}");
+    let Some(Record::Pending(pending)) = a.get(&key).await.expect("get") else {
+        panic!("the new claim stands");
+    };
+    assert_eq!(pending.token, fresh);
+
+    let record = completed(1);
+    b.complete(&key, fresh, &record).await.expect("complete");
+    assert_eq!(
+        a.begin(&begin(key, 1, LEASE, OnStale::Retry))
+            .await
+            .expect("begin"),
+        BeginOutcome::Completed(record)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_from_env_acl_users_and_wrong_passwords() {
+    let server = RedisServer::start_with(RedisOptions {
+        requirepass: Some("default-secret".into()),
+        users: vec![("proxy".into(), "proxy-secret".into())],
+        ..RedisOptions::default()
+    });
+
+    // The default user, password read from the variable `password_env` names.
+    let var = format!("IDEMPROXY_TEST_REDIS_PASSWORD_{}", std::process::id());
+    std::env::set_var(&var, "default-secret");
+    let from_env = StoreConfig {
+        password_env: Some(var.clone()),
+        ..config(server.url())
+    };
+    let store = RedisStore::connect(&from_env)
+        .await
+        .expect("connect with password_env");
+    store.ping().await.expect("ping");
+    claim(&store, new_key(), LEASE).await;
+
+    // An ACL user: from the config, and from the URL.
+    let acl = StoreConfig {
+        username: Some("proxy".into()),
+        password: Some("proxy-secret".into()),
+        ..config(server.url())
+    };
+    let store = RedisStore::connect(&acl).await.expect("connect as proxy");
+    claim(&store, new_key(), LEASE).await;
+    let in_url = config(format!(
+        "redis://proxy:proxy-secret@127.0.0.1:{}",
+        server.port()
+    ));
+    let store = RedisStore::connect(&in_url)
+        .await
+        .expect("connect with the URL's credentials");
+    claim(&store, new_key(), LEASE).await;
+
+    // Wrong or missing credentials fail at connect, and say why.
+    for (what, bad) in [
+        (
+            "wrong password",
+            StoreConfig {
+                password: Some("nope".into()),
+                ..config(server.url())
+            },
+        ),
+        (
+            "wrong ACL password",
+            StoreConfig {
+                username: Some("proxy".into()),
+                password: Some("nope".into()),
+                ..config(server.url())
+            },
+        ),
+        ("no password", config(server.url())),
+    ] {
+        let started = Instant::now();
+        match RedisStore::connect(&bad).await {
+            Err(StoreError::Unavailable(message)) => {
+                println!("{what}: {message}");
+                let lower = message.to_lowercase();
+                assert!(
+                    lower.contains("pass") || lower.contains("auth"),
+                    "{what}: the error names the credentials: {message}"
+                );
+                assert!(!message.contains("nope"), "no password in messages");
+            }
+            other => panic!("{what}: expected Unavailable, got {other:?}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{what}: fails fast"
+        );
+    }
+
+    // A variable that is not set is a clear error too.
+    std::env::remove_var(&var);
+    match RedisStore::connect(&from_env).await {
+        Err(StoreError::Unavailable(message)) => assert!(message.contains(&var), "{message}"),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_selection() {
+    let server = RedisServer::start();
+    let in_config = StoreConfig {
+        database: Some(3),
+        ..config(server.url())
+    };
+    let in_url = config(format!("{}/5", server.url()));
+    for (store_config, db) in [(in_config, "3"), (in_url, "5")] {
+        let store = RedisStore::connect(&store_config).await.expect("connect");
+        let key = new_key();
+        claim(&store, key, LEASE).await;
+        let name = store.redis_key(&key);
+        assert_eq!(server.cli(&["-n", db, "exists", &name]).trim(), "1");
+        assert_eq!(server.cli(&["-n", "0", "exists", &name]).trim(), "0");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_are_hashes_under_prefix_and_hash_tag_with_their_expiry() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let prefix = store.key_prefix().to_string();
+    let key = new_key();
+    let name = format!("{prefix}{{{}}}", key.to_hex());
+    assert_eq!(store.redis_key(&key), name);
+    assert_eq!(redis_key(&prefix, &key), name);
+
+    // Pending: kept for lease + ttl, not just the lease.
+    let token = claim(&store, key, LEASE).await;
+    let keys = server.cli(&["--raw", "keys", &format!("{prefix}*")]);
+    assert_eq!(keys.trim(), name, "one key per record");
+    assert_eq!(server.cli(&["type", &name]).trim(), "hash");
+    assert_eq!(server.cli(&["hget", &name, "st"]).trim(), "p");
+    assert_about("pending", pttl(&server.url(), &name).await, LEASE + TTL);
+
+    // Completed: kept until its expires_at.
+    let mut record = completed(1);
+    record.expires_at = now_millis() + 600_000;
+    store
+        .complete(&key, token, &record)
+        .await
+        .expect("complete");
+    assert_eq!(server.cli(&["hget", &name, "st"]).trim(), "c");
+    assert_about(
+        "completed",
+        pttl(&server.url(), &name).await,
+        Duration::from_secs(600),
+    );
+
+    // A stale claim settled fail-closed: kept for ttl from the settlement.
+    let stale = new_key();
+    let stale_name = store.redis_key(&stale);
+    claim(&store, stale, Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let settled = match store
+        .begin(&begin(stale, 1, LEASE, OnStale::Store))
+        .await
+        .expect("begin")
+    {
+        BeginOutcome::Completed(record) => record,
+        other => panic!("expected the stale claim settled, got {other:?}"),
+    };
+    assert_eq!(
+        settled.outcome,
+        Outcome::Unknown {
+            cause: UnknownCause::Abandoned
+        }
+    );
+    assert_eq!(server.cli(&["hget", &stale_name, "st"]).trim(), "a");
+    assert_about("settled", pttl(&server.url(), &stale_name).await, TTL);
+    assert_eq!(
+        store.get(&stale).await.expect("get"),
+        Some(Record::Completed(settled))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_values_are_reported_not_fatal() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let url = server.url();
+    let mut conn = raw(&url).await;
+
+    // A completed record whose bytes are garbage.
+    let garbled = new_key();
+    let token = claim(&store, garbled, LEASE).await;
+    store
+        .complete(&garbled, token, &completed(1))
+        .await
+        .expect("complete");
+    let _: () = redis::cmd("HSET")
+        .arg(store.redis_key(&garbled))
+        .arg("rec")
+        .arg(&b"\x01garbage"[..])
+        .query_async(&mut conn)
+        .await
+        .expect("HSET");
+    assert_corrupt(
+        "begin of garbage",
+        store.begin(&begin(garbled, 1, LEASE, OnStale::Store)).await,
+    );
+    assert_corrupt("get of garbage", store.get(&garbled).await);
+
+    // A record from a future format version.
+    let future = new_key();
+    let token = claim(&store, future, LEASE).await;
+    store
+        .complete(&future, token, &completed(1))
+        .await
+        .expect("complete");
+    let _: () = redis::cmd("HSET")
+        .arg(store.redis_key(&future))
+        .arg("rec")
+        .arg(&[99u8, 1, 2, 3][..])
+        .query_async(&mut conn)
+        .await
+        .expect("HSET");
+    assert_corrupt(
+        "begin of a future version",
+        store.begin(&begin(future, 1, LEASE, OnStale::Store)).await,
+    );
+    assert_corrupt("get of a future version", store.get(&future).await);
+
+    // Not a hash at all, and a hash without our fields' values.
+    let string = new_key();
+    let _: () = redis::cmd("SET")
+        .arg(store.redis_key(&string))
+        .arg("hello")
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    let strange = new_key();
+    let _: () = redis::cmd("HSET")
+        .arg(store.redis_key(&strange))
+        .arg("st")
+        .arg("x")
+        .arg("fp")
+        .arg("short")
+        .query_async(&mut conn)
+        .await
+        .expect("HSET");
+    for (what, key) in [("a string", string), ("a strange hash", strange)] {
+        assert_corrupt(
+            &format!("begin of {what}"),
+            store.begin(&begin(key, 1, LEASE, OnStale::Store)).await,
+        );
+        assert_corrupt(&format!("get of {what}"), store.get(&key).await);
+    }
+    let token = FencingToken::random();
+    assert_corrupt(
+        "complete of a string",
+        store.complete(&string, token, &completed(1)).await,
+    );
+    assert_corrupt("release of a string", store.release(&string, token).await);
+
+    // Removing needs no decoding: it is how an operator clears them.
+    for key in [garbled, future, string, strange] {
+        assert!(store.remove(&key).await.expect("remove"));
+        assert_eq!(store.get(&key).await.expect("get"), None);
+        claim(&store, key, LEASE).await;
+    }
+    store.ping().await.expect("ping");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_is_unavailable_quickly_and_the_store_recovers() {
+    let mut server = RedisServer::start();
+    let store = connect(&server).await;
+    let key = new_key();
+    claim(&store, key, LEASE).await;
+
+    server.kill();
+    let bound = Duration::from_secs(2);
+    for round in 0..3 {
+        let started = Instant::now();
+        let outcomes = [
+            tokio::time::timeout(
+                bound,
+                store.begin(&begin(new_key(), 1, LEASE, OnStale::Store)),
+            )
+            .await
+            .map(|r| r.map(drop)),
+            tokio::time::timeout(bound, store.get(&key))
+                .await
+                .map(|r| r.map(drop)),
+            tokio::time::timeout(
+                bound,
+                store.complete(&key, FencingToken::random(), &completed(1)),
+            )
+            .await,
+            tokio::time::timeout(bound, store.ping()).await,
+        ];
+        for outcome in outcomes {
+            match outcome {
+                Ok(Err(StoreError::Unavailable(message))) => {
+                    if round == 0 {
+                        println!("redis down: {message}");
+                    }
+                }
+                Ok(other) => panic!("round {round}: expected Unavailable, got {other:?}"),
+                Err(_) => panic!("round {round}: a call to a dead Redis hung past {bound:?}"),
+            }
+        }
+        println!("round {round}: 4 calls failed in {:?}", started.elapsed());
+    }
+
+    server.restart();
+    // The same store object: it reconnects by itself.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match tokio::time::timeout(bound, store.ping()).await {
+            Ok(Ok(())) => break,
+            other => assert!(
+                Instant::now() < deadline,
+                "the store did not recover: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The restarted Redis kept nothing (no persistence in tests) and has no
+    // scripts loaded: the store reloads them by itself.
+    let key = new_key();
+    let token = claim(&store, key, LEASE).await;
+    let record = completed(1);
+    store
+        .complete(&key, token, &record)
+        .await
+        .expect("complete");
+    assert_eq!(
+        store
+            .begin(&begin(key, 1, LEASE, OnStale::Store))
+            .await
+            .expect("begin"),
+        BeginOutcome::Completed(record)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_redis_fails_connect_with_unavailable() {
+    let port = redis_server::free_port();
+    let started = Instant::now();
+    match RedisStore::connect(&config(format!("redis://127.0.0.1:{port}"))).await {
+        Err(StoreError::Unavailable(message)) => println!("nothing listening: {message}"),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// `INFO commandstats` of `servers`, summed: command → calls.
+fn commandstats(servers: &[&RedisServer]) -> BTreeMap<String, u64> {
+    let mut stats = BTreeMap::new();
+    for server in servers {
+        for line in server.cli(&["info", "commandstats"]).lines() {
+            let Some((name, rest)) = line.trim().split_once(':') else {
+                continue;
+            };
+            let Some(name) = name.strip_prefix("cmdstat_") else {
+                continue;
+            };
+            let calls = rest
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+            *stats.entry(name.to_string()).or_insert(0) += calls;
+        }
+    }
+    stats
+}
+
+/// The commands the store sent between two snapshots, split into those sent
+/// by the client (round trips) and those the scripts ran inside Redis.
+/// Commands of the measuring `redis-cli` and of cluster housekeeping are left
+/// out.
+fn delta(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
+    const INSIDE_SCRIPTS: &[&str] = &["hmget", "hget", "hset", "hdel", "del", "pexpire"];
+    let mut sent = BTreeMap::new();
+    let mut inside = BTreeMap::new();
+    for (name, calls) in after {
+        let diff = calls - before.get(name).copied().unwrap_or(0);
+        if diff == 0 || name == "info" || name.starts_with("cluster") || name.starts_with("command")
+        {
+            continue;
+        }
+        if INSIDE_SCRIPTS.contains(&name.as_str()) {
+            inside.insert(name.clone(), diff);
+        } else {
+            sent.insert(name.clone(), diff);
+        }
+    }
+    (sent, inside)
+}
+
+/// Measures the Redis commands of a first request (begin + complete) and of
+/// a replay (begin), on `servers` (all nodes of a cluster).
+async fn measure_round_trips(label: &str, store: &RedisStore, servers: &[&RedisServer]) {
+    let key = new_key();
+    let before = commandstats(servers);
+    let token = claim(store, key, LEASE).await;
+    let record = completed(1);
+    store
+        .complete(&key, token, &record)
+        .await
+        .expect("complete");
+    let middle = commandstats(servers);
+    assert_eq!(
+        store
+            .begin(&begin(key, 1, LEASE, OnStale::Store))
+            .await
+            .expect("begin"),
+        BeginOutcome::Completed(record)
+    );
+    let after = commandstats(servers);
+
+    let (first, first_inside) = delta(&before, &middle);
+    let (replay, replay_inside) = delta(&middle, &after);
+    println!("{label}: first request (begin + complete) sent {first:?}, ran inside scripts {first_inside:?}");
+    println!("{label}: replay (begin) sent {replay:?}, ran inside scripts {replay_inside:?}");
+    assert_eq!(
+        first,
+        BTreeMap::from([("evalsha".to_string(), 2)]),
+        "{label}: one EVALSHA per state change, no NOSCRIPT reload"
+    );
+    assert_eq!(
+        replay,
+        BTreeMap::from([("evalsha".to_string(), 1)]),
+        "{label}: a replay is one EVALSHA"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_round_trip_per_state_change() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    measure_round_trips("redis", &store, &[&server]).await;
+
+    // Behind the local replay cache, a replay does not reach Redis at all.
+    let cached = CachedStore::new(Arc::new(store), 16);
+    let key = new_key();
+    let token = claim(&cached, key, LEASE).await;
+    let record = completed(1);
+    cached
+        .complete(&key, token, &record)
+        .await
+        .expect("complete");
+    let before = commandstats(&[&server]);
+    for _ in 0..3 {
+        assert_eq!(
+            cached
+                .begin(&begin(key, 1, LEASE, OnStale::Store))
+                .await
+                .expect("begin"),
+            BeginOutcome::Completed(record.clone())
+        );
+    }
+    let (sent, inside) = delta(&before, &commandstats(&[&server]));
+    println!("redis + local cache: 3 replays sent {sent:?}, ran inside scripts {inside:?}");
+    assert!(sent.is_empty() && inside.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_spreads_records_over_slots_one_slot_per_script() {
+    let cluster = RedisCluster::start(3);
+    let store_config = StoreConfig {
+        kind: StoreKind::RedisCluster,
+        urls: cluster.urls(),
+        key_prefix: redis_server::unique_prefix("cluster"),
+        ..StoreConfig::default()
+    };
+    let store = open(&store_config).await.expect("open the cluster store");
+    assert_eq!(store.kind(), "redis-cluster");
+
+    let keys: Vec<RecordKey> = (0..12).map(|_| new_key()).collect();
+    for key in &keys {
+        let token = claim(&*store, *key, LEASE).await;
+        store
+            .complete(key, token, &completed(1))
+            .await
+            .expect("complete");
+    }
+    let mut nodes_used = std::collections::BTreeSet::new();
+    for key in &keys {
+        let name = redis_key(&store_config.key_prefix, key);
+        // The slot is the hash tag's: the record key alone decides it.
+        let slot = cluster.keyslot(&name);
+        assert_eq!(slot, cluster.keyslot(&key.to_hex()));
+        let owner = cluster.node_for(&name);
+        assert_eq!(owner.cli(&["exists", &name]).trim(), "1");
+        nodes_used.insert(owner.port());
+    }
+    assert!(
+        nodes_used.len() > 1,
+        "12 random records all landed on one node of 3"
+    );
+
+    let direct = RedisStore::connect_cluster(&store_config)
+        .await
+        .expect("connect");
+    let nodes: Vec<&RedisServer> = cluster.nodes.iter().collect();
+    measure_round_trips("redis-cluster", &direct, &nodes).await;
+
+    // A database other than 0 does not exist on a cluster.
+    let with_db = StoreConfig {
+        database: Some(1),
+        ..store_config.clone()
+    };
+    assert!(matches!(
+        RedisStore::connect_cluster(&with_db).await,
+        Err(StoreError::Unavailable(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_private_ca() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()])
+        .expect("generate a certificate");
+    let cert = dir.path().join("redis.crt");
+    let key = dir.path().join("redis.key");
+    std::fs::write(&cert, certified.cert.pem()).expect("write cert");
+    std::fs::write(&key, certified.key_pair.serialize_pem()).expect("write key");
+    let server = RedisServer::start_with(RedisOptions {
+        tls: Some(TlsFiles {
+            cert: cert.clone(),
+            key,
+            ca: cert.clone(),
+        }),
+        ..RedisOptions::default()
+    });
+    assert!(server.url().starts_with("rediss://"));
+
+    let trusted = StoreConfig {
+        ca_file: Some(cert.clone()),
+        ..config(server.url())
+    };
+    let store = RedisStore::connect(&trusted)
+        .await
+        .expect("connect over TLS");
+    let key = new_key();
+    let token = claim(&store, key, LEASE).await;
+    store
+        .complete(&key, token, &completed(1))
+        .await
+        .expect("complete");
+    assert!(matches!(
+        store.begin(&begin(key, 2, LEASE, OnStale::Store)).await,
+        Ok(BeginOutcome::Mismatch {
+            state: KeyState::Completed
+        })
+    ));
+
+    // The system roots do not know the private CA.
+    match RedisStore::connect(&config(server.url())).await {
+        Err(StoreError::Unavailable(message)) => println!("untrusted: {message}"),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    // A CA file is for TLS only: a plain URL with one is a configuration
+    // error, not a silent plaintext connection.
+    let plain = StoreConfig {
+        ca_file: Some(cert),
+        ..config(format!("redis://127.0.0.1:{}", server.port()))
+    };
+    match RedisStore::connect(&plain).await {
+        Err(StoreError::Unavailable(message)) => assert!(message.contains("ca_file"), "{message}"),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_dispatches_on_kind_and_shares_one_connection() {
+    let server = RedisServer::start();
+    let store = open(&config(server.url())).await.expect("open");
+    assert_eq!(store.kind(), "redis");
+
+    // Many concurrent requests, one multiplexed connection (plus the
+    // measuring redis-cli).
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let key = new_key();
+                let token = claim(&*store, key, LEASE).await;
+                store.complete(&key, token, &completed(1)).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task").expect("complete");
+    }
+    let clients = server.cli(&["client", "list"]);
+    let ours = clients
+        .lines()
+        .filter(|l| !l.contains("cmd=client"))
+        .count();
+    assert_eq!(ours, 1, "one connection for all requests: {clients}");
+
+    let memory = StoreConfig {
+        kind: StoreKind::Memory,
+        ..StoreConfig::default()
+    };
+    assert!(open(&memory).await.is_err());
+}

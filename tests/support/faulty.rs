@@ -1,0 +1,101 @@
+//! A [`Store`] that can be told to fail: every call either delegates to a
+//! [`MemoryStore`], hangs (longer than any test's `store.timeout`), or fails
+//! at once with [`StoreError::Unavailable`]. Switching the mode back to
+//! [`Fault::None`] models a store that recovered, without restarting the
+//! proxy.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemproxy::idempotency::record::{CompletedRecord, FencingToken, Record, RecordKey};
+use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Store, StoreError};
+
+/// How long a hanging call sleeps: far past any `store.timeout` in tests.
+pub const HANG: Duration = Duration::from_secs(30);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Fault {
+    /// Every call goes to the memory store.
+    None = 0,
+    /// Every call sleeps for [`HANG`] (the proxy's store timeout fires first).
+    Hang = 1,
+    /// Every call fails at once with `StoreError::Unavailable`.
+    Fail = 2,
+}
+
+#[derive(Default)]
+pub struct FaultyStore {
+    inner: MemoryStore,
+    mode: AtomicU8,
+}
+
+impl FaultyStore {
+    pub fn new() -> Arc<FaultyStore> {
+        Arc::new(FaultyStore::default())
+    }
+
+    pub fn set(&self, fault: Fault) {
+        self.mode.store(fault as u8, Ordering::SeqCst);
+    }
+
+    /// The memory store behind the faults, for checks that bypass them.
+    pub fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+
+    async fn gate(&self) -> Result<(), StoreError> {
+        match self.mode.load(Ordering::SeqCst) {
+            0 => Ok(()),
+            1 => {
+                tokio::time::sleep(HANG).await;
+                Err(StoreError::Unavailable("hung (test fault)".into()))
+            }
+            _ => Err(StoreError::Unavailable("down (test fault)".into())),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for FaultyStore {
+    async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+        self.gate().await?;
+        self.inner.begin(begin).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        record: &CompletedRecord,
+    ) -> Result<(), StoreError> {
+        self.gate().await?;
+        self.inner.complete(key, token, record).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
+        self.gate().await?;
+        self.inner.release(key, token).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.gate().await?;
+        self.inner.get(key).await
+    }
+
+    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.gate().await?;
+        self.inner.remove(key).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.gate().await?;
+        self.inner.ping().await
+    }
+
+    fn kind(&self) -> &'static str {
+        "faulty-memory"
+    }
+}
