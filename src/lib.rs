@@ -29,7 +29,10 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
-use tower::Layer;
+use tower::ServiceBuilder;
+use tower_http::request_id::{
+    MakeRequestUuid, PropagateRequestId, PropagateRequestIdLayer, SetRequestId, SetRequestIdLayer,
+};
 
 use admin::AdminState;
 pub use config::Config;
@@ -42,8 +45,9 @@ use upstream::Upstream;
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// The traffic service: idempotency in front of the upstream.
-pub type ProxyService = Idempotency<Proxy>;
+/// The traffic service: request ids (generated when absent, forwarded to the
+/// upstream, returned to the client), then idempotency, then the upstream.
+pub type ProxyService = SetRequestId<PropagateRequestId<Idempotency<Proxy>>, MakeRequestUuid>;
 
 /// Everything `run` serves, built without sockets.
 pub struct App {
@@ -65,7 +69,11 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
         .upstream_timeout(config.upstream.timeout)
         .metrics(metrics.clone());
     let tasks = layer.tasks();
-    let proxy = layer.layer(Proxy::new(upstream, config.upstream.timeout));
+    let proxy = ServiceBuilder::new()
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(layer)
+        .service(Proxy::new(upstream, config.upstream.timeout));
     let admin = admin::router(AdminState {
         store: store.clone(),
         store_timeout: config.store.timeout,

@@ -127,3 +127,32 @@ async fn an_h2c_client_is_served_with_the_same_contract() {
     assert_eq!(seen["host"], upstream.addr.to_string());
     assert_eq!(seen["x-forwarded-host"], proxy.addr.to_string());
 }
+
+#[tokio::test]
+async fn request_ids_are_generated_when_absent_and_propagated_both_ways() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+
+    let reply = client.post_json(&proxy.url("/v1/rid"), "rid-1", "{}").await;
+    assert_eq!(reply.status, 201);
+    let generated = reply
+        .header("x-request-id")
+        .expect("a request id is generated")
+        .to_string();
+    assert_eq!(generated.len(), 36, "a UUID: {generated}");
+    let seen = upstream.last_headers("/v1/rid").expect("upstream saw it");
+    assert_eq!(seen["x-request-id"], generated.as_str());
+
+    let reply = client
+        .send(
+            Method::GET,
+            &proxy.url("/v1/rid-get"),
+            &[("x-request-id", "caller-chosen-7")],
+            "",
+        )
+        .await;
+    assert_eq!(reply.header("x-request-id"), Some("caller-chosen-7"));
+    let seen = upstream.last_headers("/v1/rid-get").expect("upstream saw it");
+    assert_eq!(seen["x-request-id"], "caller-chosen-7");
+}

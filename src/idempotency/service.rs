@@ -46,6 +46,7 @@ use crate::store::{Begin, BeginOutcome, SharedStore, StoreError};
 use crate::upstream::UpstreamError;
 
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub const X_REQUEST_ID: &str = "x-request-id";
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 pub const IDEMPOTENCY_ORIGINAL_DATE: &str = "idempotency-original-date";
 
@@ -159,7 +160,7 @@ where
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let policy = self.settings.policies.for_path(req.uri().path()).clone();
-        let log = RequestLog::new(&policy, req.method(), &self.settings.metrics);
+        let log = RequestLog::new(&policy, &req, &self.settings.metrics);
         if !policy.covers(req.method()) {
             return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log);
         }
@@ -708,6 +709,8 @@ pub struct RequestLog {
     metrics: Arc<Metrics>,
     route: Arc<str>,
     method: Method,
+    /// `x-request-id`, set by the outer request-id layer when absent.
+    request_id: Option<HeaderValue>,
     started: Instant,
     key: Option<RecordKey>,
     status: Option<u16>,
@@ -716,11 +719,12 @@ pub struct RequestLog {
 }
 
 impl RequestLog {
-    fn new(policy: &Policy, method: &Method, metrics: &Arc<Metrics>) -> Self {
+    fn new<B>(policy: &Policy, req: &Request<B>, metrics: &Arc<Metrics>) -> Self {
         Self {
             metrics: metrics.clone(),
             route: policy.route.clone(),
-            method: method.clone(),
+            method: req.method().clone(),
+            request_id: req.headers().get(X_REQUEST_ID).cloned(),
             started: Instant::now(),
             key: None,
             status: None,
@@ -741,6 +745,11 @@ impl RequestLog {
         // admin API. It is a hash of scope and key, never the key itself.
         let key = self.key.map(|k| k.to_hex());
         let key = key.as_deref().unwrap_or("-");
+        let request_id = self
+            .request_id
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-");
         let upstream_ms = self.upstream.map(|d| d.as_secs_f64() * 1e3);
         tracing::info!(
             target: "idemproxy::request",
@@ -749,6 +758,7 @@ impl RequestLog {
             outcome = outcome.as_str(),
             status = self.status.unwrap_or(0),
             key_hash = key,
+            request_id,
             store_ms = self.store.as_secs_f64() * 1e3,
             upstream_ms,
             total_ms = elapsed.as_secs_f64() * 1e3,
