@@ -47,7 +47,6 @@
 
 use std::borrow::Cow;
 use std::fmt;
-use std::io;
 
 use http::header::{GetAll, CONTENT_TYPE};
 use http::request::Parts;
@@ -108,20 +107,12 @@ impl FingerprintRules {
         }
         if declares_json(parts.headers.get_all(CONTENT_TYPE)) {
             if let Some(value) = parse_ijson(body, &self.ignore) {
-                // On the (theoretical) serializer error the hasher has seen
-                // part of the output; fall back from a copy taken before.
-                let before = h.clone();
+                let mut canonical = Vec::with_capacity(body.len());
+                super::canonical::write(&value, &mut canonical);
                 h.update(b"J");
-                let mut w = HashWriter {
-                    hasher: &mut h,
-                    len: 0,
-                };
-                if serde_json_canonicalizer::to_writer(&value, &mut w).is_ok() {
-                    let len = w.len;
-                    h.update(len.to_be_bytes());
-                    return Fingerprint(h.finalize().into());
-                }
-                h = before;
+                h.update(&canonical);
+                h.update((canonical.len() as u64).to_be_bytes());
+                return Fingerprint(h.finalize().into());
             }
         }
         h.update(b"R");
@@ -138,7 +129,9 @@ impl FingerprintRules {
 /// do not count as the same request.
 pub fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
     let value = parse_ijson(body, ignore)?;
-    serde_json_canonicalizer::to_vec(&value).ok()
+    let mut out = Vec::with_capacity(body.len());
+    super::canonical::write(&value, &mut out);
+    Some(out)
 }
 
 fn parse_ijson(body: &[u8], ignore: &[String]) -> Option<Value> {
@@ -298,25 +291,6 @@ fn array_index(token: &str) -> Option<usize> {
         return None;
     }
     token.parse().ok()
-}
-
-/// Feeds the canonical JSON straight into the hasher (no intermediate
-/// buffer) while counting its length for the framing.
-struct HashWriter<'a> {
-    hasher: &'a mut Sha256,
-    len: u64,
-}
-
-impl io::Write for HashWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.hasher.update(buf);
-        self.len += buf.len() as u64;
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
 }
 
 /// A `serde_json::Value` that refuses duplicate object keys. serde_json's

@@ -16,6 +16,7 @@
 //! - [`rejection`]: every answer the proxy makes itself, as problem+json.
 
 pub mod body;
+pub mod canonical;
 pub mod fingerprint;
 pub mod key;
 pub mod outcome;

@@ -491,11 +491,31 @@ where
         let (tx, client_body) = channel_body(16);
         let status = head.status.as_u16();
         let stored_headers = stored_headers(&head.headers);
+        // A client knows a body with a `Content-Length` is complete once it
+        // has that many bytes, without waiting for the end of the stream; so
+        // the frame that completes it (or, for a body that is empty by
+        // declaration, the head itself) is held back until the outcome is
+        // stored.
+        let declared = head
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let bodiless = declared == Some(0)
+            || head.status == http::StatusCode::NO_CONTENT
+            || head.status == http::StatusCode::NOT_MODIFIED;
         let client_response = Response::from_parts(head, client_body);
         self.log.status = Some(status);
-        let _ = respond.send(client_response);
+        let mut held_head = Some((respond, client_response));
+        if !bodiless {
+            if let Some((respond, response)) = held_head.take() {
+                let _ = respond.send(response);
+            }
+        }
 
         let mut client = Some(tx);
+        let mut relayed = 0u64;
+        let mut held_frames = Vec::new();
         let mut copy = BoundedCopy::new(self.policy.max_response_bytes);
         let complete_body = loop {
             let frame = match tokio::time::timeout_at(deadline, upstream_body.frame()).await {
@@ -509,6 +529,11 @@ where
             };
             if let Some(data) = frame.data_ref() {
                 copy.push(data);
+                relayed += data.len() as u64;
+            }
+            if declared.is_some_and(|len| relayed >= len) {
+                held_frames.push(frame);
+                continue;
             }
             if let Some(tx) = &client {
                 // A client that stops reading must not stall the upstream
@@ -530,8 +555,18 @@ where
             None => Outcome::NotStored { status },
         };
         self.complete(&claim, token, outcome).await;
+        if let Some((respond, response)) = held_head {
+            let _ = respond.send(response);
+        }
         if let Some(tx) = client {
-            if !complete_body {
+            if complete_body {
+                for frame in held_frames {
+                    let sent = tokio::time::timeout_at(deadline, tx.send(Ok(frame))).await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        break;
+                    }
+                }
+            } else {
                 let _ = tx
                     .send(Err("upstream response body did not complete".into()))
                     .await;

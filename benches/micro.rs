@@ -1,0 +1,182 @@
+//! Micro-benchmarks of the per-request work: key parsing, fingerprints
+//! (canonicalization included), record encoding, and the middleware's
+//! overhead on the memory store, in-process (no sockets).
+//!
+//! `cargo bench --bench micro`
+
+use std::convert::Infallible;
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use bytes::Bytes;
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use http::{HeaderValue, Request, Response};
+use http_body_util::BodyExt;
+use idemproxy::config::Config;
+use idemproxy::idempotency::fingerprint::FingerprintRules;
+use idemproxy::idempotency::key::parse_key;
+use idemproxy::idempotency::record::{
+    CompletedRecord, Fingerprint, Outcome, Record, StoredResponse,
+};
+use idemproxy::idempotency::{IdempotencyLayer, Policies};
+use idemproxy::store::MemoryStore;
+use idemproxy::upstream::UpstreamError;
+use tower::{Layer, ServiceExt};
+
+/// A JSON object of about `size` bytes with nested fields, like a tool call's
+/// arguments.
+fn json_body(size: usize) -> Bytes {
+    let mut items = Vec::new();
+    let mut len = 0;
+    let mut i = 0;
+    while len < size {
+        let item = format!(
+            r#"{{"sku":"item-{i:05}","qty":{},"price":{}.{:02},"tags":["a","b"],"meta":{{"note":"line {i}"}}}}"#,
+            i % 7 + 1,
+            i * 3,
+            i % 100
+        );
+        len += item.len() + 1;
+        items.push(item);
+        i += 1;
+    }
+    Bytes::from(format!(
+        r#"{{"customer":"cus_123","currency":"eur","items":[{}],"metadata":{{"sent_at":"2026-11-30T12:00:00Z"}}}}"#,
+        items.join(",")
+    ))
+}
+
+fn key_parsing(c: &mut Criterion) {
+    let bare = HeaderValue::from_static("3f2c9a4e-8b1d-4f6a-9c2e-7d5b1a0e4c3f");
+    let quoted = HeaderValue::from_static("\"3f2c9a4e-8b1d-4f6a-9c2e-7d5b1a0e4c3f\"");
+    let mut group = c.benchmark_group("key");
+    group.bench_function("bare uuid", |b| b.iter(|| parse_key(black_box(&bare))));
+    group.bench_function("sf-string uuid", |b| {
+        b.iter(|| parse_key(black_box(&quoted)))
+    });
+    group.finish();
+}
+
+fn fingerprints(c: &mut Criterion) {
+    let rules = FingerprintRules::new(&[], &["/metadata/sent_at".into()]).expect("rules");
+    let mut group = c.benchmark_group("fingerprint");
+    for size in [1024, 64 * 1024] {
+        let body = json_body(size);
+        let (parts, ()) = Request::post("/v1/payments?x=1")
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request")
+            .into_parts();
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::new("json", size), &body, |b, body| {
+            b.iter(|| rules.fingerprint(black_box(&parts), black_box(body)))
+        });
+        let (raw_parts, ()) = Request::post("/v1/payments")
+            .header("content-type", "application/octet-stream")
+            .body(())
+            .expect("request")
+            .into_parts();
+        group.bench_with_input(BenchmarkId::new("raw", size), &body, |b, body| {
+            b.iter(|| rules.fingerprint(black_box(&raw_parts), black_box(body)))
+        });
+    }
+    group.finish();
+}
+
+fn records(c: &mut Criterion) {
+    let record = Record::Completed(CompletedRecord {
+        fingerprint: Fingerprint([7; 32]),
+        created_at: 1_764_500_000_000,
+        completed_at: 1_764_500_000_050,
+        expires_at: 1_764_586_400_050,
+        outcome: Outcome::Response(StoredResponse {
+            status: 201,
+            headers: vec![
+                (
+                    "content-type".into(),
+                    Bytes::from_static(b"application/json"),
+                ),
+                ("x-request-id".into(), Bytes::from_static(b"5b1a0e4c")),
+            ],
+            body: json_body(1024),
+        }),
+    });
+    let encoded = record.encode();
+    let mut group = c.benchmark_group("record");
+    group.bench_function("encode 1KB", |b| b.iter(|| black_box(&record).encode()));
+    group.bench_function("decode 1KB", |b| {
+        b.iter(|| Record::decode(black_box(&encoded)))
+    });
+    group.finish();
+}
+
+/// The middleware around an upstream that answers at once: what the
+/// protection itself costs per request.
+fn middleware(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let config = Config::default();
+    let policies = Policies::from_config(&config).expect("policies");
+    let upstream = tower::service_fn(|_req: Request<Body>| async {
+        let mut response = Response::new(Body::from(r#"{"id":"pay_1","status":"succeeded"}"#));
+        *response.status_mut() = http::StatusCode::CREATED;
+        Ok::<_, UpstreamError>(response)
+    });
+    let direct = upstream;
+    let service = IdempotencyLayer::new(policies, Arc::new(MemoryStore::new())).layer(upstream);
+    let body = json_body(1024);
+    let request = |key: Option<String>| {
+        let mut builder = Request::post("/v1/payments").header("content-type", "application/json");
+        if let Some(key) = key {
+            builder = builder.header("idempotency-key", key);
+        }
+        builder.body(Body::from(body.clone())).expect("request")
+    };
+    async fn drain(response: Response<Body>) -> usize {
+        let bytes = response.into_body().collect().await.map(|c| c.to_bytes());
+        bytes.map(|b| b.len()).unwrap_or(0)
+    }
+
+    let mut group = c.benchmark_group("middleware");
+    group.bench_function("baseline: upstream alone", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let response: Result<_, UpstreamError> = direct.clone().oneshot(request(None)).await;
+            drain(response.expect("ok")).await
+        })
+    });
+    let counter = AtomicU64::new(0);
+    group.bench_function("first request (unique key)", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let key = format!("k-{}", counter.fetch_add(1, Ordering::Relaxed));
+            let response: Result<_, Infallible> = service.clone().oneshot(request(Some(key))).await;
+            drain(response.expect("infallible")).await
+        })
+    });
+    runtime.block_on(async {
+        let response = service
+            .clone()
+            .oneshot(request(Some("warm".into())))
+            .await
+            .expect("infallible");
+        drain(response).await
+    });
+    group.bench_function("replay", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let response = service
+                .clone()
+                .oneshot(request(Some("warm".into())))
+                .await
+                .expect("infallible");
+            drain(response).await
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, key_parsing, fingerprints, records, middleware);
+criterion_main!(benches);
