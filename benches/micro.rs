@@ -145,7 +145,7 @@ fn middleware(c: &mut Criterion) {
     let mut group = c.benchmark_group("middleware");
     group.bench_function("baseline: upstream alone", |b| {
         b.to_async(&runtime).iter(|| async {
-            let response: Result<_, UpstreamError> = direct.clone().oneshot(request(None)).await;
+            let response: Result<_, UpstreamError> = direct.oneshot(request(None)).await;
             drain(response.expect("ok")).await
         })
     });
