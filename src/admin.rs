@@ -116,7 +116,10 @@ fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.split_once(' '))
+        // Auth schemes are case-insensitive (RFC 9110 §11.1).
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token);
     let ok = given.is_some_and(|g| {
         let digest: [u8; 32] = Sha256::digest(g.as_bytes()).into();
         digest == expected
@@ -212,20 +215,24 @@ struct Lookup {
 async fn lookup_key(
     State(state): State<AdminState>,
     headers: HeaderMap,
-    Json(lookup): Json<Lookup>,
+    body: axum::body::Bytes,
 ) -> Result<Json<Value>, AdminProblem> {
+    // The body is parsed only once the caller is authenticated, and a bad
+    // one is a problem+json like every other answer of the key API.
     authorize(&state, &headers)?;
+    let bad = |detail: String| AdminProblem {
+        status: StatusCode::BAD_REQUEST,
+        slug: "invalid-lookup",
+        detail,
+    };
+    let lookup: Lookup =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("request body: {e}")))?;
     let route = lookup.route.as_deref().unwrap_or("default");
     let policy = state.policies.by_name(route).ok_or(AdminProblem {
         status: StatusCode::BAD_REQUEST,
         slug: "unknown-route",
         detail: format!("No route is named `{route}`."),
     })?;
-    let bad = |detail: String| AdminProblem {
-        status: StatusCode::BAD_REQUEST,
-        slug: "invalid-lookup",
-        detail,
-    };
     let value = axum::http::HeaderValue::from_str(&lookup.key)
         .map_err(|_| bad("`key` is not a valid header value".into()))?;
     let key = crate::idempotency::key::parse_key(&value).map_err(|e| bad(e.to_string()))?;

@@ -19,7 +19,13 @@ const JSON: (&str, &str) = ("content-type", "application/json");
 
 /// Headers that describe the message framing or the moment, not the stored
 /// response: hyper sets them per message.
-const PER_MESSAGE: [&str; 3] = ["date", "transfer-encoding", "content-length"];
+// `x-request-id` belongs to each exchange: the retry carries its own.
+const PER_MESSAGE: [&str; 4] = [
+    "date",
+    "transfer-encoding",
+    "content-length",
+    "x-request-id",
+];
 
 /// The replay carries every header of the original (framing aside) with the
 /// same values in the same order.

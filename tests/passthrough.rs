@@ -153,6 +153,8 @@ async fn request_ids_are_generated_when_absent_and_propagated_both_ways() {
         )
         .await;
     assert_eq!(reply.header("x-request-id"), Some("caller-chosen-7"));
-    let seen = upstream.last_headers("/v1/rid-get").expect("upstream saw it");
+    let seen = upstream
+        .last_headers("/v1/rid-get")
+        .expect("upstream saw it");
     assert_eq!(seen["x-request-id"], "caller-chosen-7");
 }

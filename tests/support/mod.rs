@@ -1,5 +1,7 @@
 #![allow(dead_code)]
 
+pub mod binary;
+pub mod fault;
 pub mod faulty;
 pub mod keys;
 pub mod proxy;

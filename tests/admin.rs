@@ -1,0 +1,580 @@
+//! README "Operating idemproxy" → Admin listener: the key API
+//! (`GET`/`DELETE /v1/keys/{hash}`, `POST /v1/keys/lookup`), its token, and
+//! the reconciliation flow for an `outcome-unknown` key.
+
+mod support;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use http::Method;
+use idemproxy::config::{Config, RouteConfig};
+use idemproxy::idempotency::record::{CompletedRecord, FencingToken, Record, RecordKey};
+use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Store, StoreError};
+use serde_json::{json, Value};
+use support::keys;
+use support::proxy::{config, Reply, TestClient, TestProxy};
+use support::upstream::TestUpstream;
+
+const TOKEN: &str = "admin-test-token-5f2c";
+const ARRIVAL: Duration = Duration::from_secs(5);
+const TENANT_A: &str = "Bearer sk_tenant_a_d41d8cd98f";
+const TENANT_B: &str = "Bearer sk_tenant_b_0cc175b9c0";
+
+fn with_routes(mut c: Config, token: Option<&str>) -> Config {
+    c.admin_token = token.map(str::to_owned);
+    c.routes = vec![RouteConfig {
+        name: "payments".into(),
+        path: "/v1/payments".into(),
+        ..RouteConfig::default()
+    }];
+    c
+}
+
+fn assert_problem(reply: &Reply, status: u16, slug: &str) {
+    assert_eq!(reply.status, status, "{reply:?}");
+    assert_eq!(reply.problem(), slug, "{reply:?}");
+}
+
+/// The admin API, as an operator calls it.
+struct Admin<'a> {
+    client: TestClient,
+    proxy: &'a TestProxy,
+    auth: Option<String>,
+}
+
+impl<'a> Admin<'a> {
+    fn new(proxy: &'a TestProxy, auth: Option<&str>) -> Self {
+        Admin {
+            client: TestClient::new(),
+            proxy,
+            auth: auth.map(str::to_owned),
+        }
+    }
+
+    fn bearer(proxy: &'a TestProxy) -> Self {
+        Self::new(proxy, Some(&format!("Bearer {TOKEN}")))
+    }
+
+    async fn call(&self, method: Method, path: &str, body: &str) -> Reply {
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(auth) = &self.auth {
+            headers.push(("authorization", auth));
+        }
+        self.client
+            .send(
+                method,
+                &self.proxy.admin_url(path),
+                &headers,
+                body.to_string(),
+            )
+            .await
+    }
+
+    async fn get(&self, hash: &str) -> Reply {
+        self.call(Method::GET, &format!("/v1/keys/{hash}"), "")
+            .await
+    }
+
+    async fn delete(&self, hash: &str) -> Reply {
+        self.call(Method::DELETE, &format!("/v1/keys/{hash}"), "")
+            .await
+    }
+
+    async fn lookup(&self, body: Value) -> Reply {
+        self.call(Method::POST, "/v1/keys/lookup", &body.to_string())
+            .await
+    }
+}
+
+/// A request to a covered path on behalf of a tenant.
+async fn post(
+    client: &TestClient,
+    proxy: &TestProxy,
+    target: &str,
+    key: &str,
+    auth: &str,
+) -> Reply {
+    client
+        .send(
+            Method::POST,
+            &proxy.url(target),
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+                ("authorization", auth),
+            ],
+            r#"{"amount":1000}"#,
+        )
+        .await
+}
+
+/// The record key the proxy derives for `key` sent to `target` by `auth`.
+fn hash_of(target: &str, key: &str, auth: &str) -> String {
+    let parts = keys::parts(
+        Method::POST,
+        target,
+        &[
+            ("content-type", "application/json"),
+            ("authorization", auth),
+        ],
+    );
+    keys::record_key(&parts, key).to_hex()
+}
+
+fn time(v: &Value) -> SystemTime {
+    let s = v
+        .as_str()
+        .unwrap_or_else(|| panic!("a timestamp string: {v}"));
+    humantime::parse_rfc3339(s).unwrap_or_else(|e| panic!("{s} is RFC 3339: {e}"))
+}
+
+fn secs_between(from: &Value, to: &Value) -> f64 {
+    time(to)
+        .duration_since(time(from))
+        .unwrap_or_else(|e| panic!("{to} is after {from}: {e}"))
+        .as_secs_f64()
+}
+
+#[tokio::test]
+async fn without_an_admin_token_the_key_api_is_refused() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(with_routes(config(&upstream.url()), None)).await;
+    let client = TestClient::new();
+    let done = post(&client, &proxy, "/v1/payments", "k-1", TENANT_A).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    let hash = hash_of("/v1/payments", "k-1", TENANT_A);
+
+    // With or without a bearer (no token is configured, none is right).
+    for auth in [None, Some("Bearer anything"), Some("Bearer ")] {
+        let admin = Admin::new(&proxy, auth);
+        assert_problem(&admin.get(&hash).await, 403, "admin-disabled");
+        assert_problem(&admin.delete(&hash).await, 403, "admin-disabled");
+        let lookup = admin
+            .lookup(
+                json!({"key": "k-1", "route": "payments", "headers": {"authorization": TENANT_A}}),
+            )
+            .await;
+        assert_problem(&lookup, 403, "admin-disabled");
+    }
+    // Nothing was deleted; the rest of the admin listener is open.
+    let retry = post(&client, &proxy, "/v1/payments", "k-1", TENANT_A).await;
+    assert!(retry.replayed(), "{retry:?}");
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let reply = client
+            .send(Method::GET, &proxy.admin_url(path), &[], "")
+            .await;
+        assert_eq!(reply.status, 200, "{path}: {reply:?}");
+    }
+}
+
+#[tokio::test]
+async fn the_key_api_requires_the_bearer_token() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(with_routes(config(&upstream.url()), Some(TOKEN))).await;
+    let client = TestClient::new();
+    let done = post(&client, &proxy, "/v1/payments", "k-1", TENANT_A).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    let hash = hash_of("/v1/payments", "k-1", TENANT_A);
+    let lookup = json!({"key": "k-1", "route": "payments", "headers": {"authorization": TENANT_A}});
+
+    let wrong = [
+        None,
+        Some("Bearer wrong-token".to_string()),
+        Some(format!("Bearer {TOKEN}x")),
+        Some(format!("Basic {TOKEN}")),
+        Some(TOKEN.to_string()),
+        Some("Bearer ".to_string()),
+    ];
+    for auth in &wrong {
+        let admin = Admin::new(&proxy, auth.as_deref());
+        for reply in [
+            admin.get(&hash).await,
+            admin.delete(&hash).await,
+            admin.lookup(lookup.clone()).await,
+            // Authentication comes before the body is even parsed.
+            admin
+                .call(Method::POST, "/v1/keys/lookup", "not json")
+                .await,
+            // ... and before the hash is checked.
+            admin.get("not-a-hash").await,
+        ] {
+            assert_problem(&reply, 401, "admin-unauthorized");
+            assert_eq!(
+                reply.header("www-authenticate"),
+                Some("Bearer"),
+                "{auth:?}: {reply:?}"
+            );
+        }
+    }
+    // The refused DELETEs deleted nothing.
+    let retry = post(&client, &proxy, "/v1/payments", "k-1", TENANT_A).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(upstream.executions("/v1/payments"), 1);
+    let admin = Admin::bearer(&proxy);
+    assert_eq!(admin.get(&hash).await.status, 200);
+}
+
+/// Collects what the `tracing` JSON formatter writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+    }
+
+    /// The `idemproxy::request` events' fields.
+    fn request_events(&self) -> Vec<Value> {
+        self.text()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["target"] == "idemproxy::request")
+            .map(|e| e["fields"].clone())
+            .collect()
+    }
+}
+
+// A current-thread runtime: the proxy's tasks run on the test's thread, so
+// the thread-local log subscriber below sees their events (and only them).
+#[tokio::test(flavor = "current_thread")]
+async fn lookup_and_get_describe_a_completed_key_by_its_logged_hash() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .with_writer(move || writer.clone())
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(with_routes(config(&upstream.url()), Some(TOKEN))).await;
+    let client = TestClient::new();
+    let admin = Admin::bearer(&proxy);
+    let raw_key = "order-7f3a9c-raw-key";
+    let done = post(&client, &proxy, "/v1/payments", raw_key, TENANT_A).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    let expected_hash = hash_of("/v1/payments", raw_key, TENANT_A);
+
+    // Looked up the moment the response arrived: already completed.
+    let found = admin
+        .lookup(
+            json!({"key": raw_key, "route": "payments", "headers": {"authorization": TENANT_A}}),
+        )
+        .await;
+    assert_eq!(found.status, 200, "{found:?}");
+    assert_eq!(found.header("content-type"), Some("application/json"));
+    let record = found.json();
+    assert_eq!(record["key_hash"], expected_hash.as_str());
+    assert_eq!(record["state"], "completed");
+    assert_eq!(record["outcome"], "response");
+    assert_eq!(record["status"], 201);
+    assert!(record.get("lease_expires_at").is_none(), "{record}");
+    assert!(secs_between(&record["created_at"], &record["completed_at"]) < 5.0);
+    // Completed records live `ttl` (24 h by default).
+    let ttl = secs_between(&record["completed_at"], &record["expires_at"]);
+    assert!((ttl - 86_400.0).abs() < 1.0, "{ttl}");
+
+    // GET by that hash answers the same record.
+    let by_hash = admin.get(&expected_hash).await;
+    assert_eq!(by_hash.status, 200, "{by_hash:?}");
+    assert_eq!(by_hash.json(), record);
+
+    // The hash is the request log's `key_hash`; the log never carries the
+    // raw key or the caller's credential.
+    let events = logs.request_events();
+    let executed: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["outcome"] == "executed")
+        .collect();
+    assert_eq!(executed.len(), 1, "{events:?}");
+    assert_eq!(executed[0]["key_hash"], expected_hash.as_str());
+    assert_eq!(executed[0]["route"], "payments");
+    let text = logs.text();
+    assert!(!text.contains(raw_key), "raw key logged: {text}");
+    assert!(!text.contains("sk_tenant_a"), "credential logged: {text}");
+
+    // Lookups are scoped like requests: another tenant, or no credential,
+    // has no such key. Header names are case-insensitive.
+    for headers in [json!({"authorization": TENANT_B}), json!({})] {
+        let other = admin
+            .lookup(json!({"key": raw_key, "route": "payments", "headers": headers}))
+            .await;
+        assert_problem(&other, 404, "key-not-found");
+    }
+    let cased = admin
+        .lookup(
+            json!({"key": raw_key, "route": "payments", "headers": {"Authorization": TENANT_A}}),
+        )
+        .await;
+    assert_eq!(cased.json(), record);
+    // Without a route, `default` applies (same scope rules here).
+    let default_route = admin
+        .lookup(json!({"key": raw_key, "headers": {"authorization": TENANT_A}}))
+        .await;
+    assert_eq!(default_route.json(), record);
+}
+
+#[tokio::test]
+async fn a_key_in_flight_is_pending_with_its_lease() {
+    let upstream = TestUpstream::start().await;
+    let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
+    c.upstream.timeout = Duration::from_secs(5);
+    c.idempotency.lease_margin = Duration::from_secs(2);
+    let proxy = TestProxy::start(c).await;
+    let admin = Admin::bearer(&proxy);
+    let target = "/v1/payments?delay_ms=600";
+
+    let slow = {
+        let client = TestClient::new();
+        let proxy_url = proxy.url(target);
+        tokio::spawn(async move {
+            client
+                .send(
+                    Method::POST,
+                    &proxy_url,
+                    &[
+                        ("idempotency-key", "slow-1"),
+                        ("content-type", "application/json"),
+                        ("authorization", TENANT_A),
+                    ],
+                    r#"{"amount":1000}"#,
+                )
+                .await
+        })
+    };
+    assert!(
+        upstream
+            .wait_for_executions("/v1/payments", 1, ARRIVAL)
+            .await
+    );
+    let pending = admin
+        .lookup(
+            json!({"key": "slow-1", "route": "payments", "headers": {"authorization": TENANT_A}}),
+        )
+        .await;
+    assert_eq!(pending.status, 200, "{pending:?}");
+    let record = pending.json();
+    assert_eq!(record["state"], "pending");
+    assert_eq!(
+        record["key_hash"],
+        hash_of(target, "slow-1", TENANT_A).as_str()
+    );
+    assert!(record.get("status").is_none(), "{record}");
+    // The lease is upstream.timeout + lease_margin.
+    let lease = secs_between(&record["created_at"], &record["lease_expires_at"]);
+    assert!((lease - 7.0).abs() < 1.0, "lease {lease} s: {record}");
+    let hash = record["key_hash"].as_str().unwrap_or_default().to_owned();
+    assert_eq!(admin.get(&hash).await.json(), record);
+
+    let done = slow.await.expect("slow request task");
+    assert_eq!(done.status, 201, "{done:?}");
+    let completed = admin.get(&hash).await.json();
+    assert_eq!(completed["state"], "completed", "{completed}");
+    assert_eq!(completed["status"], 201);
+    // (The pending record's `created_at` is the store's clock at the claim,
+    // the completed one's the proxy's at the request's arrival: a few ms
+    // apart, not equal.)
+    let drift = secs_between(&completed["created_at"], &record["created_at"]);
+    assert!(drift < 1.0, "{drift} s: {record} then {completed}");
+}
+
+#[tokio::test]
+async fn deleting_an_outcome_unknown_key_lets_the_retry_execute() {
+    let upstream = TestUpstream::start().await;
+    let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
+    c.upstream.timeout = Duration::from_millis(300);
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let admin = Admin::bearer(&proxy);
+    let target = "/v1/payments?delay_ms=1000";
+
+    let first = post(&client, &proxy, target, "charge-9", TENANT_A).await;
+    assert_problem(&first, 504, "outcome-unknown");
+    let retry = post(&client, &proxy, target, "charge-9", TENANT_A).await;
+    assert_problem(&retry, 504, "outcome-unknown");
+    assert!(retry.replayed(), "fail closed: {retry:?}");
+    assert_eq!(upstream.executions("/v1/payments"), 1);
+
+    // The operator finds the key from what the caller sent ...
+    let found = admin
+        .lookup(
+            json!({"key": "charge-9", "route": "payments", "headers": {"authorization": TENANT_A}}),
+        )
+        .await;
+    assert_eq!(found.status, 200, "{found:?}");
+    let record = found.json();
+    assert_eq!(record["state"], "completed");
+    assert_eq!(record["outcome"], "outcome-unknown (timeout)");
+    assert_eq!(record["status"], 504);
+    let hash = record["key_hash"].as_str().unwrap_or_default().to_owned();
+    assert_eq!(hash, hash_of(target, "charge-9", TENANT_A));
+
+    // ... reconciles with the upstream (it did not charge, say) and
+    // deletes the key.
+    let deleted = admin.delete(&hash).await;
+    assert_eq!(deleted.status, 200, "{deleted:?}");
+    assert_eq!(
+        deleted.json(),
+        json!({"key_hash": hash.as_str(), "deleted": true})
+    );
+    assert_problem(&admin.delete(&hash).await, 404, "key-not-found");
+    assert_problem(&admin.get(&hash).await, 404, "key-not-found");
+
+    // The caller's next retry executes again.
+    let again = post(&client, &proxy, target, "charge-9", TENANT_A).await;
+    assert_problem(&again, 504, "outcome-unknown");
+    assert!(!again.replayed(), "executed, not replayed: {again:?}");
+    assert_eq!(upstream.executions("/v1/payments"), 2);
+    assert_eq!(admin.get(&hash).await.json()["state"], "completed");
+}
+
+#[tokio::test]
+async fn bad_hashes_and_bad_lookups_are_400() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(with_routes(config(&upstream.url()), Some(TOKEN))).await;
+    let admin = Admin::bearer(&proxy);
+
+    let valid_unknown = "ab".repeat(32);
+    assert_problem(&admin.get(&valid_unknown).await, 404, "key-not-found");
+    assert_problem(&admin.delete(&valid_unknown).await, 404, "key-not-found");
+    for bad in [
+        "xyz".to_string(),
+        "ab".repeat(31) + "a",
+        "ab".repeat(33),
+        "zz".repeat(32),
+        "order-1".to_string(),
+    ] {
+        assert_problem(&admin.get(&bad).await, 400, "invalid-key-hash");
+        assert_problem(&admin.delete(&bad).await, 400, "invalid-key-hash");
+    }
+
+    let unknown_route = admin
+        .lookup(json!({"key": "k", "route": "refunds", "headers": {}}))
+        .await;
+    assert_problem(&unknown_route, 400, "unknown-route");
+    for body in [
+        json!({"key": ""}),
+        json!({"key": "k".repeat(256)}),
+        json!({"key": "two words"}),
+        json!({"key": "k", "headers": {"bad header": "x"}}),
+        json!({"key": "k", "unknown": 1}),
+        json!({"route": "payments"}),
+    ] {
+        let reply = admin.lookup(body.clone()).await;
+        assert_problem(&reply, 400, "invalid-lookup");
+    }
+    let not_json = admin
+        .call(Method::POST, "/v1/keys/lookup", "{not json")
+        .await;
+    assert_problem(&not_json, 400, "invalid-lookup");
+}
+
+/// A memory store whose `complete` takes [`SLOW_COMPLETE`]: storing an
+/// outcome is slow, everything else is not.
+#[derive(Default)]
+struct SlowComplete(MemoryStore);
+
+const SLOW_COMPLETE: Duration = Duration::from_millis(200);
+
+#[async_trait]
+impl Store for SlowComplete {
+    async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+        self.0.begin(begin).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        record: &CompletedRecord,
+    ) -> Result<(), StoreError> {
+        tokio::time::sleep(SLOW_COMPLETE).await;
+        self.0.complete(key, token, record).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
+        self.0.release(key, token).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.0.get(key).await
+    }
+
+    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.0.remove(key).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.0.ping().await
+    }
+
+    fn kind(&self) -> &'static str {
+        "slow-complete-memory"
+    }
+}
+
+/// README: "The client's response body ends only after the outcome is
+/// stored, so a caller that retries the moment it has the response finds
+/// the record" — also when the response has a `Content-Length` (the client
+/// needs no end of stream to know the body is complete) or no body at all.
+#[tokio::test]
+async fn a_key_is_completed_by_the_time_its_response_has_arrived() {
+    let upstream = TestUpstream::start().await;
+    let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
+    c.store.timeout = Duration::from_secs(2);
+    let proxy = TestProxy::start_with_store(c, Arc::new(SlowComplete::default())).await;
+    let client = TestClient::new();
+    let admin = Admin::bearer(&proxy);
+
+    for (i, (target, status, len)) in [
+        ("/v1/payments", 201u16, None),
+        ("/v1/payments?body_bytes=100000", 201, Some(100_000usize)),
+        ("/v1/payments?body_bytes=0", 201, Some(0)),
+        ("/v1/payments?status=204", 204, Some(0)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("arrived-{i}");
+        let started = tokio::time::Instant::now();
+        let first = post(&client, &proxy, target, &key, TENANT_A).await;
+        let took = started.elapsed();
+        assert_eq!(first.status, status, "{target}: {first:?}");
+        assert!(!first.replayed());
+        if let Some(len) = len {
+            assert_eq!(first.body.len(), len, "{target}");
+        }
+        assert!(took >= SLOW_COMPLETE, "{target}: complete after {took:?}");
+
+        let record = admin
+            .lookup(
+                json!({"key": key, "route": "payments", "headers": {"authorization": TENANT_A}}),
+            )
+            .await
+            .json();
+        assert_eq!(record["state"], "completed", "{target}: {record}");
+        assert_eq!(record["status"], status);
+        let retry = post(&client, &proxy, target, &key, TENANT_A).await;
+        assert!(retry.replayed(), "{target}: {retry:?}");
+        assert_eq!(retry.status, status);
+        assert_eq!(retry.body, first.body, "{target}");
+    }
+    assert_eq!(upstream.executions("/v1/payments"), 4);
+}

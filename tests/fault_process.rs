@@ -1,0 +1,179 @@
+//! Fault injection on real `idemproxy` processes sharing a private Redis:
+//! a proxy killed with SIGKILL while it holds a key mid-call (the key is
+//! in flight until its lease runs out, then settled fail-closed as
+//! `outcome-unknown`, never executed again), and a proxy stopped with
+//! SIGTERM while calls are in flight (they finish, are stored, and replay
+//! on another replica).
+
+mod support;
+
+use std::time::Duration;
+
+use idemproxy::config::{Config, StoreKind};
+use support::binary::ProxyProcess;
+use support::fault::{raw_exchange, raw_post, Executions};
+use support::proxy::{config, Reply, TestClient};
+use support::redis_server::{self, RedisServer};
+use support::upstream::TestUpstream;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+const BODY: &str = r#"{"amount":1000,"currency":"eur"}"#;
+
+/// A binary's configuration on the private Redis at `redis`.
+fn on_redis(upstream: &TestUpstream, redis: &RedisServer, prefix: &str) -> Config {
+    let mut c = config(&upstream.url());
+    c.store.kind = StoreKind::Redis;
+    c.store.url = redis.url();
+    c.store.key_prefix = prefix.to_string();
+    c.log.level = "info".into();
+    c
+}
+
+fn assert_problem(reply: &Reply, status: u16, slug: &str) {
+    assert_eq!(reply.status, status, "{reply:?}");
+    assert_eq!(reply.problem(), slug, "{reply:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let mut c = on_redis(&upstream, &redis, &redis_server::unique_prefix("kill9"));
+    c.upstream.timeout = Duration::from_secs(4);
+    c.idempotency.lease_margin = Duration::from_millis(500);
+    let lease = Duration::from_millis(4500);
+    let mut first = ProxyProcess::start(c.clone()).await;
+    let client = TestClient::new();
+    let path = "/v1/charges?delay_ms=3000";
+
+    // The first request: its proxy dies while the upstream works on it, so
+    // its client gets no answer (the connection breaks).
+    let sent_at = Instant::now();
+    let doomed = {
+        let addr = first.addr;
+        tokio::spawn(async move {
+            raw_exchange(
+                addr,
+                &raw_post(path, "crash-1", BODY),
+                Duration::from_secs(10),
+            )
+            .await
+        })
+    };
+    assert!(
+        upstream
+            .wait_for_executions(path, 1, Duration::from_secs(5))
+            .await,
+        "the request reached the upstream:\n{}",
+        first.logs()
+    );
+    let pid = first.pid();
+    first.kill();
+    let lost = doomed.await.expect("the first client");
+    assert_eq!(
+        lost.status(),
+        None,
+        "no answer from a killed proxy: {lost:?}"
+    );
+
+    // Another proxy process on the same Redis.
+    let second = ProxyProcess::start(c.clone()).await;
+    let url = second.url(path);
+
+    // Before the lease expires, the key is in flight: the dead proxy might
+    // still be running it, for all the new one knows.
+    let early = client.post_json(&url, "crash-1", BODY).await;
+    let early_at = sent_at.elapsed();
+    assert!(
+        early_at < lease - Duration::from_millis(500),
+        "the retry came {early_at:?} after the claim: too late to test the lease"
+    );
+    assert_problem(&early, 425, "in-flight");
+
+    // After the lease (and after the upstream finished its delayed call),
+    // the key is settled fail-closed: outcome unknown, never re-executed.
+    tokio::time::sleep_until(sent_at + lease + Duration::from_millis(300)).await;
+    let late = client.post_json(&url, "crash-1", BODY).await;
+    // The settlement is stored: another retry gets the same answer.
+    let again = client.post_json(&url, "crash-1", BODY).await;
+    let executions = Executions::count(&upstream, [path]);
+    println!(
+        "kill9: operations=1 duplicates=3 executions={} killed_pid={pid} \
+         early={} at {early_at:?}, late={}, again={}",
+        executions.total, early.status, late.status, again.status
+    );
+    executions.assert_at_most_once();
+    assert_problem(&late, 502, "outcome-unknown");
+    assert!(late.replayed(), "{late:?}");
+    assert_problem(&again, 502, "outcome-unknown");
+    assert_eq!(
+        again.header("idempotency-original-date"),
+        late.header("idempotency-original-date")
+    );
+    assert_eq!(executions.total, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_calls_which_then_replay_on_another_replica() {
+    const CALLS: usize = 5;
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let mut c = on_redis(&upstream, &redis, &redis_server::unique_prefix("drain"));
+    c.drain_timeout = Duration::from_secs(10);
+    let mut a = ProxyProcess::start(c.clone()).await;
+    let b = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+    let paths: Vec<String> = (0..CALLS)
+        .map(|i| format!("/v1/drain/{i}?delay_ms=1500"))
+        .collect();
+
+    let mut calls = JoinSet::new();
+    for (i, path) in paths.iter().enumerate() {
+        let client = client.clone();
+        let url = a.url(path);
+        calls.spawn(async move { (i, client.post_json(&url, &format!("drain-{i}"), BODY).await) });
+    }
+    // All five are at the upstream (and so hold their keys) before the signal.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while upstream.total() < CALLS {
+        assert!(Instant::now() < deadline, "calls did not arrive");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let signalled = Instant::now();
+    a.terminate();
+
+    let mut originals: Vec<Option<Reply>> = (0..CALLS).map(|_| None).collect();
+    for (i, reply) in calls.join_all().await {
+        assert_eq!(reply.status, 201, "call {i} through the drain: {reply:?}");
+        assert!(!reply.replayed());
+        originals[i] = Some(reply);
+    }
+    let status = a.wait_exit(Duration::from_secs(10)).await;
+    let drained_in = signalled.elapsed();
+    assert!(status.success(), "exit status {status}:\n{}", a.logs());
+
+    let mut replays = Vec::new();
+    for (i, path) in paths.iter().enumerate() {
+        let reply = client
+            .post_json(&b.url(path), &format!("drain-{i}"), BODY)
+            .await;
+        replays.push(reply);
+    }
+    let executions = Executions::count(&upstream, paths.iter().map(String::as_str));
+    println!(
+        "sigterm: operations={CALLS} duplicates={} executions={} exit={status} \
+         drained_in={drained_in:?}",
+        replays.len(),
+        executions.total
+    );
+    executions.assert_at_most_once();
+    for (i, reply) in replays.iter().enumerate() {
+        let original = originals[i].as_ref().expect("every call answered");
+        assert_eq!(reply.status, 201, "{reply:?}");
+        assert!(reply.replayed(), "call {i} replays on B: {reply:?}");
+        assert_eq!(reply.body, original.body);
+    }
+    assert_eq!(executions.total, CALLS);
+    assert_eq!(upstream.total(), CALLS);
+}

@@ -1,0 +1,270 @@
+//! Fault injection: the Redis behind a real `idemproxy` process is killed
+//! (SIGKILL) under load, then restarted on the same port with its
+//! append-only file. While it is down, covered requests are answered 503
+//! `store-unavailable` quickly and never reach the upstream; once it is
+//! back, the same proxy process serves again, and keys completed before the
+//! crash still replay.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idemproxy::config::StoreKind;
+use support::binary::ProxyProcess;
+use support::fault::{slug, Executions};
+use support::proxy::{config, Reply, TestClient};
+use support::redis_server::{self, RedisOptions, RedisServer};
+use support::upstream::TestUpstream;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+const BODY: &str = r#"{"amount":1000,"currency":"eur"}"#;
+const WORKERS: usize = 4;
+/// Every answer while Redis is down must arrive within this bound
+/// (`store.timeout` is 250 ms).
+const DOWN_BOUND: Duration = Duration::from_secs(1);
+
+/// One request of the load: when it was sent and answered (relative to the
+/// start), its path (a path of its own) and the answer.
+struct Sample {
+    sent: Duration,
+    answered: Duration,
+    key: String,
+    path: String,
+    reply: Reply,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_killed_under_load_means_fast_503s_then_recovery_and_aof_replays() {
+    let mut redis = RedisServer::start_with(RedisOptions {
+        extra_args: ["--appendonly", "yes", "--appendfsync", "always"]
+            .map(String::from)
+            .to_vec(),
+        ..RedisOptions::default()
+    });
+    assert_eq!(
+        redis.cli(&["config", "get", "appendfsync"]).lines().nth(1),
+        Some("always"),
+        "the test Redis runs with an fsynced AOF"
+    );
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.store.kind = StoreKind::Redis;
+    c.store.url = redis.url();
+    c.store.key_prefix = redis_server::unique_prefix("redis-down");
+    c.store.timeout = Duration::from_millis(250);
+    let proxy = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+
+    // A key completed before the crash.
+    let before = client
+        .post_json(&proxy.url("/v1/before"), "before-1", BODY)
+        .await;
+    assert_eq!(before.status, 201, "{before:?}\n{}", proxy.logs());
+    assert!(!before.replayed());
+
+    // Load: workers send new keys, each on a path of its own, until told to
+    // stop, recording every answer.
+    let start = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
+    let mut workers = JoinSet::new();
+    for w in 0..WORKERS {
+        let (client, stop, samples) = (client.clone(), stop.clone(), samples.clone());
+        let base = proxy.url("");
+        workers.spawn(async move {
+            let mut i = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let key = format!("load-{w}-{i}");
+                let path = format!("/v1/load/{w}/{i}");
+                let sent = start.elapsed();
+                let reply = client.post_json(&format!("{base}{path}"), &key, BODY).await;
+                let answered = start.elapsed();
+                let sample = Sample {
+                    sent,
+                    answered,
+                    key,
+                    path,
+                    reply,
+                };
+                samples
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(sample);
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+    }
+
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let kill_started = start.elapsed();
+    tokio::task::block_in_place(|| redis.kill());
+    let killed_at = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let restart_started = start.elapsed();
+    tokio::task::block_in_place(|| redis.restart());
+    let restarted_at = start.elapsed();
+
+    // Recovery, without touching the proxy: a new key executes again
+    // within a bounded number of tries.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut tries = 0;
+    let recovered_at = loop {
+        tries += 1;
+        let reply = client
+            .post_json(
+                &proxy.url(&format!("/v1/recover/{tries}")),
+                &format!("recover-{tries}"),
+                BODY,
+            )
+            .await;
+        if reply.status == 201 {
+            assert!(!reply.replayed(), "{reply:?}");
+            break start.elapsed();
+        }
+        assert_eq!(reply.status, 503, "{reply:?}");
+        assert_eq!(reply.problem(), "store-unavailable");
+        assert_eq!(upstream.executions(&format!("/v1/recover/{tries}")), 0);
+        assert!(
+            Instant::now() < deadline,
+            "the proxy did not recover within 10 s of the Redis restart:\n{}",
+            proxy.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Let the load run on the recovered store for a moment, then stop it.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    stop.store(true, Ordering::SeqCst);
+    tokio::time::timeout(Duration::from_secs(30), workers.join_all())
+        .await
+        .expect("the load stops");
+    let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
+
+    // Classify: sent and answered while Redis was certainly down, or
+    // certainly up (before the kill began, after the recovery). Violations
+    // are collected, so that the counts print before the test fails.
+    let mut violations: Vec<String> = Vec::new();
+    macro_rules! expect {
+        ($ok:expr, $($why:tt)+) => {
+            if !$ok {
+                violations.push(format!($($why)+));
+            }
+        };
+    }
+    let (mut down, mut up_before, mut up_after, mut straddling) = (0, 0, 0, 0);
+    let mut slowest_down = Duration::ZERO;
+    for s in &samples {
+        let executions = upstream.executions(&s.path);
+        let (status, reply) = (s.reply.status.as_u16(), &s.reply);
+        if s.sent >= killed_at && s.answered <= restart_started {
+            down += 1;
+            let problem = slug(reply);
+            expect!(
+                status == 503 && problem.as_deref() == Some("store-unavailable"),
+                "{} while down: {reply:?}",
+                s.key
+            );
+            expect!(reply.header("retry-after").is_some(), "{reply:?}");
+            expect!(executions == 0, "{} reached the upstream while down", s.key);
+            let took = s.answered - s.sent;
+            slowest_down = slowest_down.max(took);
+            expect!(took <= DOWN_BOUND, "{} answered after {took:?}", s.key);
+        } else if s.answered <= kill_started || s.sent >= recovered_at {
+            if s.answered <= kill_started {
+                up_before += 1;
+            } else {
+                up_after += 1;
+            }
+            expect!(
+                status == 201 && !reply.replayed(),
+                "{} while up: {reply:?}",
+                s.key
+            );
+            expect!(executions == 1, "{} executed {executions} times", s.key);
+        } else {
+            straddling += 1;
+            expect!(
+                status == 201 || status == 503,
+                "{} around the crash: {reply:?}",
+                s.key
+            );
+            expect!(
+                status != 503 || executions == 0,
+                "{} got 503 but executed",
+                s.key
+            );
+        }
+    }
+    expect!(down >= WORKERS, "{down} requests ran while Redis was down");
+    expect!(
+        up_before >= WORKERS && up_after >= WORKERS,
+        "load while up: {up_before} before, {up_after} after"
+    );
+
+    // The AOF kept what was completed before the crash: it replays, and
+    // executes nothing.
+    let mut replayed = 0;
+    let replay = client
+        .post_json(&proxy.url("/v1/before"), "before-1", BODY)
+        .await;
+    replayed += 1;
+    expect!(
+        replay.status == 201 && replay.replayed() && replay.body == before.body,
+        "completed before the crash, not replayed after it: {replay:?}"
+    );
+    for s in samples.iter().filter(|s| s.answered <= kill_started) {
+        let reply = client.post_json(&proxy.url(&s.path), &s.key, BODY).await;
+        replayed += 1;
+        expect!(
+            reply.status == 201 && reply.replayed() && reply.body == s.reply.body,
+            "{} completed before the crash, not replayed after it: {reply:?}",
+            s.key
+        );
+    }
+
+    // A request that executed around the crash may have lost its
+    // completion: its key is then still claimed (425 until the lease runs
+    // out) or settled fail-closed, but never executed again.
+    let mut straddlers_retried = 0;
+    for s in samples
+        .iter()
+        .filter(|s| s.answered > kill_started && s.sent < recovered_at && s.reply.status == 201)
+    {
+        let reply = client.post_json(&proxy.url(&s.path), &s.key, BODY).await;
+        straddlers_retried += 1;
+        let fine = match reply.status.as_u16() {
+            201 => reply.replayed(),
+            425 => slug(&reply).as_deref() == Some("in-flight"),
+            502 => slug(&reply).as_deref() == Some("outcome-unknown"),
+            _ => false,
+        };
+        expect!(fine, "{} retried after the crash: {reply:?}", s.key);
+    }
+    replayed += straddlers_retried;
+
+    let mut paths: Vec<String> = samples.iter().map(|s| s.path.clone()).collect();
+    paths.push("/v1/before".into());
+    paths.extend((1..=tries).map(|t| format!("/v1/recover/{t}")));
+    let executions = Executions::count(&upstream, paths.iter().map(String::as_str));
+    println!(
+        "redis-down: operations={} duplicates={replayed} executions={} \
+         answered_while_down={down} (503, slowest {slowest_down:?}) up_before={up_before} \
+         up_after={up_after} straddling={straddling} (201s retried: {straddlers_retried}) \
+         recovery_tries={tries} recovered_after={:?} killed_at={killed_at:?} \
+         restarted_at={restarted_at:?} violations={}",
+        samples.len() + 1 + tries,
+        executions.total,
+        recovered_at - restarted_at,
+        violations.len(),
+    );
+    executions.assert_at_most_once();
+    assert!(violations.is_empty(), "{violations:#?}");
+    assert_eq!(
+        executions.total,
+        upstream.total(),
+        "nothing else reached the upstream"
+    );
+}
