@@ -55,6 +55,7 @@ use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 use sha2::{Digest, Sha256};
 
+use super::key::trim_ows;
 use super::record::Fingerprint;
 
 /// Bumping this changes every fingerprint, which turns every in-flight
@@ -187,16 +188,6 @@ fn is_json_media_type(value: &[u8]) -> bool {
         && subtype
             .get(subtype.len() - SUFFIX.len()..)
             .is_some_and(|s| s.eq_ignore_ascii_case(SUFFIX))
-}
-
-fn trim_ows(mut bytes: &[u8]) -> &[u8] {
-    while let [b' ' | b'\t', rest @ ..] = bytes {
-        bytes = rest;
-    }
-    while let [rest @ .., b' ' | b'\t'] = bytes {
-        bytes = rest;
-    }
-    bytes
 }
 
 /// Checks what `remove_pointer` would otherwise silently ignore, so a typo

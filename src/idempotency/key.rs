@@ -142,7 +142,9 @@ fn parse_bytes(raw: &[u8]) -> Result<IdempotencyKey, InvalidKey> {
     }
 }
 
-fn trim_ows(mut bytes: &[u8]) -> &[u8] {
+/// Strips optional whitespace (RFC 9110 OWS: spaces and tabs) around a
+/// header value; shared with the content-type check of `fingerprint`.
+pub(crate) fn trim_ows(mut bytes: &[u8]) -> &[u8] {
     while let [b' ' | b'\t', rest @ ..] = bytes {
         bytes = rest;
     }

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Side-by-side load comparison, one run, one machine:
+#   nginx as a plain reverse proxy (the control)  vs
+#   idemproxy on the memory store  vs  idemproxy on a private Redis,
+# all in front of the same fast upstream (nginx `return 201`).
+#
+# Load: POST, ~1 KB JSON body, a unique Idempotency-Key per request (wrk +
+# benches/load/unique.lua); then replays over 1,000 warmed keys
+# (replay.lua); then a fixed-rate run at half of nginx's maximum, with
+# latencies corrected for coordinated omission (examples/loadgen.rs).
+# Targets are measured in alternating order over ROUNDS rounds; the table
+# shows medians and ratios to nginx.
+#
+#   benches/load.sh                 # ROUNDS=3 DURATION=6 CONNS=32
+#
+# Needs nginx, wrk and redis-server (installed from Debian's packages when
+# missing and running as root). Everything binds 127.0.0.1 and stops at exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-6}
+CONNS=${CONNS:-32}
+FIXED_SECONDS=${FIXED_SECONDS:-8}
+
+for tool in nginx wrk redis-server; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk redis-server >/dev/null
+    else
+      echo "benches/load.sh needs $tool" >&2; exit 1
+    fi
+  fi
+done
+
+cargo build --release --locked --quiet --bin idemproxy --example loadgen
+BIN=target/release/idemproxy
+LOADGEN=target/release/examples/loadgen
+
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  [ -f "$WORK/upstream.pid" ] && kill "$(cat "$WORK/upstream.pid")" 2>/dev/null || true
+  [ -f "$WORK/control.pid" ] && kill "$(cat "$WORK/control.pid")" 2>/dev/null || true
+  sleep 0.3
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+
+UP=$(free_port); NG=$(free_port); IM=$(free_port); IR=$(free_port); RP=$(free_port)
+
+nginx_conf() { # name listen body
+  cat >"$WORK/$1.conf" <<EOF
+worker_processes auto;
+pid $WORK/$1.pid;
+error_log $WORK/$1.error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log $WORK/$1.access.log;
+  client_body_temp_path $WORK/$1.body;
+  proxy_temp_path $WORK/$1.proxy;
+  upstream backend { server 127.0.0.1:$UP; keepalive 64; }
+  server {
+    listen 127.0.0.1:$2;
+    $3
+  }
+}
+EOF
+  nginx -c "$WORK/$1.conf" -p "$WORK"
+  wait_port "$2"
+}
+nginx_conf upstream "$UP" 'location / { default_type application/json; return 201 "{\"id\":\"pay_1\",\"status\":\"succeeded\"}"; }'
+nginx_conf control "$NG" 'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
+
+redis-server --port "$RP" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync everysec --dir "$WORK" --daemonize no >"$WORK/redis.log" 2>&1 &
+PIDS+=($!); wait_port "$RP"
+
+start_proxy() { # name port kind
+  IDEMPROXY_LOG__LEVEL=info "$BIN" --listen "127.0.0.1:$2" --admin-listen "127.0.0.1:$(free_port)" \
+    --upstream "http://127.0.0.1:$UP" --store "$3" --redis-url "redis://127.0.0.1:$RP" >"$WORK/$1.log" 2>&1 &
+  PIDS+=($!); echo $! >"$WORK/$1.pid"; wait_port "$2"
+}
+start_proxy memory "$IM" memory
+start_proxy redis "$IR" redis
+
+declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-redis]="http://127.0.0.1:$IR")
+TARGETS=(nginx idemproxy-memory idemproxy-redis)
+RESULTS="$WORK/results.txt"; : >"$RESULTS"
+
+# Warm 1,000 keys on each proxy for the replay runs.
+for t in idemproxy-memory idemproxy-redis; do
+  "$LOADGEN" "${URL[$t]}/v1/payments" 2000 0.5 replay >/dev/null
+done
+
+run_wrk() { # scenario target round
+  local out
+  out=$(RUN="r$3-$2" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "benches/load/$1.lua" "${URL[$2]}/v1/payments")
+  local rps p50 p99 non2xx
+  rps=$(awk '/Requests\/sec:/ {print $2}' <<<"$out")
+  p50=$(awk '$1=="50%" {print $2}' <<<"$out")
+  p99=$(awk '$1=="99%" {print $2}' <<<"$out")
+  non2xx=$(awk '/Non-2xx/ {print $5}' <<<"$out")
+  echo "$1 $2 $3 rps=$rps p50=$p50 p99=$p99 non2xx=${non2xx:-0}" >>"$RESULTS"
+}
+
+for round in $(seq "$ROUNDS"); do
+  # Alternate the order so no target always runs first (or last) on a
+  # machine that warms up or gets busier.
+  if (( round % 2 )); then order=("${TARGETS[@]}"); else order=(idemproxy-redis idemproxy-memory nginx); fi
+  for t in "${order[@]}"; do run_wrk unique "$t" "$round"; done
+  for t in "${order[@]}"; do run_wrk replay "$t" "$round"; done
+done
+
+# Fixed rate at half of nginx's median maximum.
+NGINX_MAX=$(awk '$1=="unique" && $2=="nginx" {sub("rps=","",$4); print $4}' "$RESULTS" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
+RATE=$(python3 -c "print(max(100, int(float('$NGINX_MAX') / 2)))")
+for t in "${TARGETS[@]}"; do
+  line=$("$LOADGEN" "${URL[$t]}/v1/payments" "$RATE" "$FIXED_SECONDS" unique "fixed-$t")
+  echo "fixed $t 1 $line" >>"$RESULTS"
+done
+
+RSS_MEMORY=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/memory.pid")/status")
+RSS_REDIS=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/redis.pid")/status")
+
+python3 - "$RESULTS" "$RSS_MEMORY" "$RSS_REDIS" "$CONNS" "$DURATION" "$ROUNDS" <<'PY'
+import statistics, sys, re
+path, rss_mem, rss_redis, conns, duration, rounds = sys.argv[1:]
+rows = [l.split() for l in open(path)]
+def ms(v):
+    m = re.match(r"([\d.]+)(us|ms|s)$", v)
+    if not m: return float("nan")
+    x, u = float(m.group(1)), m.group(2)
+    return x / 1000 if u == "us" else x * 1000 if u == "s" else x
+def field(r, name):
+    for f in r[3:]:
+        if f.startswith(name + "="): return f.split("=", 1)[1]
+    return None
+targets = ["nginx", "idemproxy-memory", "idemproxy-redis"]
+print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
+print(f"{'scenario':<8} {'target':<17} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+for scenario in ["unique", "replay"]:
+    base = None
+    for t in targets:
+        rs = [r for r in rows if r[0] == scenario and r[1] == t]
+        rps = statistics.median(float(field(r, "rps")) for r in rs)
+        p50 = statistics.median(ms(field(r, "p50")) for r in rs)
+        p99 = statistics.median(ms(field(r, "p99")) for r in rs)
+        bad = sum(int(field(r, "non2xx") or 0) for r in rs)
+        base = base or rps
+        print(f"{scenario:<8} {t:<17} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}")
+print()
+fixed = [r for r in rows if r[0] == "fixed"]
+if fixed:
+    print(f"fixed rate {field(fixed[0], 'rate')} req/s, unique keys, latency from the scheduled send time:")
+    base = None
+    for r in fixed:
+        p99 = float(field(r, "p99_ms"))
+        base = p99 if base is None else base
+        print(f"  {r[1]:<17} p50 {float(field(r, 'p50_ms')):7.3f} ms  p99 {p99:7.3f} ms  (nginx p99 + {p99 - base:6.3f} ms)  p99.9 {float(field(r, 'p999_ms')):7.3f} ms  errors {field(r, 'errors')}")
+print()
+print(f"peak RSS: idemproxy-memory {int(rss_mem) / 1024:.1f} MiB, idemproxy-redis {int(rss_redis) / 1024:.1f} MiB")
+PY
