@@ -40,7 +40,7 @@ fn body() -> Bytes {
     ))
 }
 
-#[tokio::main(flavor = "current_thread")]
+#[tokio::main(worker_threads = 1)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 5 {
@@ -53,52 +53,83 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let replay = args[4] == "replay";
     let run = args.get(5).cloned().unwrap_or_else(|| "fixed".into());
 
+    // wrk2's model: a fixed set of connections, each sending its share of
+    // the rate on its own schedule, one request at a time. A connection that
+    // falls behind sends at once, and the time it was late counts in the
+    // latency of every request it delays.
+    let connections: usize = std::env::var("CONNECTIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(32);
     let client = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(1024)
+        .pool_max_idle_per_host(connections)
         .build_http::<Full<Bytes>>();
     let body = body();
     let histogram = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(
         1, 60_000_000, 3,
     )?));
     let errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let interval = Duration::from_secs_f64(1.0 / rate);
     let total = (rate * seconds) as u64;
+    let interval = Duration::from_secs_f64(connections as f64 / rate);
     let start = Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..total {
-        let due = start + interval.mul_f64(i as f64);
-        tokio::time::sleep_until(due).await;
-        let key = if replay {
-            format!("warm-{}", i % 1000)
-        } else {
-            format!("{run}-{i}")
-        };
-        let request = http::Request::post(url.clone())
-            .header("content-type", "application/json")
-            .header("idempotency-key", key)
-            .body(Full::new(body.clone()))?;
-        let client = client.clone();
-        let histogram = histogram.clone();
-        let errors = errors.clone();
-        tasks.spawn(async move {
-            let ok = match client.request(request).await {
-                Ok(response) => {
-                    let success = response.status().is_success();
-                    success && response.into_body().collect().await.is_ok()
+    let mut workers = tokio::task::JoinSet::new();
+    for worker in 0..connections as u64 {
+        let (client, body, histogram, errors, url, run) = (
+            client.clone(),
+            body.clone(),
+            histogram.clone(),
+            errors.clone(),
+            url.clone(),
+            run.clone(),
+        );
+        // Offsets spread the connections' schedules over one interval.
+        let offset = interval.mul_f64(worker as f64 / connections as f64);
+        workers.spawn(async move {
+            let mut local =
+                Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).map_err(|e| e.to_string())?;
+            let mut i = worker;
+            let mut n = 0u64;
+            while i < total {
+                let due = start + offset + interval.mul_f64(n as f64);
+                tokio::time::sleep_until(due).await;
+                let key = if replay {
+                    format!("warm-{}", i % 1000)
+                } else {
+                    format!("{run}-{i}")
+                };
+                let request = http::Request::post(url.clone())
+                    .header("content-type", "application/json")
+                    .header("idempotency-key", key)
+                    .body(Full::new(body.clone()))
+                    .map_err(|e| e.to_string())?;
+                let ok = match client.request(request).await {
+                    Ok(response) => {
+                        let success = response.status().is_success();
+                        response.into_body().collect().await.is_ok() && success
+                    }
+                    Err(_) => false,
+                };
+                if ok {
+                    // From when the request was due: coordinated omission
+                    // corrected.
+                    let _ = local.record((due.elapsed().as_micros() as u64).max(1));
+                } else {
+                    errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
-                Err(_) => false,
-            };
-            // From when the request was due: coordinated omission corrected.
-            let micros = due.elapsed().as_micros() as u64;
-            if ok {
-                let _ = histogram.lock().await.record(micros.max(1));
-            } else {
-                errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                i += connections as u64;
+                n += 1;
             }
+            histogram
+                .lock()
+                .await
+                .add(&local)
+                .map_err(|e| e.to_string())?;
+            Ok::<(), String>(())
         });
-        while tasks.try_join_next().is_some() {}
     }
-    while tasks.join_next().await.is_some() {}
+    while let Some(done) = workers.join_next().await {
+        done??;
+    }
     let h = histogram.lock().await;
     let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
     println!(

@@ -47,6 +47,9 @@ fn histogram() -> Histogram {
 
 pub struct Metrics {
     registry: Registry,
+    /// Store-call series resolved once: the label set is fixed, and the
+    /// per-request path should not hash and allocate labels.
+    store_ops: [(&'static str, Histogram, Counter); 3],
     requests: Family<OutcomeLabels, Counter>,
     request_duration: Family<RouteLabels, Histogram, fn() -> Histogram>,
     upstream_duration: Family<RouteLabels, Histogram, fn() -> Histogram>,
@@ -109,6 +112,14 @@ impl Metrics {
             "Claims found with an expired lease (their proxy died), settled per on_stale",
             stale.clone(),
         );
+        let store_ops = ["begin", "complete", "release"].map(|op| {
+            let labels = OpLabels { op };
+            (
+                op,
+                store_duration.get_or_create_owned(&labels),
+                store_errors.get_or_create_owned(&labels),
+            )
+        });
         let cache_hits = Counter::default();
         registry.register(
             "local_cache_hits",
@@ -117,6 +128,7 @@ impl Metrics {
         );
         Arc::new(Self {
             registry,
+            store_ops,
             requests,
             request_duration,
             upstream_duration,
@@ -129,52 +141,57 @@ impl Metrics {
         })
     }
 
+    /// The series of one route, resolved once so that counting a request
+    /// is a few atomic adds. Every outcome's series exists from then on
+    /// (at zero), as Prometheus prefers.
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        let labels = RouteLabels {
+            route: route.to_owned(),
+        };
+        RouteMetrics {
+            outcomes: RequestOutcome::ALL.map(|outcome| {
+                self.requests.get_or_create_owned(&OutcomeLabels {
+                    route: route.to_owned(),
+                    outcome: outcome.as_str(),
+                })
+            }),
+            duration: self.request_duration.get_or_create_owned(&labels),
+            upstream: self.upstream_duration.get_or_create_owned(&labels),
+            released: self.released.get_or_create_owned(&labels),
+            stale: self.stale.get_or_create_owned(&labels),
+        }
+    }
+
     pub fn request(&self, route: &str, outcome: RequestOutcome, elapsed: Duration) {
-        self.requests
-            .get_or_create(&OutcomeLabels {
-                route: route.to_owned(),
-                outcome: outcome.as_str(),
-            })
-            .inc();
-        self.request_duration
-            .get_or_create(&RouteLabels {
-                route: route.to_owned(),
-            })
-            .observe(elapsed.as_secs_f64());
+        self.route(route).request(outcome, elapsed);
     }
 
     pub fn upstream(&self, route: &str, elapsed: Duration) {
-        self.upstream_duration
-            .get_or_create(&RouteLabels {
-                route: route.to_owned(),
-            })
-            .observe(elapsed.as_secs_f64());
+        self.route(route).upstream(elapsed);
     }
 
     pub fn store_call(&self, op: &'static str, elapsed: Duration, ok: bool) {
+        let resolved = self.store_ops.iter().find(|(name, _, _)| *name == op);
         let labels = OpLabels { op };
-        self.store_duration
-            .get_or_create(&labels)
-            .observe(elapsed.as_secs_f64());
+        let (histogram, errors) = match resolved {
+            Some((_, h, e)) => (h.clone(), e.clone()),
+            None => (
+                self.store_duration.get_or_create_owned(&labels),
+                self.store_errors.get_or_create_owned(&labels),
+            ),
+        };
+        histogram.observe(elapsed.as_secs_f64());
         if !ok {
-            self.store_errors.get_or_create(&labels).inc();
+            errors.inc();
         }
     }
 
     pub fn key_released(&self, route: &str) {
-        self.released
-            .get_or_create(&RouteLabels {
-                route: route.to_owned(),
-            })
-            .inc();
+        self.route(route).key_released();
     }
 
     pub fn lease_expired(&self, route: &str) {
-        self.stale
-            .get_or_create(&RouteLabels {
-                route: route.to_owned(),
-            })
-            .inc();
+        self.route(route).lease_expired();
     }
 
     pub fn cache_hit(&self) {
@@ -195,6 +212,35 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// One route's series (see [`Metrics::route`]).
+#[derive(Clone)]
+pub struct RouteMetrics {
+    outcomes: [Counter; RequestOutcome::ALL.len()],
+    duration: Histogram,
+    upstream: Histogram,
+    released: Counter,
+    stale: Counter,
+}
+
+impl RouteMetrics {
+    pub fn request(&self, outcome: RequestOutcome, elapsed: Duration) {
+        self.outcomes[outcome.index()].inc();
+        self.duration.observe(elapsed.as_secs_f64());
+    }
+
+    pub fn upstream(&self, elapsed: Duration) {
+        self.upstream.observe(elapsed.as_secs_f64());
+    }
+
+    pub fn key_released(&self) {
+        self.released.inc();
+    }
+
+    pub fn lease_expired(&self) {
+        self.stale.inc();
     }
 }
 

@@ -5,6 +5,8 @@
 
 mod support;
 
+use idemproxy::idempotency::RequestOutcome;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -261,7 +263,13 @@ async fn every_outcome_increments_exactly_one_series_by_one() {
     let pay = url("/v1/payments");
 
     let s = scrape(&client, &proxy).await;
-    assert!(s.requests().is_empty(), "no request yet: {s:?}");
+    // Every (route, outcome) series exists from the start, at zero.
+    let before = s.requests();
+    assert_eq!(before.len(), 2 * RequestOutcome::ALL.len(), "{before:?}");
+    assert!(
+        before.values().all(|v| *v == 0.0),
+        "no request yet: {before:?}"
+    );
     assert_eq!(s.in_flight(), 0.0);
 
     // executed

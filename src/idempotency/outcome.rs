@@ -4,6 +4,8 @@
 
 use std::fmt;
 
+/// Declared in the order of [`RequestOutcome::ALL`], so `index` is the
+/// discriminant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RequestOutcome {
     /// First request for its key: the upstream ran it.
@@ -49,6 +51,11 @@ impl RequestOutcome {
         RequestOutcome::Internal,
     ];
 
+    /// Position in [`Self::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             RequestOutcome::Executed => "executed",
@@ -71,5 +78,17 @@ impl RequestOutcome {
 impl fmt::Display for RequestOutcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_is_the_position_in_all() {
+        for (i, outcome) in RequestOutcome::ALL.iter().enumerate() {
+            assert_eq!(outcome.index(), i, "{outcome}");
+        }
     }
 }

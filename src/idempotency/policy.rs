@@ -107,6 +107,14 @@ impl Policies {
 }
 
 impl Policies {
+    /// Every policy: the routes in order, then the default.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Policy>> {
+        self.routes
+            .iter()
+            .map(|(_, p)| p)
+            .chain(std::iter::once(&self.default))
+    }
+
     /// The policy of the route called `name` (`default` for `[idempotency]`).
     pub fn by_name(&self, name: &str) -> Option<&Arc<Policy>> {
         if name == "default" {

@@ -12,6 +12,7 @@
 //!    keeping a bounded copy, and store it before ending the client's body,
 //!    so the client's next retry finds the record.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -22,6 +23,7 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
 use http::{HeaderValue, Method, Request, Response};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
@@ -41,7 +43,7 @@ use super::record::{
 };
 use super::rejection::Rejection;
 use crate::config::{OnAmbiguous, OnInFlight, OnStoreError};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteMetrics};
 use crate::store::{Begin, BeginOutcome, SharedStore, StoreError};
 use crate::upstream::UpstreamError;
 
@@ -62,6 +64,8 @@ struct Settings {
     store_timeout: Duration,
     upstream_timeout: Duration,
     metrics: Arc<Metrics>,
+    /// Each route's series, resolved once (see `Metrics::route`).
+    route_metrics: HashMap<Arc<str>, Arc<RouteMetrics>>,
     /// Executions outlive the connection that started them (a client may
     /// disconnect mid-call); graceful shutdown waits on this tracker, not on
     /// connections, before the process exits.
@@ -70,13 +74,15 @@ struct Settings {
 
 impl IdempotencyLayer {
     pub fn new(policies: Policies, store: SharedStore) -> Self {
+        let metrics = Metrics::new();
         Self {
             settings: Arc::new(Settings {
+                route_metrics: resolve_routes(&policies, &metrics),
                 policies,
                 store,
                 store_timeout: Duration::from_millis(250),
                 upstream_timeout: Duration::from_secs(30),
-                metrics: Metrics::new(),
+                metrics,
                 tasks: TaskTracker::new(),
             }),
         }
@@ -94,7 +100,10 @@ impl IdempotencyLayer {
 
     /// Where requests, store calls and executions are counted.
     pub fn metrics(self, metrics: Arc<Metrics>) -> Self {
-        self.map(|s| s.metrics = metrics)
+        self.map(|s| {
+            s.route_metrics = resolve_routes(&s.policies, &metrics);
+            s.metrics = metrics;
+        })
     }
 
     /// Tracks every execution in flight, for graceful shutdown.
@@ -111,6 +120,7 @@ impl IdempotencyLayer {
                 store_timeout: shared.store_timeout,
                 upstream_timeout: shared.upstream_timeout,
                 metrics: shared.metrics.clone(),
+                route_metrics: shared.route_metrics.clone(),
                 tasks: shared.tasks.clone(),
             },
         };
@@ -119,6 +129,13 @@ impl IdempotencyLayer {
             settings: Arc::new(settings),
         }
     }
+}
+
+fn resolve_routes(policies: &Policies, metrics: &Metrics) -> HashMap<Arc<str>, Arc<RouteMetrics>> {
+    policies
+        .all()
+        .map(|p| (p.route.clone(), Arc::new(metrics.route(&p.route))))
+        .collect()
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
@@ -160,7 +177,7 @@ where
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let policy = self.settings.policies.for_path(req.uri().path()).clone();
-        let log = RequestLog::new(&policy, &req, &self.settings.metrics);
+        let log = RequestLog::new(&policy, &req, &self.settings);
         if !policy.covers(req.method()) {
             return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log);
         }
@@ -350,7 +367,7 @@ where
                 Err(e) => return self.store_failed(request, respond, e).await,
                 Ok(BeginOutcome::Acquired { token, took_over }) => {
                     if took_over {
-                        self.settings.metrics.lease_expired(&self.policy.route);
+                        self.log.metrics.lease_expired();
                         tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
                     }
                     return self.execute(claim, request, token, respond).await;
@@ -364,7 +381,7 @@ where
                             }
                         );
                     if settled_now {
-                        self.settings.metrics.lease_expired(&self.policy.route);
+                        self.log.metrics.lease_expired();
                     }
                     let response = replay(&record, &self.policy);
                     return self.answer(respond, RequestOutcome::Replayed, response);
@@ -476,9 +493,16 @@ where
             .await
     }
 
-    /// Streams the upstream's body to the client while keeping a bounded
-    /// copy, then stores the outcome. The client's body ends only after the
-    /// store has the record, so a retry sent on receipt finds it.
+    /// Relays the upstream's response while keeping a bounded copy, and
+    /// stores the outcome before the client can see the body end, so a
+    /// retry sent on receipt finds the record.
+    ///
+    /// A small body of declared length that is already there with the head
+    /// (the usual API answer) is read whole and sent in one piece after
+    /// storing: one hand-off instead of one per frame. Any other body streams
+    /// as it comes; as a client knows a body with a `Content-Length` is
+    /// complete once it has that many bytes, the frame that completes it is
+    /// held back until the outcome is stored.
     async fn stream_and_store(
         mut self,
         claim: Claim,
@@ -488,47 +512,100 @@ where
         respond: Responder,
     ) {
         let (head, mut upstream_body) = response.into_parts();
-        let (tx, client_body) = channel_body(16);
         let status = head.status.as_u16();
+        self.log.status = Some(status);
         let stored_headers = stored_headers(&head.headers);
-        // A client knows a body with a `Content-Length` is complete once it
-        // has that many bytes, without waiting for the end of the stream; so
-        // the frame that completes it (or, for a body that is empty by
-        // declaration, the head itself) is held back until the outcome is
-        // stored.
         let declared = head
             .headers
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
-        let bodiless = declared == Some(0)
+        let small = declared
+            .is_some_and(|len| len <= WHOLE_BODY_LIMIT.min(self.policy.max_response_bytes as u64))
             || head.status == http::StatusCode::NO_CONTENT
             || head.status == http::StatusCode::NOT_MODIFIED;
-        let client_response = Response::from_parts(head, client_body);
-        self.log.status = Some(status);
-        let mut held_head = Some((respond, client_response));
-        if !bodiless {
-            if let Some((respond, response)) = held_head.take() {
-                let _ = respond.send(response);
+        let mut copy = BoundedCopy::new(self.policy.max_response_bytes);
+
+        // Frames read before deciding to stream, and how the body ended if it
+        // already did.
+        let mut early = Vec::new();
+        let mut ended = None;
+        if small {
+            loop {
+                let next = if early.is_empty() {
+                    match tokio::time::timeout_at(deadline, upstream_body.frame()).await {
+                        Ok(next) => next,
+                        Err(_elapsed) => {
+                            ended = Some(false);
+                            break;
+                        }
+                    }
+                } else {
+                    // Only what is already there: a body that trickles in
+                    // is streamed instead.
+                    match upstream_body.frame().now_or_never() {
+                        Some(next) => next,
+                        None => break,
+                    }
+                };
+                match next {
+                    None => {
+                        ended = Some(true);
+                        break;
+                    }
+                    Some(Ok(frame)) => {
+                        if let Some(data) = frame.data_ref() {
+                            copy.push(data);
+                        }
+                        early.push(frame);
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "upstream response body broke off");
+                        ended = Some(false);
+                        break;
+                    }
+                }
             }
         }
+        if let Some(complete_body) = ended {
+            let body = if complete_body { copy.finish() } else { None };
+            let client_body = match &body {
+                Some(body) => Body::from(body.clone()),
+                None => broken_body(),
+            };
+            self.complete(&claim, token, stored_outcome(status, stored_headers, body))
+                .await;
+            let _ = respond.send(Response::from_parts(head, client_body));
+            return self.log.finish_streamed(RequestOutcome::Executed);
+        }
 
+        let (tx, client_body) = channel_body(16);
+        let _ = respond.send(Response::from_parts(head, client_body));
         let mut client = Some(tx);
         let mut relayed = 0u64;
         let mut held_frames = Vec::new();
-        let mut copy = BoundedCopy::new(self.policy.max_response_bytes);
+        let mut early = early.into_iter();
         let complete_body = loop {
-            let frame = match tokio::time::timeout_at(deadline, upstream_body.frame()).await {
-                Err(_elapsed) => break false,
-                Ok(None) => break true,
-                Ok(Some(Err(e))) => {
-                    tracing::warn!(error = %e, "upstream response body broke off");
-                    break false;
+            let frame = if let Some(frame) = early.next() {
+                // Already in the copy.
+                frame
+            } else {
+                match tokio::time::timeout_at(deadline, upstream_body.frame()).await {
+                    Err(_elapsed) => break false,
+                    Ok(None) => break true,
+                    Ok(Some(Err(e))) => {
+                        tracing::warn!(error = %e, "upstream response body broke off");
+                        break false;
+                    }
+                    Ok(Some(Ok(frame))) => {
+                        if let Some(data) = frame.data_ref() {
+                            copy.push(data);
+                        }
+                        frame
+                    }
                 }
-                Ok(Some(Ok(frame))) => frame,
             };
             if let Some(data) = frame.data_ref() {
-                copy.push(data);
                 relayed += data.len() as u64;
             }
             if declared.is_some_and(|len| relayed >= len) {
@@ -546,18 +623,8 @@ where
             }
         };
         let body = if complete_body { copy.finish() } else { None };
-        let outcome = match body {
-            Some(body) => Outcome::Response(StoredResponse {
-                status,
-                headers: stored_headers,
-                body,
-            }),
-            None => Outcome::NotStored { status },
-        };
-        self.complete(&claim, token, outcome).await;
-        if let Some((respond, response)) = held_head {
-            let _ = respond.send(response);
-        }
+        self.complete(&claim, token, stored_outcome(status, stored_headers, body))
+            .await;
         if let Some(tx) = client {
             if complete_body {
                 for frame in held_frames {
@@ -635,7 +702,7 @@ where
     fn upstream_done(&mut self, started: Instant) {
         let elapsed = started.elapsed();
         self.log.upstream = Some(elapsed);
-        self.settings.metrics.upstream(&self.policy.route, elapsed);
+        self.log.metrics.upstream(elapsed);
     }
 
     async fn release(&mut self, key: &RecordKey, token: FencingToken) {
@@ -646,7 +713,7 @@ where
             .await
             {
                 Ok(()) => {
-                    self.settings.metrics.key_released(&self.policy.route);
+                    self.log.metrics.key_released();
                     return;
                 }
                 Err(StoreError::Fenced) => return,
@@ -685,6 +752,31 @@ where
         result.is_ok() || matches!(result, Err(StoreError::Fenced)),
     );
     result
+}
+
+/// Bodies up to this size, with a declared length, are relayed in one piece
+/// after the outcome is stored (see `stream_and_store`).
+const WHOLE_BODY_LIMIT: u64 = 64 * 1024;
+
+/// What is kept of an executed request: the whole response, or only its
+/// status when the body was too large or broke off.
+fn stored_outcome(status: u16, headers: Vec<(String, Bytes)>, body: Option<Bytes>) -> Outcome {
+    match body {
+        Some(body) => Outcome::Response(StoredResponse {
+            status,
+            headers,
+            body,
+        }),
+        None => Outcome::NotStored { status },
+    }
+}
+
+/// A body that fails at once: the client sees a broken response rather than
+/// a complete-looking truncated one.
+fn broken_body() -> Body {
+    let (tx, body) = channel_body(1);
+    let _ = tx.try_send(Err("upstream response body did not complete".into()));
+    body
 }
 
 /// Builds the answer to a retry from the key's completed record.
@@ -741,7 +833,7 @@ fn stored_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
 /// The one log event per request: route, method, outcome, status, key hash
 /// (never the raw key) and the time spent in the store and the upstream.
 pub struct RequestLog {
-    metrics: Arc<Metrics>,
+    metrics: Arc<RouteMetrics>,
     route: Arc<str>,
     method: Method,
     /// `x-request-id`, set by the outer request-id layer when absent.
@@ -754,9 +846,13 @@ pub struct RequestLog {
 }
 
 impl RequestLog {
-    fn new<B>(policy: &Policy, req: &Request<B>, metrics: &Arc<Metrics>) -> Self {
+    fn new<B>(policy: &Policy, req: &Request<B>, settings: &Settings) -> Self {
+        let metrics = match settings.route_metrics.get(&policy.route) {
+            Some(resolved) => resolved.clone(),
+            None => Arc::new(settings.metrics.route(&policy.route)),
+        };
         Self {
-            metrics: metrics.clone(),
+            metrics,
             route: policy.route.clone(),
             method: req.method().clone(),
             request_id: req.headers().get(X_REQUEST_ID).cloned(),
@@ -775,7 +871,7 @@ impl RequestLog {
 
     fn finish_streamed(self, outcome: RequestOutcome) {
         let elapsed = self.started.elapsed();
-        self.metrics.request(&self.route, outcome, elapsed);
+        self.metrics.request(outcome, elapsed);
         // The full store hash: an operator can look the key up through the
         // admin API. It is a hash of scope and key, never the key itself.
         let key = self.key.map(|k| k.to_hex());
