@@ -66,6 +66,9 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    if let Some(hits) = state.store.local_cache_hits() {
+        state.metrics.sync_cache_hits(hits);
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -198,6 +198,15 @@ impl Metrics {
         self.cache_hits.inc();
     }
 
+    /// Brings `local_cache_hits_total` up to `total`, the store's own count
+    /// (the cache sits below the middleware and knows nothing of metrics).
+    pub fn sync_cache_hits(&self, total: u64) {
+        let counted = self.cache_hits.get();
+        if total > counted {
+            self.cache_hits.inc_by(total - counted);
+        }
+    }
+
     /// Counts an execution against the upstream until the guard drops.
     pub fn executing(self: &Arc<Self>) -> InFlightGuard {
         self.in_flight.inc();

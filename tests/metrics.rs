@@ -672,3 +672,28 @@ async fn readiness_follows_the_store_and_liveness_does_not() {
     assert_eq!(s.in_flight(), 0.0);
     store.set(Fault::None);
 }
+
+#[tokio::test]
+async fn replays_from_the_local_cache_are_counted() {
+    let upstream = TestUpstream::start().await;
+    let store = idemproxy::store::cache::wrap(
+        std::sync::Arc::new(idemproxy::store::MemoryStore::new()),
+        100,
+    );
+    let proxy = TestProxy::start_with_store(config(&upstream.url()), store).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/cached");
+
+    let before = scrape(&client, &proxy).await;
+    assert_eq!(before.value("idemproxy_local_cache_hits_total", &[]), 0.0);
+    let first = client.post_json(&url, "cached-1", "{}").await;
+    assert_eq!(first.status, 201);
+    for _ in 0..2 {
+        let replay = client.post_json(&url, "cached-1", "{}").await;
+        assert!(replay.replayed());
+    }
+    let after = scrape(&client, &proxy).await;
+    // The completion filled the cache, so both replays were answered there.
+    assert_eq!(after.value("idemproxy_local_cache_hits_total", &[]), 2.0);
+    assert_eq!(upstream.executions("/v1/cached"), 1);
+}

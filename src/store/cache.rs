@@ -27,6 +27,7 @@
 //! rarely hit entries go first). Memory is at most about `entries` times the
 //! largest stored response (`max_response_bytes`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -65,6 +66,9 @@ pub struct CachedStore<S: ?Sized = dyn Store> {
     inner: Arc<S>,
     cache: Cache<RecordKey, Entry>,
     max_age: Duration,
+    /// Begins answered from the cache, read by `/metrics` (see
+    /// [`Store::local_cache_hits`]).
+    hits: AtomicU64,
 }
 
 impl<S: Store + ?Sized> CachedStore<S> {
@@ -75,6 +79,7 @@ impl<S: Store + ?Sized> CachedStore<S> {
             inner,
             cache: Cache::new(entries.max(1)),
             max_age: DEFAULT_MAX_AGE,
+            hits: AtomicU64::new(0),
         }
     }
 
@@ -127,6 +132,7 @@ impl<S: Store + ?Sized> CachedStore<S> {
 impl<S: Store + ?Sized> Store for CachedStore<S> {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         if let Some(record) = self.lookup(&begin.key) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(if record.fingerprint == begin.fingerprint {
                 BeginOutcome::Completed((*record).clone())
             } else {
@@ -182,6 +188,10 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
 
     fn kind(&self) -> &'static str {
         self.inner.kind()
+    }
+
+    fn local_cache_hits(&self) -> Option<u64> {
+        Some(self.hits.load(Ordering::Relaxed))
     }
 }
 

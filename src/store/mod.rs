@@ -116,6 +116,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;
+
+    /// Replays answered by an in-process cache so far, for stores that have
+    /// one (see `cache::CachedStore`).
+    fn local_cache_hits(&self) -> Option<u64> {
+        None
+    }
 }
 
 pub type SharedStore = Arc<dyn Store>;
