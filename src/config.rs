@@ -23,6 +23,8 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     /// Bearer token for the admin key API; without one that API is refused.
     pub admin_token: Option<String>,
+    /// Serve the traffic listener over TLS (HTTP/1.1 and HTTP/2 by ALPN).
+    pub tls: Option<TlsConfig>,
     pub upstream: UpstreamConfig,
     pub store: StoreConfig,
     pub idempotency: IdempotencyConfig,
@@ -40,6 +42,7 @@ impl Default for Config {
             listen: ([127, 0, 0, 1], 8080).into(),
             admin_listen: ([127, 0, 0, 1], 9090).into(),
             admin_token: None,
+            tls: None,
             upstream: UpstreamConfig::default(),
             store: StoreConfig::default(),
             idempotency: IdempotencyConfig::default(),
@@ -48,6 +51,14 @@ impl Default for Config {
             drain_timeout: Duration::from_secs(35),
         }
     }
+}
+
+/// PEM files of the traffic listener's certificate chain and private key.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -422,6 +433,16 @@ impl Config {
         if let Some(ca) = &self.store.ca_file {
             if !ca.is_file() {
                 problems.push(format!("store.ca_file: {} is not a file", ca.display()));
+            }
+        }
+        if let Some(tls) = &self.tls {
+            for (field, path) in [
+                ("tls.cert_file", &tls.cert_file),
+                ("tls.key_file", &tls.key_file),
+            ] {
+                if !path.is_file() {
+                    problems.push(format!("{field}: {} is not a file", path.display()));
+                }
             }
         }
         if self.admin_token.as_deref() == Some("") {

@@ -55,6 +55,8 @@ pub struct App {
     pub admin: axum::Router,
     pub store: SharedStore,
     pub metrics: Arc<Metrics>,
+    /// Set when the traffic listener serves TLS (`[tls]`).
+    pub tls: Option<server::TlsAcceptor>,
     /// Executions in flight; shutdown waits for them to store their outcome.
     pub tasks: TaskTracker,
 }
@@ -81,11 +83,13 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
         policies: Arc::new(policies),
         token_digest: AdminState::token_digest(config.admin_token.as_deref()),
     });
+    let tls = config.tls.as_ref().map(server::tls_acceptor).transpose()?;
     Ok(App {
         proxy,
         admin,
         store,
         metrics,
+        tls,
         tasks,
     })
 }
@@ -154,7 +158,7 @@ pub async fn serve_app(
             tracing::error!(error = %e, "admin listener failed");
         }
     });
-    server::serve(listener, app.proxy, shutdown, drain).await;
+    server::serve(listener, app.tls, app.proxy, shutdown, drain).await;
     app.tasks.close();
     if tokio::time::timeout(drain, app.tasks.wait()).await.is_err() {
         tracing::warn!(

@@ -1,7 +1,7 @@
-//! Listeners and graceful shutdown.
+//! Listeners, TLS and graceful shutdown.
 //!
 //! Each accepted connection is served by hyper-util's auto builder (HTTP/1.1
-//! and h2c). The peer address is attached to every request as
+//! and h2c, or HTTP/1.1 and HTTP/2 by ALPN over TLS when `[tls]` is set). The peer address is attached to every request as
 //! [`ClientInfo`] for `X-Forwarded-For`. On shutdown the listener closes at
 //! once, open connections finish their current exchange, and the caller then
 //! waits for executions that outlived their connections (see
@@ -20,16 +20,50 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tower::{Service, ServiceExt};
 
+use crate::config::TlsConfig;
 use crate::upstream::ClientInfo;
+
+pub use tokio_rustls::TlsAcceptor;
 
 /// How long a client may take to send a request head: bounds slowloris
 /// connections.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `service` on `listener` until `shutdown` resolves, then lets open
-/// connections finish for at most `drain`.
+/// A client gets this long to finish its TLS handshake.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Builds the traffic listener's TLS acceptor from PEM files.
+pub fn tls_acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+    let certs = CertificateDer::pem_file_iter(&config.cert_file)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("tls.cert_file {}: {e}", config.cert_file.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "tls.cert_file {}: no certificate in it",
+            config.cert_file.display()
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(&config.key_file)
+        .map_err(|e| format!("tls.key_file {}: {e}", config.key_file.display()))?;
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("tls: {e}"))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("tls: {e}"))?;
+    tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(std::sync::Arc::new(tls)))
+}
+
+/// Serves `service` on `listener` (over TLS with `tls`) until `shutdown`
+/// resolves, then lets open connections finish for at most `drain`.
 pub async fn serve<S>(
     listener: TcpListener,
+    tls: Option<TlsAcceptor>,
     service: S,
     shutdown: impl Future<Output = ()>,
     drain: Duration,
@@ -65,7 +99,7 @@ pub async fn serve<S>(
         let _ = stream.set_nodelay(true);
         let client = ClientInfo {
             addr: Some(peer),
-            https: false,
+            https: tls.is_some(),
         };
         let service = service.clone();
         let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -73,15 +107,46 @@ pub async fn serve<S>(
             req.extensions_mut().insert(client);
             service.clone().oneshot(req)
         });
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), hyper_service)
-            .into_owned();
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+        match &tls {
+            None => {
+                let connection = builder
+                    .serve_connection(TokioIo::new(stream), hyper_service)
+                    .into_owned();
+                let connection = graceful.watch(connection);
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+                    }
+                });
             }
-        });
+            Some(acceptor) => {
+                // The handshake runs in the connection's task, so a slow
+                // client never holds up the accept loop.
+                let acceptor = acceptor.clone();
+                let builder = builder.clone();
+                let watcher = graceful.watcher();
+                tokio::spawn(async move {
+                    let stream =
+                        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream))
+                            .await
+                        {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(e)) => {
+                                tracing::debug!(error = %e, peer = %peer, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(peer = %peer, "TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    let connection = builder.serve_connection(TokioIo::new(stream), hyper_service);
+                    if let Err(e) = watcher.watch(connection).await {
+                        tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+                    }
+                });
+            }
+        }
     }
     drop(listener);
     tokio::select! {
