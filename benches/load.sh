@@ -5,8 +5,8 @@
 # all in front of the same fast upstream (nginx `return 201`).
 #
 # Load: POST, ~1 KB JSON body, a unique Idempotency-Key per request (wrk +
-# benches/load/unique.lua); then replays over 1,000 warmed keys
-# (replay.lua); then a fixed-rate run at half of nginx's maximum, with
+# benches/load/post.lua, MODE=unique); then replays over 1,000 warmed keys
+# (MODE=replay); then a fixed-rate run at half of nginx's maximum, with
 # latencies corrected for coordinated omission (examples/loadgen.rs).
 # Targets are measured in alternating order over ROUNDS rounds; the table
 # shows medians and ratios to nginx.
@@ -98,7 +98,7 @@ done
 
 run_wrk() { # scenario target round
   local out
-  out=$(RUN="r$3-$2" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "benches/load/$1.lua" "${URL[$2]}/v1/payments")
+  out=$(MODE="$1" RUN="r$3-$2" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s benches/load/post.lua "${URL[$2]}/v1/payments")
   local rps p50 p99 non2xx
   rps=$(awk '/Requests\/sec:/ {print $2}' <<<"$out")
   p50=$(awk '$1=="50%" {print $2}' <<<"$out")

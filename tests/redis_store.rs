@@ -10,52 +10,27 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use idemproxy::config::{StoreConfig, StoreKind};
 use idemproxy::idempotency::record::{
-    millis, now_millis, CompletedRecord, FencingToken, Fingerprint, KeyState, Outcome, Record,
-    RecordKey, StoredResponse, UnknownCause,
+    now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnknownCause,
 };
 use idemproxy::store::redis::{open, redis_key};
-use idemproxy::store::{Begin, BeginOutcome, CachedStore, OnStale, RedisStore, Store, StoreError};
+use idemproxy::store::{BeginOutcome, CachedStore, OnStale, RedisStore, Store, StoreError};
 
 #[path = "support/redis_server.rs"]
 mod redis_server;
+#[path = "support/store_fixtures.rs"]
+mod store_fixtures;
 
 use redis_server::{RedisCluster, RedisOptions, RedisServer, TlsFiles};
+use store_fixtures::{begin, new_key, TTL};
+
+/// A completed record that lives the default TTL.
+fn completed(fingerprint: u8) -> CompletedRecord {
+    store_fixtures::completed(fingerprint, TTL)
+}
 
 const LEASE: Duration = Duration::from_secs(30);
-const TTL: Duration = Duration::from_secs(3600);
-
-fn new_key() -> RecordKey {
-    RecordKey::from_bytes(rand::random())
-}
-
-fn begin(key: RecordKey, fingerprint: u8, lease: Duration, on_stale: OnStale) -> Begin {
-    Begin {
-        key,
-        fingerprint: Fingerprint([fingerprint; 32]),
-        lease,
-        ttl: TTL,
-        on_stale,
-    }
-}
-
-fn completed(fingerprint: u8) -> CompletedRecord {
-    let now = now_millis();
-    CompletedRecord {
-        fingerprint: Fingerprint([fingerprint; 32]),
-        created_at: now,
-        completed_at: now,
-        expires_at: now + millis(TTL),
-        outcome: Outcome::Response(StoredResponse {
-            status: 201,
-            headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
-            body: Bytes::from_static(b"created"),
-        }),
-    }
-}
-
 fn config(url: String) -> StoreConfig {
     StoreConfig {
         kind: StoreKind::Redis,

@@ -8,11 +8,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use idemproxy::config::StoreConfig;
 use idemproxy::idempotency::record::{
-    millis, now_millis, CompletedRecord, FencingToken, Fingerprint, KeyState, Outcome, Record,
-    RecordKey, StoredResponse, UnknownCause,
+    millis, now_millis, FencingToken, Fingerprint, KeyState, Outcome, Record, RecordKey,
+    UnknownCause,
 };
 use idemproxy::store::embedded::{FILE_NAME, RECORDS_TABLE};
 use idemproxy::store::{
@@ -23,6 +22,10 @@ use tempfile::TempDir;
 
 #[path = "support/redis_server.rs"]
 mod redis_server;
+#[path = "support/store_fixtures.rs"]
+mod store_fixtures;
+
+use store_fixtures::{begin, completed, new_key, TTL};
 
 /// A store under test, and whatever must outlive it (a temporary directory).
 pub struct Backend {
@@ -63,13 +66,7 @@ async fn redis_backend() -> Backend {
         key_prefix: redis_server::unique_prefix("contract"),
         ..StoreConfig::default()
     };
-    let store = RedisStore::connect(&config)
-        .await
-        .expect("connect to redis");
-    Backend {
-        store: Arc::new(store),
-        _guard: None,
-    }
+    redis_store(RedisStore::connect(&config).await)
 }
 
 /// One private 3-master Redis Cluster per test binary, as for `redis`.
@@ -79,11 +76,12 @@ async fn redis_cluster_backend() -> Backend {
         key_prefix: redis_server::unique_prefix("contract"),
         ..StoreConfig::default()
     };
-    let store = RedisStore::connect_cluster(&config)
-        .await
-        .expect("connect to the redis cluster");
+    redis_store(RedisStore::connect_cluster(&config).await)
+}
+
+fn redis_store(connected: Result<RedisStore, StoreError>) -> Backend {
     Backend {
-        store: Arc::new(store),
+        store: Arc::new(connected.expect("connect to redis")),
         _guard: None,
     }
 }
@@ -133,43 +131,6 @@ const LONG_LEASE: Duration = Duration::from_secs(30);
 const SHORT_LEASE: Duration = Duration::from_millis(250);
 /// Comfortably past `SHORT_LEASE`, even on a loaded machine.
 const PAST_SHORT_LEASE: Duration = Duration::from_millis(400);
-const TTL: Duration = Duration::from_secs(3600);
-
-fn new_key() -> RecordKey {
-    RecordKey::from_bytes(rand::random())
-}
-
-fn begin(key: RecordKey, fingerprint: u8, lease: Duration, on_stale: OnStale) -> Begin {
-    Begin {
-        key,
-        fingerprint: Fingerprint([fingerprint; 32]),
-        lease,
-        ttl: TTL,
-        on_stale,
-    }
-}
-
-fn completed(fingerprint: u8, ttl: Duration) -> CompletedRecord {
-    let now = now_millis();
-    CompletedRecord {
-        fingerprint: Fingerprint([fingerprint; 32]),
-        created_at: now - 5,
-        completed_at: now,
-        expires_at: now + millis(ttl),
-        outcome: Outcome::Response(StoredResponse {
-            status: 201,
-            headers: vec![
-                (
-                    "content-type".into(),
-                    Bytes::from_static(b"application/json"),
-                ),
-                ("x-request-id".into(), Bytes::from_static(b"abc")),
-            ],
-            body: Bytes::from_static(b"{\"id\":42}"),
-        }),
-    }
-}
-
 fn acquired(outcome: BeginOutcome, expect_took_over: bool) -> FencingToken {
     match outcome {
         BeginOutcome::Acquired { token, took_over } => {

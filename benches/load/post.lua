@@ -1,0 +1,37 @@
+-- wrk script: POST a ~1 KB JSON body with an Idempotency-Key.
+--   MODE=unique (default): a new key per request (thread id + counter), so
+--                          every request is a first execution;
+--   MODE=replay:           one of 1,000 keys warmed beforehand ("warm-N"),
+--                          so every request is a replay.
+-- RUN names the run, keeping unique keys apart between runs.
+local counter = 0
+local threads = {}
+local mode = os.getenv("MODE") or "unique"
+local run = os.getenv("RUN") or "run"
+
+function setup(thread)
+  thread:set("id", #threads + 1)
+  table.insert(threads, thread)
+end
+
+function init(args)
+  wrk.method = "POST"
+  wrk.headers["Content-Type"] = "application/json"
+  local items = {}
+  for i = 1, 12 do
+    items[#items + 1] = string.format(
+      '{"sku":"item-%05d","qty":%d,"price":%d.%02d,"tags":["a","b"],"meta":{"note":"line %d"}}',
+      i, i % 7 + 1, i * 3, i % 100, i)
+  end
+  wrk.body = '{"customer":"cus_123","currency":"eur","items":[' .. table.concat(items, ",") .. '],"metadata":{"sent_at":"2026-11-30T12:00:00Z"}}'
+end
+
+function request()
+  counter = counter + 1
+  if mode == "replay" then
+    wrk.headers["Idempotency-Key"] = string.format("warm-%d", counter % 1000)
+  else
+    wrk.headers["Idempotency-Key"] = string.format("%s-%d-%d", run, id, counter)
+  end
+  return wrk.format()
+end
