@@ -12,6 +12,7 @@
 # shows medians and ratios to nginx.
 #
 #   benches/load.sh                 # ROUNDS=3 DURATION=6 CONNS=32
+#   FIXED_RATE=5000 benches/load.sh # fixed-rate run at a chosen rate instead
 #
 # Needs nginx, wrk and redis-server (installed from Debian's packages when
 # missing and running as root). Everything binds 127.0.0.1 and stops at exit.
@@ -117,7 +118,7 @@ done
 
 # Fixed rate at half of nginx's median maximum.
 NGINX_MAX=$(awk '$1=="unique" && $2=="nginx" {sub("rps=","",$4); print $4}' "$RESULTS" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
-RATE=$(python3 -c "print(max(100, int(float('$NGINX_MAX') / 2)))")
+RATE=${FIXED_RATE:-$(python3 -c "print(max(100, int(float('$NGINX_MAX') / 2)))")}
 for t in "${TARGETS[@]}"; do
   line=$("$LOADGEN" "${URL[$t]}/v1/payments" "$RATE" "$FIXED_SECONDS" unique "fixed-$t")
   echo "fixed $t 1 $line" >>"$RESULTS"
