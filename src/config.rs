@@ -324,19 +324,13 @@ impl Default for LogConfig {
 }
 
 /// Values given as command-line flags: they win over file and environment.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default)]
 pub struct FlagOverrides {
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub listen: Option<SocketAddr>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_listen: Option<SocketAddr>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_url: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub store_kind: Option<StoreKind>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub store_path: Option<PathBuf>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub redis_url: Option<String>,
 }
 

@@ -162,14 +162,6 @@ impl Metrics {
         }
     }
 
-    pub fn request(&self, route: &str, outcome: RequestOutcome, elapsed: Duration) {
-        self.route(route).request(outcome, elapsed);
-    }
-
-    pub fn upstream(&self, route: &str, elapsed: Duration) {
-        self.route(route).upstream(elapsed);
-    }
-
     pub fn store_call(&self, op: &'static str, elapsed: Duration, ok: bool) {
         let resolved = self.store_ops.iter().find(|(name, _, _)| *name == op);
         let labels = OpLabels { op };
@@ -184,18 +176,6 @@ impl Metrics {
         if !ok {
             errors.inc();
         }
-    }
-
-    pub fn key_released(&self, route: &str) {
-        self.route(route).key_released();
-    }
-
-    pub fn lease_expired(&self, route: &str) {
-        self.route(route).lease_expired();
-    }
-
-    pub fn cache_hit(&self) {
-        self.cache_hits.inc();
     }
 
     /// Brings `local_cache_hits_total` up to `total`, the store's own count
@@ -270,11 +250,8 @@ mod tests {
     #[test]
     fn series_are_named_as_documented() {
         let m = Metrics::new();
-        m.request(
-            "payments",
-            RequestOutcome::Executed,
-            Duration::from_millis(3),
-        );
+        m.route("payments")
+            .request(RequestOutcome::Executed, Duration::from_millis(3));
         m.store_call("begin", Duration::from_micros(300), false);
         {
             let _g = m.executing();

@@ -26,14 +26,15 @@ fn yaml_docs(path: &str) -> Vec<Yaml> {
 /// each metric has been touched once.
 fn exported_series() -> BTreeSet<String> {
     let m = Metrics::new();
+    let route = m.route("default");
     for outcome in RequestOutcome::ALL {
-        m.request("default", outcome, Duration::from_millis(1));
+        route.request(outcome, Duration::from_millis(1));
     }
-    m.upstream("default", Duration::from_millis(1));
+    route.upstream(Duration::from_millis(1));
     m.store_call("begin", Duration::from_micros(200), false);
-    m.key_released("default");
-    m.lease_expired("default");
-    m.cache_hit();
+    route.key_released();
+    route.lease_expired();
+    m.sync_cache_hits(1);
     drop(m.executing());
     m.render()
         .lines()

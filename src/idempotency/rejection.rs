@@ -273,7 +273,6 @@ impl Rejection {
                 HeaderValue::from(retry_after.as_millis() as u64),
             );
         }
-        response.extensions_mut().insert(self);
         response
     }
 }
