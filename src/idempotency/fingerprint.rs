@@ -46,15 +46,13 @@
 //! that need exact big numbers send them as strings, which JCS keeps exact.
 
 use std::borrow::Cow;
-use std::fmt;
 
 use http::header::{GetAll, CONTENT_TYPE};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue};
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
-use serde_json::{Map, Number, Value};
 use sha2::{Digest, Sha256};
 
+use super::canonical::{Document, Kind, NodeId, Sink};
 use super::key::trim_ows;
 use super::record::Fingerprint;
 
@@ -107,12 +105,12 @@ impl FingerprintRules {
             put_values(&mut h, parts.headers.get_all(name));
         }
         if declares_json(parts.headers.get_all(CONTENT_TYPE)) {
-            if let Some(value) = parse_ijson(body, &self.ignore) {
-                let mut canonical = Vec::with_capacity(body.len());
-                super::canonical::write(&value, &mut canonical);
+            if let Some(doc) = parse_ijson(body, &self.ignore) {
                 h.update(b"J");
-                h.update(&canonical);
-                h.update((canonical.len() as u64).to_be_bytes());
+                let mut sink = HashSink::new(&mut h);
+                doc.write(&mut sink);
+                let len = sink.finish();
+                h.update(len.to_be_bytes());
                 return Fingerprint(h.finalize().into());
             }
         }
@@ -129,18 +127,87 @@ impl FingerprintRules {
 /// exposed so tests and tooling can show an operator why two bodies do or
 /// do not count as the same request.
 pub fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
-    let value = parse_ijson(body, ignore)?;
+    let doc = parse_ijson(body, ignore)?;
     let mut out = Vec::with_capacity(body.len());
-    super::canonical::write(&value, &mut out);
+    doc.write(&mut out);
     Some(out)
 }
 
-fn parse_ijson(body: &[u8], ignore: &[String]) -> Option<Value> {
-    let StrictValue(mut value) = serde_json::from_slice(body).ok()?;
+/// Duplicate keys are rejected while parsing, before any pointer applies:
+/// one inside an ignored member still makes the body not I-JSON.
+fn parse_ijson<'a>(body: &'a [u8], ignore: &[String]) -> Option<Document<'a>> {
+    let mut doc = Document::parse(body).ok()?;
     for ptr in ignore {
-        remove_pointer(&mut value, ptr);
+        remove_pointer(&mut doc, ptr);
     }
-    Some(value)
+    Some(doc)
+}
+
+/// Feeds the canonical form to the hasher in large chunks: it is written a
+/// few bytes at a time, and `Sha256::update` costs more per call than a
+/// copy into this buffer. Counts the bytes for the length that follows.
+struct HashSink<'h> {
+    hasher: &'h mut Sha256,
+    buf: [u8; 1024],
+    filled: usize,
+    total: u64,
+}
+
+impl<'h> HashSink<'h> {
+    fn new(hasher: &'h mut Sha256) -> Self {
+        Self {
+            hasher,
+            buf: [0; 1024],
+            filled: 0,
+            total: 0,
+        }
+    }
+
+    fn flush(&mut self) {
+        let pending = self.buf.get(..self.filled).unwrap_or_default();
+        self.hasher.update(pending);
+        // usize is at most 64 bits on every supported target.
+        self.total += pending.len() as u64;
+        self.filled = 0;
+    }
+
+    /// Kept out of line so that `put`, inlined, is a bounds check and a
+    /// copy of a length often known at compile time.
+    #[cold]
+    #[inline(never)]
+    fn put_slow(&mut self, bytes: &[u8]) {
+        self.flush();
+        match self.buf.get_mut(..bytes.len()) {
+            Some(dst) => {
+                dst.copy_from_slice(bytes);
+                self.filled = bytes.len();
+            }
+            None => {
+                self.hasher.update(bytes);
+                self.total += bytes.len() as u64;
+            }
+        }
+    }
+
+    /// Hashes what is buffered; returns the number of bytes written.
+    fn finish(mut self) -> u64 {
+        self.flush();
+        self.total
+    }
+}
+
+impl Sink for HashSink<'_> {
+    #[inline]
+    fn put(&mut self, bytes: &[u8]) {
+        let end = self.filled + bytes.len();
+        match self.buf.get_mut(self.filled..end) {
+            Some(dst) => {
+                dst.copy_from_slice(bytes);
+                self.filled = end;
+            }
+            None => self.put_slow(bytes),
+        }
+    }
 }
 
 fn put_len(h: &mut Sha256, len: usize) {
@@ -217,29 +284,64 @@ fn validate_pointer(ptr: &str) -> Result<(), String> {
 
 /// Removes the member or element `ptr` points to; a pointer that does not
 /// resolve is a no-op, because the ignored field is often optional.
-fn remove_pointer(root: &mut Value, ptr: &str) {
+fn remove_pointer(doc: &mut Document<'_>, ptr: &str) {
     if !ptr.starts_with('/') {
         return;
     }
     let Some((parent, last)) = ptr.rsplit_once('/') else {
         return;
     };
-    // serde_json resolves the parent, `~0`/`~1` escapes included.
-    let Some(parent) = root.pointer_mut(parent) else {
+    let Some(parent) = resolve(doc, parent) else {
         return;
     };
-    match parent {
-        Value::Object(map) => {
-            map.remove(unescape_token(last).as_ref());
+    match doc.kind(parent) {
+        Kind::Object => {
+            doc.remove_member(parent, &unescape_token(last));
         }
-        Value::Array(items) => {
+        Kind::Array => {
             if let Some(i) = array_index(last) {
-                if i < items.len() {
-                    items.remove(i);
-                }
+                doc.remove_element(parent, i);
             }
         }
-        _ => {}
+        Kind::Scalar => {}
+    }
+}
+
+/// The value `pointer` refers to, resolved as `serde_json::Value::pointer_mut`
+/// did when bodies were parsed into `Value`s: what an ignore rule matches
+/// must not change across versions.
+fn resolve(doc: &Document<'_>, pointer: &str) -> Option<NodeId> {
+    if pointer.is_empty() {
+        return Some(doc.root());
+    }
+    if !pointer.starts_with('/') {
+        return None;
+    }
+    pointer
+        .split('/')
+        .skip(1)
+        .try_fold(doc.root(), |at, token| {
+            let token = parent_token(token);
+            match doc.kind(at) {
+                Kind::Object => doc.member(at, &token),
+                // serde_json's index rule is `array_index`'s: digits only, no
+                // sign, no leading zero.
+                Kind::Array => array_index(&token).and_then(|i| doc.element(at, i)),
+                Kind::Scalar => None,
+            }
+        })
+}
+
+/// serde_json's decoding of the parent path's tokens: `~1` then `~0`
+/// replaced throughout. It equals `unescape_token` for every pointer that
+/// configuration validation accepts; only invalid escapes, possible when
+/// the rules are built without `new`, decode differently, and those keep
+/// their old meaning too.
+fn parent_token(token: &str) -> Cow<'_, str> {
+    if token.contains('~') {
+        Cow::Owned(token.replace("~1", "/").replace("~0", "~"))
+    } else {
+        Cow::Borrowed(token)
     }
 }
 
@@ -284,90 +386,12 @@ fn array_index(token: &str) -> Option<usize> {
     token.parse().ok()
 }
 
-/// A `serde_json::Value` that refuses duplicate object keys. serde_json's
-/// own `Value` keeps the last duplicate, so `{"a":1,"a":2}` would
-/// fingerprint like `{"a":2}` although an upstream may read `1`.
-struct StrictValue(Value);
-
-impl<'de> Deserialize<'de> for StrictValue {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(StrictVisitor).map(StrictValue)
-    }
-}
-
-struct StrictVisitor;
-
-impl<'de> Visitor<'de> for StrictVisitor {
-    type Value = Value;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
-        Ok(Value::Bool(v))
-    }
-
-    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
-        Ok(Value::from(v))
-    }
-
-    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
-        Ok(Value::from(v))
-    }
-
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
-        Number::from_f64(v)
-            .map(Value::Number)
-            .ok_or_else(|| E::custom("number out of range"))
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
-        Ok(Value::String(v.to_owned()))
-    }
-
-    fn visit_string<E>(self, v: String) -> Result<Value, E> {
-        Ok(Value::String(v))
-    }
-
-    fn visit_unit<E>(self) -> Result<Value, E> {
-        Ok(Value::Null)
-    }
-
-    fn visit_none<E>(self) -> Result<Value, E> {
-        Ok(Value::Null)
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
-        while let Some(StrictValue(v)) = seq.next_element()? {
-            items.push(v);
-        }
-        Ok(Value::Array(items))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<Value, A::Error> {
-        let mut map = Map::new();
-        while let Some(key) = access.next_key::<String>()? {
-            let StrictValue(v) = access.next_value()?;
-            match map.entry(key) {
-                serde_json::map::Entry::Vacant(e) => {
-                    e.insert(v);
-                }
-                serde_json::map::Entry::Occupied(_) => {
-                    return Err(de::Error::custom("duplicate object key"));
-                }
-            }
-        }
-        Ok(Value::Object(map))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use http::{Method, Request};
     use proptest::prelude::*;
+    use serde_json::{Number, Value};
 
     fn parts(method: &str, uri: &str, headers: &[(&str, &str)]) -> Parts {
         let mut b = Request::builder().method(method).uri(uri);
@@ -954,6 +978,116 @@ mod tests {
         }
         for good in ["/", "/a", "/a~0b~1c", "/0/-", "/a//b"] {
             FingerprintRules::new(&[], &[good.to_owned()]).expect(good);
+        }
+    }
+
+    /// Fingerprints are persisted in stores: these were computed by the
+    /// `serde_json::Value`-based implementation this one replaced, so any
+    /// change to the hash input across a deploy fails here first.
+    #[test]
+    fn fingerprints_are_pinned() {
+        // Several kilobytes, with a string longer than the hashing buffer.
+        let items: Vec<String> = (0..60)
+            .map(|i| {
+                format!(
+                    r#"{{"sku":"item-{i:05}","qty":{},"price":{}.{:02},"tags":["a","\u00e9\n"],"meta":{{"note":"line {i}","ts":{i}}}}}"#,
+                    i % 7 + 1,
+                    i * 3,
+                    i % 100
+                )
+            })
+            .collect();
+        let large = format!(
+            r#"{{"customer":"cus_123","items":[{}],"blob":"{}","metadata":{{"sent_at":"2026-11-30T12:00:00Z"}}}}"#,
+            items.join(","),
+            r#"x\\y\"z\u0001"#.repeat(300)
+        );
+        let cases: &[(&[&str], &str, &str)] = &[
+            (
+                &[],
+                r#"{"b":{"y":[1,2,{"z":null}],"x":true,"w":[]},"a":"s","c":{}}"#,
+                "9f05846edc5b75e24949f87b28c64239c5392fcca8253f1d5dcb8f9dccba879d",
+            ),
+            (
+                &[],
+                r#"{"k\u0065y":"line\nbreak \"q\" \\ \u00e9 \ud83d\ude00 \/ \u001f","\t":"\u0001\b\f\r","é\"":[""]}"#,
+                "ec93e2b464aeb691c9c7c315c35585606ed0b41f5e3d53046917d9a6da94c6da",
+            ),
+            (
+                &[],
+                r#"{"\ue000":1,"😀":2,"a":3,"é":4,"\ufb33":5,"ab":6,"":7,"\u0080":8,"\r":9}"#,
+                "dec79b2cd4d2d0c9c52532dab5e5229456c31b91fd54ce692a9707c5e5047201",
+            ),
+            (
+                &[],
+                "[1e21,1e-7,-0.0,123456789012345678901,0.1,5e-324,-1.5e300,\
+                 9007199254740993,18446744073709551615,-9223372036854775808,4.50,1E30,-0,1e20]",
+                "adb5e63d6940c6d5b10001b10cc2cf352c70946b3950ef816eefe86b66a9b3fc",
+            ),
+            (
+                &[
+                    "/metadata/sent_at",
+                    "/items/0/ts",
+                    "/a~1b",
+                    "/m~0n",
+                    "/missing/x",
+                    "/",
+                ],
+                r#"{"metadata":{"sent_at":"x","note":"n"},"items":[{"id":1,"ts":5},{"id":2,"ts":6}],"a/b":1,"m~n":2,"":0,"~1":3}"#,
+                "e3024d6a664b04946aeabd923eeb015cb1454aff5849be4fc7308db9b0637ec7",
+            ),
+            (
+                &[
+                    "/list/0", "/list/0", "/list/01", "/list/-", "/x~1y/z", "/s/0",
+                ],
+                r#"{"list":[10,20,30,40],"x/y":{"z":1,"w":2},"s":"str"}"#,
+                "50c8acb9e7ee6e021ef1d317792a9eec6de0676237955fe49b392d81073b250f",
+            ),
+            (
+                &[],
+                "[0.5,-12.34,0.000001,0.0000015,123456789.123456,99999999999999.9,\
+                 0.1e1,2.675,1.005,1234.5678e-2,-7,1e15,0.30000000000000004,1e-6]",
+                "36fae1de5ebfdb8d627294c5bb4517d2894ec02351f0f965dda0de4449dea5b4",
+            ),
+            (
+                &["/a/0", "/a/0/1", "/a/1/x", "/a/5"],
+                r#"{"a":[[1,2],[3,4,5],{"x":1,"y":2}]}"#,
+                "bab61caa7a584b191f2c3b6769212c3a397041752538b376ed019351a3a0d450",
+            ),
+            (
+                &[],
+                " \"top\\u0000level\" ",
+                "1b4efef39f2fe850443e5c54b8a3ab1b19ac223e6a000902361db29e7730f34b",
+            ),
+            (
+                &["/metadata/sent_at", "/items/3"],
+                &large,
+                "974fac6547fe9fd476409745211e461027ce269453304bf2d764cf0fee6e4449",
+            ),
+            // Not I-JSON, hashed raw: a duplicate key, even inside an
+            // ignored member, and a number out of the double range.
+            (
+                &["/m"],
+                r#"{"m":{"a":1,"a":2},"k":1}"#,
+                "41ffa37fe886d93a464d674f02fda06388c7e1907d7d16ff75cee42d57f30b56",
+            ),
+            (
+                &[],
+                "[1e400]",
+                "ca67471c69683b552dd8e79b2b59c52009bdfef945603c7b6beb583d15560393",
+            ),
+        ];
+        let p = parts(
+            "POST",
+            "/v1/payments?b=1&a=2",
+            &[
+                ("content-type", "application/json; charset=utf-8"),
+                ("x-tenant", "t1"),
+            ],
+        );
+        for (ignore, body, expected) in cases {
+            let r = rules(&["x-tenant"], ignore);
+            assert_eq!(hex::encode(fp(&r, &p, body).0), *expected, "{body}");
         }
     }
 
