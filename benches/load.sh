@@ -9,7 +9,9 @@
 # (MODE=replay); then a fixed-rate run at half of nginx's maximum, with
 # latencies corrected for coordinated omission (examples/loadgen.rs).
 # Targets are measured in alternating order over ROUNDS rounds; the table
-# shows medians and ratios to nginx.
+# shows medians and ratios to nginx. Last, a soak: SOAK_SECONDS of unique
+# keys against idemproxy-redis and a memory-store proxy whose records live
+# 10 s, both at once, with their RSS sampled every 5 s.
 #
 #   benches/load.sh                 # ROUNDS=3 DURATION=6 CONNS=32
 #   FIXED_RATE=5000 benches/load.sh # fixed-rate run at a chosen rate instead
@@ -23,6 +25,7 @@ ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-6}
 CONNS=${CONNS:-32}
 FIXED_SECONDS=${FIXED_SECONDS:-8}
+SOAK_SECONDS=${SOAK_SECONDS:-60}
 
 for tool in nginx wrk redis-server; do
   if ! command -v "$tool" >/dev/null 2>&1; then
@@ -52,7 +55,7 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
 
-UP=$(free_port); NG=$(free_port); IM=$(free_port); IR=$(free_port); RP=$(free_port)
+UP=$(free_port); NG=$(free_port); IM=$(free_port); IR=$(free_port); IS=$(free_port); RP=$(free_port)
 
 nginx_conf() { # name listen body
   cat >"$WORK/$1.conf" <<EOF
@@ -80,10 +83,11 @@ nginx_conf control "$NG" 'location / { proxy_pass http://backend; proxy_http_ver
 redis-server --port "$RP" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync everysec --dir "$WORK" --daemonize no >"$WORK/redis.log" 2>&1 &
 PIDS+=($!); wait_port "$RP"
 
-start_proxy() { # name port kind
-  IDEMPROXY_LOG__LEVEL=info "$BIN" --listen "127.0.0.1:$2" --admin-listen "127.0.0.1:$(free_port)" \
-    --upstream "http://127.0.0.1:$UP" --store "$3" --redis-url "redis://127.0.0.1:$RP" >"$WORK/$1.log" 2>&1 &
-  PIDS+=($!); echo $! >"$WORK/$1.pid"; wait_port "$2"
+start_proxy() { # name port kind [VAR=value...]
+  local name=$1 port=$2 kind=$3; shift 3
+  env IDEMPROXY_LOG__LEVEL=info "$@" "$BIN" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
+    --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "redis://127.0.0.1:$RP" >"$WORK/$name.log" 2>&1 &
+  PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
 }
 start_proxy memory "$IM" memory
 start_proxy redis "$IR" redis
@@ -127,6 +131,23 @@ done
 RSS_MEMORY=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/memory.pid")/status")
 RSS_REDIS=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/redis.pid")/status")
 
+# Soak: does memory stay flat under sustained load? Redis-backed, the proxy
+# keeps no records; on the memory store they live 10 s (purged every 2 s).
+start_proxy soak "$IS" memory IDEMPROXY_IDEMPOTENCY__TTL=10s IDEMPROXY_STORE__PURGE_INTERVAL=2s
+rss() { awk '/VmRSS/ {print $2}' "/proc/$(cat "$WORK/$1.pid")/status"; }
+SOAK_REDIS=""; SOAK_MEMORY=""
+(MODE=unique RUN=soak-r wrk -t1 -c"$CONNS" -d"${SOAK_SECONDS}s" -s benches/load/post.lua "${URL[idemproxy-redis]}/v1/payments" >"$WORK/soak-redis.txt") &
+SOAK_WRK1=$!
+(MODE=unique RUN=soak-m wrk -t1 -c"$CONNS" -d"${SOAK_SECONDS}s" -s benches/load/post.lua "http://127.0.0.1:$IS/v1/payments" >"$WORK/soak-memory.txt") &
+SOAK_WRK2=$!
+for _ in $(seq $((SOAK_SECONDS / 5))); do
+  sleep 5
+  SOAK_REDIS="$SOAK_REDIS $(rss redis)"; SOAK_MEMORY="$SOAK_MEMORY $(rss soak)"
+done
+wait "$SOAK_WRK1" "$SOAK_WRK2"
+echo "soak idemproxy-redis 1 rps=$(awk '/Requests\/sec:/ {print $2}' "$WORK/soak-redis.txt") rss_kib=${SOAK_REDIS// /,}" >>"$RESULTS"
+echo "soak idemproxy-memory-ttl10s 1 rps=$(awk '/Requests\/sec:/ {print $2}' "$WORK/soak-memory.txt") rss_kib=${SOAK_MEMORY// /,}" >>"$RESULTS"
+
 python3 - "$RESULTS" "$RSS_MEMORY" "$RSS_REDIS" "$CONNS" "$DURATION" "$ROUNDS" <<'PY'
 import statistics, sys, re
 path, rss_mem, rss_redis, conns, duration, rounds = sys.argv[1:]
@@ -163,5 +184,17 @@ if fixed:
         base = p99 if base is None else base
         print(f"  {r[1]:<17} p50 {float(field(r, 'p50_ms')):7.3f} ms  p99 {p99:7.3f} ms  (nginx p99 + {p99 - base:6.3f} ms)  p99.9 {float(field(r, 'p999_ms')):7.3f} ms  errors {field(r, 'errors')}")
 print()
-print(f"peak RSS: idemproxy-memory {int(rss_mem) / 1024:.1f} MiB, idemproxy-redis {int(rss_redis) / 1024:.1f} MiB")
+print(f"peak RSS over the runs above: idemproxy-memory {int(rss_mem) / 1024:.1f} MiB (records kept 24 h), idemproxy-redis {int(rss_redis) / 1024:.1f} MiB")
+soak = [r for r in rows if r[0] == "soak"]
+if soak:
+    print()
+    print("soak: unique keys, both proxies loaded at once; RSS every 5 s (MiB)")
+    for r in soak:
+        samples = [int(v) / 1024 for v in field(r, "rss_kib").strip(",").split(",") if v]
+        if not samples:
+            continue
+        # Growth after warm-up: the last sample against the one at 15 s.
+        warm = samples[min(2, len(samples) - 1)]
+        print(f"  {r[1]:<28} {float(field(r, 'rps')):>8.0f} req/s  " + " ".join(f"{s:.0f}" for s in samples)
+              + f"  (last vs 15 s: {samples[-1] - warm:+.1f} MiB)")
 PY

@@ -34,6 +34,13 @@ pub struct Config {
     /// get to finish (and store their outcomes) before the process exits.
     #[serde(with = "humantime_serde")]
     pub drain_timeout: Duration,
+    /// Threads serving traffic, each with its own event loop and upstream
+    /// connection pool; 0 means one per CPU.
+    pub workers: usize,
+    /// Requests served at once, all routes together; past it the proxy
+    /// answers 503 `overloaded` at once, before reading the body or touching
+    /// the store, so memory stays bounded and nothing executes.
+    pub max_in_flight: usize,
 }
 
 impl Default for Config {
@@ -49,6 +56,8 @@ impl Default for Config {
             routes: Vec::new(),
             log: LogConfig::default(),
             drain_timeout: Duration::from_secs(35),
+            workers: 0,
+            max_in_flight: crate::idempotency::service::DEFAULT_MAX_IN_FLIGHT,
         }
     }
 }
@@ -373,6 +382,14 @@ impl Config {
         Ok(config)
     }
 
+    /// The number of traffic threads `workers` asks for.
+    pub fn worker_threads(&self) -> usize {
+        match self.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+
     /// Loads from the process environment.
     pub fn load_from_process(
         file: Option<&Path>,
@@ -407,6 +424,15 @@ impl Config {
         }
         if self.store.timeout.is_zero() {
             problems.push("store.timeout: must be greater than zero".into());
+        }
+        if self.max_in_flight == 0 {
+            problems.push("max_in_flight: must be greater than zero".into());
+        }
+        if self.workers > 1024 {
+            problems.push(format!(
+                "workers: {} threads is not a sidecar; use at most 1024 (0 = one per CPU)",
+                self.workers
+            ));
         }
         match self.store.kind {
             StoreKind::Memory | StoreKind::Embedded => {}
@@ -641,6 +667,19 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    /// `config/idemproxy.toml` claims to list every option with its
+    /// default: loading it must give exactly the defaults.
+    #[test]
+    fn the_shipped_config_file_is_the_defaults() {
+        let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/idemproxy.toml");
+        let shipped =
+            Config::load(Some(&file), env(&[]), &FlagOverrides::default()).expect("file loads");
+        let mut defaults = Config::default();
+        // The file names a placeholder upstream; the default has none.
+        defaults.upstream.url = shipped.upstream.url.clone();
+        assert_eq!(shipped.to_toml(), defaults.to_toml());
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod admin;
 pub mod config;
 pub mod demo;
 pub mod idempotency;
+pub mod log_writer;
 pub mod metrics;
 pub mod proxy;
 pub mod server;
@@ -59,23 +60,46 @@ pub struct App {
     pub tls: Option<server::TlsAcceptor>,
     /// Executions in flight; shutdown waits for them to store their outcome.
     pub tasks: TaskTracker,
+    /// Traffic threads [`serve_app`] starts (`workers`, resolved).
+    pub workers: usize,
+    stack: Stack,
+}
+
+/// What a worker thread needs to build its own traffic stack.
+struct Stack {
+    layer: IdempotencyLayer,
+    upstream: config::UpstreamConfig,
+}
+
+impl Stack {
+    /// The stack over a new upstream client: the layer (store, metrics,
+    /// executions) is shared, the upstream connection pool is not, so a
+    /// worker's requests use connections its own event loop drives.
+    fn build(&self) -> Result<ProxyService, Error> {
+        let upstream = Upstream::new(&self.upstream)?;
+        Ok(ServiceBuilder::new()
+            .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+            .layer(PropagateRequestIdLayer::x_request_id())
+            .layer(self.layer.clone())
+            .service(Proxy::new(upstream, self.upstream.timeout)))
+    }
 }
 
 /// Builds the service stack for `config` on `store`.
 pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
     let policies = Policies::from_config(config)?;
-    let upstream = Upstream::new(&config.upstream)?;
     let metrics = Metrics::new();
     let layer = IdempotencyLayer::new(policies.clone(), store.clone())
         .store_timeout(config.store.timeout)
+        .max_in_flight(config.max_in_flight)
         .upstream_timeout(config.upstream.timeout)
         .metrics(metrics.clone());
     let tasks = layer.tasks();
-    let proxy = ServiceBuilder::new()
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
-        .layer(PropagateRequestIdLayer::x_request_id())
-        .layer(layer)
-        .service(Proxy::new(upstream, config.upstream.timeout));
+    let stack = Stack {
+        layer,
+        upstream: config.upstream.clone(),
+    };
+    let proxy = stack.build()?;
     let admin = admin::router(AdminState {
         store: store.clone(),
         store_timeout: config.store.timeout,
@@ -91,6 +115,8 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
         metrics,
         tls,
         tasks,
+        workers: config.worker_threads(),
+        stack,
     })
 }
 
@@ -98,7 +124,11 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
 /// `store.local_cache_entries` is set.
 pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
     let store: SharedStore = match config.store.kind {
-        StoreKind::Memory => Arc::new(MemoryStore::new()),
+        StoreKind::Memory => {
+            let store = MemoryStore::new();
+            store.spawn_purger(config.store.purge_interval);
+            Arc::new(store)
+        }
         StoreKind::Embedded => {
             let store = Arc::new(EmbeddedStore::open(&config.store.path)?);
             store.spawn_purger(config.store.purge_interval);
@@ -133,8 +163,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         shutdown,
         config.drain_timeout,
     )
-    .await;
-    Ok(())
+    .await
 }
 
 /// Serves a built [`App`] on bound listeners until `shutdown`, then drains:
@@ -145,7 +174,13 @@ pub async fn serve_app(
     admin_listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
     drain: std::time::Duration,
-) {
+) -> Result<(), Error> {
+    let mut services = vec![app.proxy];
+    for _ in 1..app.workers.max(1) {
+        services.push(app.stack.build()?);
+    }
+    let workers = server::Workers::start(services)
+        .map_err(|e| format!("cannot start the worker threads: {e}"))?;
     let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
     let admin = tokio::spawn(async move {
         let stopped = async {
@@ -158,7 +193,7 @@ pub async fn serve_app(
             tracing::error!(error = %e, "admin listener failed");
         }
     });
-    server::serve(listener, app.tls, app.proxy, shutdown, drain).await;
+    server::serve(listener, app.tls, &workers, shutdown, drain).await;
     app.tasks.close();
     if tokio::time::timeout(drain, app.tasks.wait()).await.is_err() {
         tracing::warn!(
@@ -166,7 +201,9 @@ pub async fn serve_app(
             "executions still running after the drain timeout; their keys settle by lease"
         );
     }
+    workers.stop().await;
     let _ = stop_admin.send(());
     let _ = admin.await;
     tracing::info!("idemproxy stopped");
+    Ok(())
 }

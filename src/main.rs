@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use idemproxy::config::{Config, FlagOverrides, LogFormat, StoreKind};
+use idemproxy::log_writer::{BatchedWriter, FlushGuard};
 
 #[derive(Parser)]
 #[command(
@@ -184,17 +185,26 @@ async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {
     idemproxy::run(config, shutdown_signal()).await
 }
 
-/// Logs go to stdout through a background writer thread: a synchronous
-/// write per request line costs more than the proxying itself. The guard
-/// flushes what is buffered when `main` returns.
-fn init_tracing(config: &Config) -> tracing_appender::non_blocking::WorkerGuard {
+/// Logs go to stdout in batches (see `idemproxy::log_writer`); the guard
+/// writes out what is buffered when `main` returns.
+fn init_tracing(config: &Config) -> Option<FlushGuard> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&config.log.level))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        // Under a burst, wait for the writer rather than drop request lines.
-        .lossy(false)
-        .finish(std::io::stdout());
+    let (writer, guard) = match BatchedWriter::new(std::io::stdout()) {
+        Ok((writer, guard)) => (writer, guard),
+        Err(e) => {
+            eprintln!("idemproxy: cannot start the log writer: {e}; logging to stderr");
+            let builder = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr);
+            match config.log.format {
+                LogFormat::Json => builder.json().flatten_event(true).init(),
+                LogFormat::Human => builder.init(),
+            }
+            return None;
+        }
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
@@ -203,7 +213,7 @@ fn init_tracing(config: &Config) -> tracing_appender::non_blocking::WorkerGuard 
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Human => builder.init(),
     }
-    guard
+    Some(guard)
 }
 
 /// Resolves on SIGINT or SIGTERM: both mean "drain and exit".

@@ -9,6 +9,8 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -59,12 +61,113 @@ pub fn tls_acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
     Ok(TlsAcceptor::from(std::sync::Arc::new(tls)))
 }
 
-/// Serves `service` on `listener` (over TLS with `tls`) until `shutdown`
+/// The threads that serve traffic: each runs a current-thread runtime, so
+/// a connection, its requests, their executions and the upstream connections
+/// they use all live on one thread. A multi-thread runtime moves that work
+/// between threads (work stealing, waking parked siblings), which on a small
+/// sidecar costs more than it balances; per-thread loops are how nginx and
+/// Envoy run for the same reason.
+///
+/// The accept loop stays on the caller's runtime and gives each connection
+/// to the worker serving the fewest, so one long-lived client cannot pin a
+/// whole thread's share of connections.
+pub struct Workers<S> {
+    workers: Vec<Worker<S>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+struct Worker<S> {
+    /// Jobs run inside the worker's runtime, so the tasks they spawn land
+    /// there. Dropping every sender ends the worker: its loop stops once the
+    /// queue is empty and the runtime drops whatever is left, so this
+    /// happens only after the drain (see [`Workers::stop`]).
+    jobs: tokio::sync::mpsc::UnboundedSender<Job>,
+    /// The worker's own copy of the traffic stack (its own upstream pool).
+    service: S,
+    /// Connections open on this worker, for least-connections placement.
+    open: Arc<AtomicUsize>,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+impl<S> Workers<S> {
+    /// Starts one thread per service.
+    pub fn start(services: Vec<S>) -> std::io::Result<Self> {
+        let mut workers = Vec::with_capacity(services.len());
+        let mut threads = Vec::with_capacity(services.len());
+        // Workers log wherever their starter logs: the global subscriber in
+        // the binary, a scoped one in a test that captures the logs.
+        let dispatch = tracing::dispatcher::get_default(|current| current.clone());
+        for (i, service) in services.into_iter().enumerate() {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let (jobs, mut queue) = tokio::sync::mpsc::unbounded_channel::<Job>();
+            let dispatch = dispatch.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("idemproxy-worker-{i}"))
+                .spawn(move || {
+                    let _logging = tracing::dispatcher::set_default(&dispatch);
+                    runtime.block_on(async move {
+                        while let Some(job) = queue.recv().await {
+                            job();
+                        }
+                    })
+                })?;
+            threads.push(thread);
+            workers.push(Worker {
+                jobs,
+                service,
+                open: Arc::new(AtomicUsize::new(0)),
+            });
+        }
+        Ok(Self { workers, threads })
+    }
+
+    fn least_busy(&self) -> Option<&Worker<S>> {
+        self.workers
+            .iter()
+            .min_by_key(|w| w.open.load(Ordering::Relaxed))
+    }
+
+    /// Ends the worker threads once nothing runs on them any more: call it
+    /// after connections have drained and executions have stored their
+    /// outcomes, as anything still running is dropped.
+    pub async fn stop(self) {
+        drop(self.workers);
+        let threads = self.threads;
+        let _ = tokio::task::spawn_blocking(move || {
+            for thread in threads {
+                let _ = thread.join();
+            }
+        })
+        .await;
+    }
+}
+
+/// Decrements a worker's open-connection count when its connection ends,
+/// however it ends.
+struct OpenConnection(Arc<AtomicUsize>);
+
+impl OpenConnection {
+    fn new(open: &Arc<AtomicUsize>) -> Self {
+        open.fetch_add(1, Ordering::Relaxed);
+        Self(open.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Serves `listener` (over TLS with `tls`) on `workers` until `shutdown`
 /// resolves, then lets open connections finish for at most `drain`.
 pub async fn serve<S>(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
-    service: S,
+    workers: &Workers<S>,
     shutdown: impl Future<Output = ()>,
     drain: Duration,
 ) where
@@ -96,39 +199,58 @@ pub async fn serve<S>(
             },
             () = &mut shutdown => break,
         };
+        let Some(worker) = workers.least_busy() else {
+            tracing::error!("no worker threads; closing the connection");
+            continue;
+        };
         let _ = stream.set_nodelay(true);
+        // The socket moves to the worker's reactor: a tokio stream is bound
+        // to the runtime that registered it.
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, peer = %peer, "cannot hand the connection to a worker");
+                continue;
+            }
+        };
         let client = ClientInfo {
             addr: Some(peer),
             https: tls.is_some(),
         };
-        let service = service.clone();
+        let service = worker.service.clone();
         let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let mut req = req.map(Body::new);
             req.extensions_mut().insert(client);
             service.clone().oneshot(req)
         });
-        match &tls {
-            None => {
-                let connection = builder
-                    .serve_connection(TokioIo::new(stream), hyper_service)
-                    .into_owned();
-                let connection = graceful.watch(connection);
-                tokio::spawn(async move {
-                    if let Err(e) = connection.await {
-                        tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+        let open = OpenConnection::new(&worker.open);
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let tls = tls.clone();
+        let job: Job = Box::new(move || {
+            tokio::spawn(async move {
+                let _open = open;
+                let stream = match tokio::net::TcpStream::from_std(stream) {
+                    Ok(stream) => stream,
+                    Err(e) => {
+                        tracing::warn!(error = %e, peer = %peer, "cannot register the connection");
+                        return;
                     }
-                });
-            }
-            Some(acceptor) => {
-                // The handshake runs in the connection's task, so a slow
-                // client never holds up the accept loop.
-                let acceptor = acceptor.clone();
-                let builder = builder.clone();
-                let watcher = graceful.watcher();
-                tokio::spawn(async move {
-                    let stream =
-                        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream))
+                };
+                let result = match tls {
+                    None => {
+                        watcher
+                            .watch(builder.serve_connection(TokioIo::new(stream), hyper_service))
                             .await
+                    }
+                    Some(acceptor) => {
+                        // The handshake runs in the connection's task, so a
+                        // slow client never holds up the accept loop.
+                        let stream = match tokio::time::timeout(
+                            TLS_HANDSHAKE_TIMEOUT,
+                            acceptor.accept(stream),
+                        )
+                        .await
                         {
                             Ok(Ok(stream)) => stream,
                             Ok(Err(e)) => {
@@ -140,12 +262,18 @@ pub async fn serve<S>(
                                 return;
                             }
                         };
-                    let connection = builder.serve_connection(TokioIo::new(stream), hyper_service);
-                    if let Err(e) = watcher.watch(connection).await {
-                        tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+                        watcher
+                            .watch(builder.serve_connection(TokioIo::new(stream), hyper_service))
+                            .await
                     }
-                });
-            }
+                };
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+                }
+            });
+        });
+        if worker.jobs.send(job).is_err() {
+            tracing::error!(peer = %peer, "worker thread is gone; connection dropped");
         }
     }
     drop(listener);
@@ -154,5 +282,77 @@ pub async fn serve<S>(
         () = tokio::time::sleep(drain) => {
             tracing::warn!(?drain, "connections still open after the drain timeout");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Answers with the name of the thread that served the request.
+    fn thread_name_service(
+    ) -> tower::util::BoxCloneService<Request<Body>, Response<Body>, Infallible> {
+        tower::util::BoxCloneService::new(tower::service_fn(|_req: Request<Body>| async {
+            let name = std::thread::current().name().unwrap_or("?").to_owned();
+            Ok::<_, Infallible>(Response::new(Body::from(name)))
+        }))
+    }
+
+    async fn served_by(stream: &mut tokio::net::TcpStream) -> String {
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = vec![0; 1024];
+        let mut read = 0;
+        loop {
+            let n = stream.read(&mut buf[read..]).await.expect("read");
+            assert!(n > 0, "connection closed");
+            read += n;
+            let text = String::from_utf8_lossy(&buf[..read]).into_owned();
+            if let Some(name) = text.split("\r\n\r\n").nth(1) {
+                if name.starts_with("idemproxy-worker-") && name.len() >= 18 {
+                    return name.to_owned();
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn connections_go_to_the_least_busy_worker_and_stay_there() {
+        let workers =
+            Workers::start(vec![thread_name_service(), thread_name_service()]).expect("workers");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = async {
+            serve(
+                listener,
+                None,
+                &workers,
+                async {
+                    let _ = stopped.await;
+                },
+                Duration::from_secs(2),
+            )
+            .await
+        };
+        let client = async {
+            let mut a = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let first_a = served_by(&mut a).await;
+            let mut b = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let first_b = served_by(&mut b).await;
+            // While `a` is open its worker serves one connection more, so
+            // `b` goes to the other one; each keeps its worker.
+            assert_ne!(first_a, first_b);
+            assert_eq!(served_by(&mut a).await, first_a);
+            assert_eq!(served_by(&mut b).await, first_b);
+            drop(a);
+            drop(b);
+            let _ = stop.send(());
+        };
+        tokio::join!(serving, client);
+        workers.stop().await;
     }
 }

@@ -251,8 +251,9 @@ impl Captured {
     }
 }
 
-// A current-thread runtime: the proxy's tasks run on the test's thread, so
-// the thread-local log subscriber below sees their events (and only them).
+// A current-thread runtime, and worker threads that take the subscriber of
+// the thread that starts them: the scoped log subscriber below sees this
+// test's proxy's events (and only them).
 #[tokio::test(flavor = "current_thread")]
 async fn lookup_and_get_describe_a_completed_key_by_its_logged_hash() {
     let logs = Captured::default();

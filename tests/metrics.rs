@@ -22,7 +22,7 @@ use tokio::time::Instant;
 const ARRIVAL: Duration = Duration::from_secs(5);
 
 /// The `outcome` values the README lists for `idemproxy_requests_total`.
-const OUTCOMES: [&str; 13] = [
+const OUTCOMES: [&str; 14] = [
     "executed",
     "replayed",
     "mismatch",
@@ -36,6 +36,7 @@ const OUTCOMES: [&str; 13] = [
     "outcome_unknown",
     "released",
     "internal",
+    "overloaded",
 ];
 
 /// One sample line of the text exposition: `name{labels} value`.

@@ -589,6 +589,31 @@ mod memory_only {
         assert_eq!(store.purge_expired(), 0);
         assert!(store.get(&kept).await.expect("get").is_some());
     }
+
+    #[tokio::test]
+    async fn the_purger_drops_expired_records_on_its_own_and_stops_with_the_store() {
+        let store = MemoryStore::default();
+        let purger = store.spawn_purger(Duration::from_millis(20));
+        let expiring = new_key();
+        let token = claim(&store, expiring, 1, LONG_LEASE).await;
+        store
+            .complete(&expiring, token, &completed(1, Duration::from_millis(30)))
+            .await
+            .expect("complete");
+        let kept = new_key();
+        claim(&store, kept, 1, LONG_LEASE).await;
+
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Already gone: the purger got there first.
+        assert_eq!(store.purge_expired(), 0);
+        assert!(store.get(&kept).await.expect("get").is_some());
+
+        drop(store);
+        tokio::time::timeout(Duration::from_secs(2), purger)
+            .await
+            .expect("the purger ends once the store is gone")
+            .expect("purger task");
+    }
 }
 
 // ---------------------------------------------------------- embedded only

@@ -32,10 +32,12 @@ pub enum RequestOutcome {
     Released,
     /// The proxy itself failed (a bug).
     Internal,
+    /// Turned away because `max_in_flight` requests were being served.
+    Overloaded,
 }
 
 impl RequestOutcome {
-    pub const ALL: [RequestOutcome; 13] = [
+    pub const ALL: [RequestOutcome; 14] = [
         RequestOutcome::Executed,
         RequestOutcome::Replayed,
         RequestOutcome::Mismatch,
@@ -49,6 +51,7 @@ impl RequestOutcome {
         RequestOutcome::OutcomeUnknown,
         RequestOutcome::Released,
         RequestOutcome::Internal,
+        RequestOutcome::Overloaded,
     ];
 
     /// Position in [`Self::ALL`].
@@ -71,6 +74,7 @@ impl RequestOutcome {
             RequestOutcome::OutcomeUnknown => "outcome_unknown",
             RequestOutcome::Released => "released",
             RequestOutcome::Internal => "internal",
+            RequestOutcome::Overloaded => "overloaded",
         }
     }
 }

@@ -43,6 +43,11 @@ pub enum Rejection {
     StoreUnavailable {
         retry_after: Duration,
     },
+    /// `max_in_flight` requests are already being served; this one was
+    /// turned away before anything was read, claimed or sent.
+    Overloaded {
+        retry_after: Duration,
+    },
     /// The upstream could not be reached; nothing was sent and the key is
     /// free again.
     UpstreamUnreachable,
@@ -87,6 +92,7 @@ impl Rejection {
             Rejection::KeyReused { .. } => "key-reused",
             Rejection::InFlight { .. } => "in-flight",
             Rejection::StoreUnavailable { .. } => "store-unavailable",
+            Rejection::Overloaded { .. } => "overloaded",
             Rejection::UpstreamUnreachable => "upstream-unreachable",
             Rejection::OutcomeUnknown { .. } => "outcome-unknown",
             Rejection::ResponseNotStored { .. } => "response-not-stored",
@@ -105,7 +111,9 @@ impl Rejection {
             (Rejection::KeyReused { .. }, Profile::Ietf) => StatusCode::UNPROCESSABLE_ENTITY,
             (Rejection::InFlight { .. }, Profile::Default) => StatusCode::TOO_EARLY,
             (Rejection::InFlight { .. }, Profile::Ietf) => StatusCode::CONFLICT,
-            (Rejection::StoreUnavailable { .. }, _) => StatusCode::SERVICE_UNAVAILABLE,
+            (Rejection::StoreUnavailable { .. }, _) | (Rejection::Overloaded { .. }, _) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             (Rejection::UpstreamUnreachable, _)
             | (Rejection::ResponseNotStored { .. }, _)
             | (Rejection::PassthroughFailed { timeout: false }, _) => StatusCode::BAD_GATEWAY,
@@ -126,6 +134,7 @@ impl Rejection {
             Rejection::KeyReused { .. } => "Idempotency-Key reused with a different request",
             Rejection::InFlight { .. } => "A request with this Idempotency-Key is in progress",
             Rejection::StoreUnavailable { .. } => "Idempotency store unavailable",
+            Rejection::Overloaded { .. } => "Proxy overloaded",
             Rejection::UpstreamUnreachable => "Upstream unreachable",
             Rejection::OutcomeUnknown { .. } => "Outcome of the original request is unknown",
             Rejection::ResponseNotStored { .. } => "Original response was not stored",
@@ -159,6 +168,11 @@ impl Rejection {
             }
             Rejection::StoreUnavailable { .. } => {
                 "The idempotency store did not answer in time; the request was not forwarded."
+                    .into()
+            }
+            Rejection::Overloaded { .. } => {
+                "The proxy is serving as many requests as it is configured to (max_in_flight); \
+                 this one was not read, claimed or forwarded. Retrying is safe."
                     .into()
             }
             Rejection::UpstreamUnreachable => {
@@ -231,6 +245,7 @@ impl Rejection {
             | Rejection::BodyTooLarge { .. } => Some(false),
             Rejection::InFlight { .. }
             | Rejection::StoreUnavailable { .. }
+            | Rejection::Overloaded { .. }
             | Rejection::UpstreamUnreachable
             | Rejection::OutcomeUnknown { released: true, .. } => Some(true),
             Rejection::BodyUnreadable
@@ -261,8 +276,9 @@ impl Rejection {
             headers.insert("x-should-retry", v.clone());
             headers.insert("stripe-should-retry", v);
         }
-        if let Rejection::InFlight { retry_after } | Rejection::StoreUnavailable { retry_after } =
-            &self
+        if let Rejection::InFlight { retry_after }
+        | Rejection::StoreUnavailable { retry_after }
+        | Rejection::Overloaded { retry_after } = &self
         {
             // Retry-After has whole seconds; SDKs that read retry-after-ms get
             // the finer hint.

@@ -27,7 +27,7 @@ use futures_util::FutureExt;
 use http::{HeaderValue, Method, Request, Response};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tower::util::Oneshot;
@@ -52,6 +52,9 @@ pub const X_REQUEST_ID: &str = "x-request-id";
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 pub const IDEMPOTENCY_ORIGINAL_DATE: &str = "idempotency-original-date";
 
+/// The default of `max_in_flight` (see `Config`).
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
+
 /// Applies idempotency to the requests the policies cover.
 #[derive(Clone)]
 pub struct IdempotencyLayer {
@@ -70,6 +73,11 @@ struct Settings {
     /// disconnect mid-call); graceful shutdown waits on this tracker, not on
     /// connections, before the process exits.
     tasks: TaskTracker,
+    /// One permit per request being served (`max_in_flight`). A covered
+    /// request's permit moves into its execution task, so an execution
+    /// whose client went away still counts until its outcome is stored:
+    /// that is what bounds buffered bodies and upstream calls.
+    in_flight: Arc<Semaphore>,
 }
 
 impl IdempotencyLayer {
@@ -84,6 +92,7 @@ impl IdempotencyLayer {
                 upstream_timeout: Duration::from_secs(30),
                 metrics,
                 tasks: TaskTracker::new(),
+                in_flight: Arc::new(Semaphore::new(DEFAULT_MAX_IN_FLIGHT)),
             }),
         }
     }
@@ -106,6 +115,12 @@ impl IdempotencyLayer {
         })
     }
 
+    /// Requests served at once; past it, requests are answered 503
+    /// `overloaded` before their body is read.
+    pub fn max_in_flight(self, max: usize) -> Self {
+        self.map(|s| s.in_flight = Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS))))
+    }
+
     /// Tracks every execution in flight, for graceful shutdown.
     pub fn tasks(&self) -> TaskTracker {
         self.settings.tasks.clone()
@@ -122,6 +137,7 @@ impl IdempotencyLayer {
                 metrics: shared.metrics.clone(),
                 route_metrics: shared.route_metrics.clone(),
                 tasks: shared.tasks.clone(),
+                in_flight: shared.in_flight.clone(),
             },
         };
         f(&mut settings);
@@ -178,15 +194,26 @@ where
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let policy = self.settings.policies.for_path(req.uri().path()).clone();
         let log = RequestLog::new(&policy, &req, &self.settings);
+        let Ok(permit) = self.settings.in_flight.clone().try_acquire_owned() else {
+            // Shedding beats queueing for a proxy in front of writes: a
+            // queued request holds its body and its client's patience, and
+            // the caller's retry (with the same key) is safe.
+            let rejection = Rejection::Overloaded {
+                retry_after: Duration::from_secs(1),
+            };
+            return ResponseFuture::rejected(log, rejection, &policy);
+        };
         if !policy.covers(req.method()) {
-            return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log);
+            return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log, permit);
         }
         let key = match key_of(req.headers()) {
             Ok(Some(key)) => key,
             Ok(None) if policy.require_key => {
                 return ResponseFuture::rejected(log, Rejection::MissingKey, &policy)
             }
-            Ok(None) => return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log),
+            Ok(None) => {
+                return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log, permit)
+            }
             Err(invalid) => {
                 return ResponseFuture::rejected(log, Rejection::InvalidKey(invalid), &policy)
             }
@@ -196,6 +223,7 @@ where
             policy,
             inner: self.inner.clone(),
             log,
+            _permit: permit,
         };
         ResponseFuture::Covered {
             fut: Box::pin(exchange.start(req, key)),
@@ -220,6 +248,7 @@ pin_project! {
             #[pin]
             fut: Oneshot<S, Request<Body>>,
             log: Option<RequestLog>,
+            permit: Option<OwnedSemaphorePermit>,
         },
         Covered {
             fut: BoxFuture<'static, Response<Body>>,
@@ -231,16 +260,22 @@ pin_project! {
 }
 
 impl<S: Service<Request<Body>>> ResponseFuture<S> {
-    fn passthrough(fut: Oneshot<S, Request<Body>>, log: RequestLog) -> Self {
+    fn passthrough(
+        fut: Oneshot<S, Request<Body>>,
+        log: RequestLog,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
         ResponseFuture::Passthrough {
             fut,
             log: Some(log),
+            permit: Some(permit),
         }
     }
 
     fn rejected(log: RequestLog, rejection: Rejection, policy: &Policy) -> Self {
         let outcome = match rejection {
             Rejection::MissingKey => RequestOutcome::MissingKey,
+            Rejection::Overloaded { .. } => RequestOutcome::Overloaded,
             _ => RequestOutcome::InvalidKey,
         };
         let response = rejection.into_response(policy.profile);
@@ -259,7 +294,7 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {
-            ResponseFutureProj::Passthrough { fut, log } => {
+            ResponseFutureProj::Passthrough { fut, log, permit } => {
                 let response = match std::task::ready!(fut.poll(cx)) {
                     Ok(response) => response,
                     Err(e) => Rejection::PassthroughFailed {
@@ -270,6 +305,9 @@ where
                 if let Some(log) = log.take() {
                     log.finish(RequestOutcome::Passthrough, &response);
                 }
+                // A passthrough counts until its response head is back; its
+                // body streams without the proxy buffering it.
+                permit.take();
                 Poll::Ready(Ok(response))
             }
             ResponseFutureProj::Covered { fut } => fut.as_mut().poll(cx).map(Ok),
@@ -286,6 +324,8 @@ struct Exchange<S> {
     policy: Arc<Policy>,
     inner: S,
     log: RequestLog,
+    /// Held until the exchange ends (see `Settings::in_flight`).
+    _permit: OwnedSemaphorePermit,
 }
 
 /// The identity of a covered request, carried into the task that runs it.

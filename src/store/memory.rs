@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -37,6 +38,29 @@ impl MemoryStore {
         let before = records.len();
         records.retain(|_, record| record.expires_at() > now);
         before - records.len()
+    }
+
+    /// Purges expired records every `every` until the store is dropped, so
+    /// a long run with ever-new keys holds only the records still within
+    /// their TTL. Each purge walks the whole map under the lock: fine for
+    /// the runs this store is for, and the reason durable deployments use
+    /// `embedded` or Redis.
+    pub fn spawn_purger(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let records = Arc::downgrade(&self.records);
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(every);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                let Some(records) = records.upgrade() else {
+                    return;
+                };
+                let purged = MemoryStore { records }.purge_expired();
+                if purged > 0 {
+                    tracing::debug!(purged, "purged expired records");
+                }
+            }
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<RecordKey, Record>> {

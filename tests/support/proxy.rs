@@ -57,7 +57,9 @@ impl TestProxy {
             let shutdown = async {
                 let _ = stopped.await;
             };
-            idemproxy::serve_app(app, listener, admin, shutdown, drain).await;
+            idemproxy::serve_app(app, listener, admin, shutdown, drain)
+                .await
+                .expect("the proxy serves");
         });
         TestProxy {
             addr,

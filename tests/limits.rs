@@ -1,0 +1,141 @@
+//! `max_in_flight`: past the limit a request is shed with 503 `overloaded`
+//! before its body is read or its key claimed, so memory stays bounded and
+//! nothing executes; an execution whose client went away keeps counting.
+
+mod support;
+
+use std::time::Duration;
+
+use http::Method;
+use support::proxy::{config, Reply, TestClient, TestProxy};
+use support::raw;
+use support::upstream::TestUpstream;
+use tokio::io::AsyncWriteExt;
+
+const ARRIVAL: Duration = Duration::from_secs(5);
+const SLOW: &str = "/v1/slow?delay_ms=800";
+
+fn assert_overloaded(reply: &Reply) {
+    assert_eq!(reply.status, 503, "{reply:?}");
+    assert_eq!(reply.problem(), "overloaded", "{reply:?}");
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    assert_eq!(reply.header("x-should-retry"), Some("true"));
+}
+
+async fn metric(client: &TestClient, proxy: &TestProxy, series: &str) -> f64 {
+    let reply = client
+        .send(Method::GET, &proxy.admin_url("/metrics"), &[], "")
+        .await;
+    let text = String::from_utf8_lossy(&reply.body).into_owned();
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+}
+
+#[tokio::test]
+async fn past_max_in_flight_requests_are_shed_with_503_and_never_execute() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.max_in_flight = 2;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+
+    // Two slow executions take both permits.
+    let slow: Vec<_> = ["slow-1", "slow-2"]
+        .into_iter()
+        .map(|key| {
+            let client = client.clone();
+            let url = proxy.url(SLOW);
+            tokio::spawn(async move { client.post_json(&url, key, "{}").await })
+        })
+        .collect();
+    assert!(upstream.wait_for_executions("/v1/slow", 2, ARRIVAL).await);
+
+    // A covered request and an unkeyed passthrough are both shed; neither
+    // claims its key nor reaches the upstream.
+    let shed = client
+        .post_json(&proxy.url("/v1/orders"), "late-1", r#"{"a":1}"#)
+        .await;
+    assert_overloaded(&shed);
+    let passthrough = client
+        .send(Method::POST, &proxy.url("/v1/orders"), &[], "{}")
+        .await;
+    assert_overloaded(&passthrough);
+    assert_eq!(upstream.executions("/v1/orders"), 0);
+    let key = support::keys::record_key(&support::keys::json_post("/v1/orders"), "late-1");
+    assert!(proxy
+        .store
+        .get(&key)
+        .await
+        .expect("store answers")
+        .is_none());
+    assert_eq!(
+        metric(
+            &client,
+            &proxy,
+            r#"idemproxy_requests_total{route="default",outcome="overloaded"}"#
+        )
+        .await,
+        2.0
+    );
+
+    for handle in slow {
+        let reply = handle.await.expect("slow request task");
+        assert_eq!(reply.status, 201, "{reply:?}");
+    }
+    // Permits are back: the shed request's retry, same key, executes once.
+    let retry = client
+        .post_json(&proxy.url("/v1/orders"), "late-1", r#"{"a":1}"#)
+        .await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test]
+async fn an_execution_whose_client_left_still_holds_its_permit() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.max_in_flight = 1;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+
+    let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect to the proxy");
+    let request = raw::request(
+        "POST",
+        SLOW,
+        &[
+            b"idempotency-key: left-1",
+            b"content-type: application/json",
+        ],
+        b"{}",
+    );
+    socket.write_all(&request).await.expect("write the request");
+    assert!(upstream.wait_for_executions("/v1/slow", 1, ARRIVAL).await);
+    drop(socket);
+
+    // The execution runs on without its client, and still counts.
+    let shed = client
+        .post_json(&proxy.url("/v1/orders"), "next-1", "{}")
+        .await;
+    assert_overloaded(&shed);
+
+    // Once it has stored its outcome the permit is free again.
+    let deadline = tokio::time::Instant::now() + ARRIVAL;
+    let reply = loop {
+        let reply = client
+            .post_json(&proxy.url("/v1/orders"), "next-1", "{}")
+            .await;
+        if reply.status != 503 || tokio::time::Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+    let stored = client.post_json(&proxy.url(SLOW), "left-1", "{}").await;
+    assert!(stored.replayed(), "{stored:?}");
+    assert_eq!(upstream.executions("/v1/slow"), 1);
+}
