@@ -46,10 +46,13 @@
 //! that need exact big numbers send them as strings, which JCS keeps exact.
 
 use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
 
 use http::header::{GetAll, CONTENT_TYPE};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue};
+use quick_cache::sync::Cache;
 use sha2::{Digest, Sha256};
 
 use super::canonical::{Document, Kind, NodeId, Sink};
@@ -68,6 +71,38 @@ pub struct FingerprintRules {
     /// Applied in order; removing an array element shifts the later ones,
     /// so a second pointer into the same array sees the shifted indices.
     pub ignore: Vec<String>,
+    memo: CanonicalMemo,
+}
+
+/// Canonical fingerprints of recent JSON requests, by the fingerprint of
+/// their raw bytes.
+///
+/// A retry is almost always the same bytes sent again, and canonicalizing
+/// a body costs several times as much as hashing it raw. So a JSON request
+/// is first hashed raw (everything the fingerprint covers, the body as
+/// sent), and a request seen before gets its canonical fingerprint from
+/// here. Sound because the canonical fingerprint is a function of exactly
+/// those bytes under this route's rules (one memo per rules), and SHA-256
+/// does not collide; a miss only costs the raw hash. Shared by clones.
+#[derive(Clone)]
+struct CanonicalMemo(Arc<Cache<Fingerprint, Fingerprint>>);
+
+/// Entries per route: a retry window's worth of distinct requests at a few
+/// thousand a second; ~100 bytes each.
+const MEMO_ENTRIES: usize = 4096;
+
+impl Default for CanonicalMemo {
+    fn default() -> Self {
+        Self(Arc::new(Cache::new(MEMO_ENTRIES)))
+    }
+}
+
+impl fmt::Debug for CanonicalMemo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CanonicalMemo")
+            .field("entries", &self.0.len())
+            .finish()
+    }
 }
 
 impl FingerprintRules {
@@ -88,6 +123,7 @@ impl FingerprintRules {
         Ok(Self {
             headers,
             ignore: ignore.to_vec(),
+            memo: CanonicalMemo::default(),
         })
     }
 
@@ -104,20 +140,34 @@ impl FingerprintRules {
             put_field(&mut h, name.as_str().as_bytes());
             put_values(&mut h, parts.headers.get_all(name));
         }
-        if declares_json(parts.headers.get_all(CONTENT_TYPE)) {
-            if let Some(doc) = parse_ijson(body, &self.ignore) {
-                h.update(b"J");
-                let mut sink = HashSink::new(&mut h);
-                doc.write(&mut sink);
-                let len = sink.finish();
-                h.update(len.to_be_bytes());
-                return Fingerprint(h.finalize().into());
-            }
+        if !declares_json(parts.headers.get_all(CONTENT_TYPE)) {
+            return raw_fingerprint(h, body);
         }
-        h.update(b"R");
-        put_field(&mut h, body);
-        Fingerprint(h.finalize().into())
+        // The raw fingerprint is also the answer for a body that is not
+        // I-JSON, so a miss costs nothing extra there.
+        let raw = raw_fingerprint(h.clone(), body);
+        if let Some(canonical) = self.memo.0.get(&raw) {
+            return canonical;
+        }
+        let Some(doc) = parse_ijson(body, &self.ignore) else {
+            return raw;
+        };
+        h.update(b"J");
+        let mut sink = HashSink::new(&mut h);
+        doc.write(&mut sink);
+        let len = sink.finish();
+        h.update(len.to_be_bytes());
+        let canonical = Fingerprint(h.finalize().into());
+        self.memo.0.insert(raw, canonical);
+        canonical
     }
+}
+
+/// The fingerprint with the body hashed as the bytes sent (tag `R`).
+fn raw_fingerprint(mut h: Sha256, body: &[u8]) -> Fingerprint {
+    h.update(b"R");
+    put_field(&mut h, body);
+    Fingerprint(h.finalize().into())
 }
 
 /// The RFC 8785 canonical form of `body` minus the `ignore` pointers, or
@@ -710,6 +760,28 @@ mod tests {
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
         assert_eq!(canonical_json(deep.as_bytes(), &[]), None);
         let _ = fp(&r, &p, &deep);
+    }
+
+    #[test]
+    fn a_repeated_json_request_is_answered_from_the_memo_alike() {
+        let r = rules(&[], &["/ts"]);
+        let p = json_parts();
+        let body = r#"{"b":1,"a":[1,2.50],"ts":"now"}"#;
+        let first = fp(&r, &p, body);
+        assert_eq!(r.memo.0.len(), 1);
+        assert_eq!(fp(&r, &p, body), first);
+        assert_eq!(r.memo.0.len(), 1, "answered from the memo");
+        // What the memo answered is what canonicalizing computes.
+        assert_eq!(fp(&rules(&[], &["/ts"]), &p, body), first);
+        // Other bytes with the same canonical form: a miss, the same answer.
+        assert_eq!(fp(&r, &p, r#"{"a":[1,2.5],"b":1,"ts":"later"}"#), first);
+        assert_eq!(r.memo.0.len(), 2);
+        // Rules are part of what the memo answers for: each rules has its own.
+        assert_ne!(fp(&rules(&[], &[]), &p, body), first);
+        // Not I-JSON: the raw fingerprint, nothing memoized.
+        let dup = r#"{"a":1,"a":2}"#;
+        assert_eq!(fp(&r, &p, dup), fp(&r, &p, dup));
+        assert_eq!(r.memo.0.len(), 2);
     }
 
     #[test]
@@ -1349,7 +1421,7 @@ mod tests {
             body in proptest::collection::vec(any::<u8>(), 0..200),
             ptr in "(/[a-z0-9~\\-]{0,3}){0,3}",
         ) {
-            let r = FingerprintRules { headers: Vec::new(), ignore: vec![ptr] };
+            let r = FingerprintRules { ignore: vec![ptr], ..FingerprintRules::default() };
             let _ = r.fingerprint(&json_parts(), &body);
             let _ = canonical_json(&body, &r.ignore);
         }
