@@ -12,16 +12,33 @@ use crate::idempotency::record::{
     now_millis, CompletedRecord, FencingToken, Record, RecordKey, UnixMillis,
 };
 
-/// A [`Store`] backed by a map in this process. Clones share the same map.
-#[derive(Clone, Default)]
+/// A [`Store`] backed by maps in this process. Clones share the same maps.
+#[derive(Clone)]
 pub struct MemoryStore {
-    /// A plain `std` mutex, not an async one: every critical section is a few
-    /// map operations with no `.await` inside, so the lock is never held across
-    /// a suspension point and contention is as short as a map lookup. Holding
-    /// it for the whole read-decide-write of `begin` is what makes `begin`
-    /// atomic: two requests for one key are decided strictly one after the
-    /// other.
-    records: Arc<Mutex<HashMap<RecordKey, Record>>>,
+    /// The records, split by key into [`SHARDS`] maps. Each is behind a
+    /// plain `std` mutex, not an async one: every critical section is a few
+    /// map operations with no `.await` inside, so a lock is never held
+    /// across a suspension point. Holding a key's shard for the whole
+    /// read-decide-write of `begin` is what makes `begin` atomic: two
+    /// requests for one key are decided strictly one after the other.
+    ///
+    /// Sharded because a map that grows doubles its table in one go: one
+    /// map of half a million records stalled every request for tens of ms
+    /// at each doubling (and each purge walked all of it under one lock).
+    shards: Arc<[Mutex<Shard>]>,
+}
+
+type Shard = HashMap<RecordKey, Record>;
+
+/// Power of two well above the worker count, so shards rarely contend.
+const SHARDS: usize = 64;
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::new())).collect(),
+        }
+    }
 }
 
 impl MemoryStore {
@@ -34,28 +51,30 @@ impl MemoryStore {
     /// keys that are never asked for again.
     pub fn purge_expired(&self) -> usize {
         let now = now_millis();
-        let mut records = self.lock();
-        let before = records.len();
-        records.retain(|_, record| record.expires_at() > now);
-        before - records.len()
+        let mut purged = 0;
+        for shard in self.shards.iter() {
+            let mut records = lock(shard);
+            let before = records.len();
+            records.retain(|_, record| record.expires_at() > now);
+            purged += before - records.len();
+        }
+        purged
     }
 
     /// Purges expired records every `every` until the store is dropped, so
     /// a long run with ever-new keys holds only the records still within
-    /// their TTL. Each purge walks the whole map under the lock: fine for
-    /// the runs this store is for, and the reason durable deployments use
-    /// `embedded` or Redis.
+    /// their TTL. A purge walks every record, one shard locked at a time.
     pub fn spawn_purger(&self, every: Duration) -> tokio::task::JoinHandle<()> {
-        let records = Arc::downgrade(&self.records);
+        let shards = Arc::downgrade(&self.shards);
         tokio::spawn(async move {
             let mut ticker = tokio::time::interval(every);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticker.tick().await;
-                let Some(records) = records.upgrade() else {
+                let Some(shards) = shards.upgrade() else {
                     return;
                 };
-                let purged = MemoryStore { records }.purge_expired();
+                let purged = MemoryStore { shards }.purge_expired();
                 if purged > 0 {
                     tracing::debug!(purged, "purged expired records");
                 }
@@ -63,13 +82,20 @@ impl MemoryStore {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<RecordKey, Record>> {
-        // No critical section can panic halfway through a change (they are
-        // single map operations on plain data), so a poisoned map is still
-        // consistent and refusing service over it would only turn one panic
-        // elsewhere into an outage.
-        self.records.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The locked shard that holds `key`. Record keys are SHA-256 output,
+    /// so any byte of them spreads keys evenly.
+    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, Shard> {
+        let i = usize::from(key.as_bytes()[0]) % self.shards.len();
+        lock(&self.shards[i])
     }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // No critical section can panic halfway through a change (they are
+    // single map operations on plain data), so a poisoned map is still
+    // consistent and refusing service over it would only turn one panic
+    // elsewhere into an outage.
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Forgets `key` if its record has expired, so that what remains under `key`
@@ -87,7 +113,7 @@ fn drop_if_expired(records: &mut HashMap<RecordKey, Record>, key: &RecordKey, no
 impl Store for MemoryStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         let now = now_millis();
-        let mut records = self.lock();
+        let mut records = self.shard(&begin.key);
         drop_if_expired(&mut records, &begin.key, now);
         let (outcome, write) = decide_begin(begin, records.get(&begin.key), now);
         if let Some(record) = write {
@@ -103,7 +129,7 @@ impl Store for MemoryStore {
         record: &CompletedRecord,
     ) -> Result<(), StoreError> {
         let now = now_millis();
-        let mut records = self.lock();
+        let mut records = self.shard(key);
         drop_if_expired(&mut records, key, now);
         check_owner(records.get(key), token)?;
         records.insert(*key, Record::Completed(record.clone()));
@@ -112,7 +138,7 @@ impl Store for MemoryStore {
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
         let now = now_millis();
-        let mut records = self.lock();
+        let mut records = self.shard(key);
         drop_if_expired(&mut records, key, now);
         check_owner(records.get(key), token)?;
         records.remove(key);
@@ -121,14 +147,14 @@ impl Store for MemoryStore {
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let now = now_millis();
-        let mut records = self.lock();
+        let mut records = self.shard(key);
         drop_if_expired(&mut records, key, now);
         Ok(records.get(key).cloned())
     }
 
     async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let now = now_millis();
-        let mut records = self.lock();
+        let mut records = self.shard(key);
         drop_if_expired(&mut records, key, now);
         Ok(records.remove(key).is_some())
     }
