@@ -275,7 +275,7 @@ async fn records_are_hashes_under_prefix_and_hash_tag_with_their_expiry() {
         .await
         .expect("begin")
     {
-        BeginOutcome::Completed(record) => record,
+        BeginOutcome::Settled(record) => record,
         other => panic!("expected the stale claim settled, got {other:?}"),
     };
     assert_eq!(

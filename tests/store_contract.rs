@@ -378,8 +378,8 @@ mod cases {
             .await
             .expect("begin")
         {
-            BeginOutcome::Completed(record) => record,
-            other => panic!("expected Completed, got {other:?}"),
+            BeginOutcome::Settled(record) => record,
+            other => panic!("expected the stale claim settled, got {other:?}"),
         };
         assert_eq!(
             settled.outcome,

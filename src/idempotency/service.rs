@@ -413,16 +413,12 @@ where
                     return self.execute(claim, request, token, respond).await;
                 }
                 Ok(BeginOutcome::Completed(record)) => {
-                    let settled_now = record.completed_at >= claim.arrived_at
-                        && matches!(
-                            record.outcome,
-                            Outcome::Unknown {
-                                cause: UnknownCause::Abandoned
-                            }
-                        );
-                    if settled_now {
-                        self.log.metrics.lease_expired();
-                    }
+                    let response = replay(&record, &self.policy);
+                    return self.answer(respond, RequestOutcome::Replayed, response);
+                }
+                Ok(BeginOutcome::Settled(record)) => {
+                    self.log.metrics.lease_expired();
+                    tracing::warn!(key = %claim.key.to_hex(), "settled a stale key as outcome-unknown (its holder died mid-call)");
                     let response = replay(&record, &self.policy);
                     return self.answer(respond, RequestOutcome::Replayed, response);
                 }

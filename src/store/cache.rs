@@ -142,7 +142,7 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
             });
         }
         let outcome = self.inner.begin(begin).await?;
-        if let BeginOutcome::Completed(record) = &outcome {
+        if let BeginOutcome::Completed(record) | BeginOutcome::Settled(record) = &outcome {
             self.insert(begin.key, record.clone());
         }
         Ok(outcome)

@@ -532,7 +532,7 @@ mod tests {
         );
         let settled = store.begin(&begin(keys[4], 60_000, OnStale::Store)).await;
         assert!(
-            matches!(settled, Ok(BeginOutcome::Completed(_))),
+            matches!(settled, Ok(BeginOutcome::Settled(_))),
             "{settled:?}"
         );
         assert_index_matches(&store.db);

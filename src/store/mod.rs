@@ -67,6 +67,12 @@ pub enum BeginOutcome {
     },
     /// The key has a settled outcome for this same request.
     Completed(CompletedRecord),
+    /// This call found the key's claim past its lease (its holder died
+    /// mid-call) and settled it fail-closed as an abandoned
+    /// `outcome-unknown` (`on_stale = "store"`). Later calls get
+    /// `Completed` with the same record; only this one says it happened now,
+    /// which is what `idemproxy_expired_leases_total` counts.
+    Settled(CompletedRecord),
     /// Another request with the same fingerprint holds the key.
     InFlight { lease_expires_at: UnixMillis },
     /// The key belongs to a different request.
@@ -176,7 +182,7 @@ pub fn decide_begin(
                     },
                 };
                 (
-                    BeginOutcome::Completed(done.clone()),
+                    BeginOutcome::Settled(done.clone()),
                     Some(Record::Completed(done)),
                 )
             }

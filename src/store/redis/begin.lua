@@ -15,7 +15,8 @@
 -- ARGV[10]  PEXPIRE of a settled claim (ms from now)
 --
 -- Replies (arrays): {"acquired", took_over 0|1}, {"completed", rec},
--- {"abandoned", pending rec, completed_at, expires_at}, {"in_flight",
+-- {"abandoned", pending rec, completed_at, expires_at} for a claim settled
+-- earlier, {"settled", <same fields>} when this call settles it, {"in_flight",
 -- lease_expires_at}, {"mismatch", "pending"|"completed"}, {"corrupt", why}.
 local key = KEYS[1]
 local now = tonumber(ARGV[1])
@@ -91,4 +92,4 @@ end
 redis.call('HDEL', key, 'tok', 'lease')
 redis.call('HSET', key, 'st', 'a', 'done', ARGV[1], 'exp', ARGV[9])
 redis.call('PEXPIRE', key, ARGV[10])
-return {'abandoned', rec, ARGV[1], ARGV[9]}
+return {'settled', rec, ARGV[1], ARGV[9]}

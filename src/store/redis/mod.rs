@@ -407,15 +407,17 @@ impl Store for RedisStore {
                 Record::Completed(done) => Ok(BeginOutcome::Completed(done)),
                 Record::Pending(_) => Err(corrupt("a completed record holds a pending claim")),
             },
-            "abandoned" => {
+            status @ ("abandoned" | "settled") => {
+                let settled_now = status == "settled";
                 let rec = reply.bytes()?;
                 let completed_at = reply.int()?;
                 let expires_at = reply.int()?;
-                Ok(BeginOutcome::Completed(abandoned(
-                    &rec,
-                    completed_at,
-                    expires_at,
-                )?))
+                let done = abandoned(&rec, completed_at, expires_at)?;
+                Ok(if settled_now {
+                    BeginOutcome::Settled(done)
+                } else {
+                    BeginOutcome::Completed(done)
+                })
             }
             "in_flight" => Ok(BeginOutcome::InFlight {
                 lease_expires_at: reply.int()?,
