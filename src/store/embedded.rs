@@ -353,7 +353,7 @@ impl Store for EmbeddedStore {
     ) -> Result<(), StoreError> {
         let key = *key;
         let expires_at = record.expires_at;
-        let bytes = Record::Completed(record.clone()).encode();
+        let bytes = record.encode();
         self.blocking(move |db| {
             let txn = db.begin_write().map_err(db_error)?;
             {

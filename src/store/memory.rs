@@ -48,6 +48,14 @@ impl Stored {
         }
     }
 
+    /// A completion, encoded without cloning it into a `Record` first.
+    fn completed(record: &CompletedRecord) -> Self {
+        Self {
+            expires_at: record.expires_at,
+            bytes: record.encode().into_boxed_slice(),
+        }
+    }
+
     fn record(&self) -> Result<Record, StoreError> {
         Record::decode(&self.bytes).map_err(|e| StoreError::Corrupt(e.to_string()))
     }
@@ -161,7 +169,7 @@ impl Store for MemoryStore {
         let mut records = self.shard(key);
         drop_if_expired(&mut records, key, now);
         check_owner(read(&records, key)?.as_ref(), token)?;
-        records.insert(*key, Stored::new(&Record::Completed(record.clone())));
+        records.insert(*key, Stored::completed(record));
         Ok(())
     }
 

@@ -339,7 +339,7 @@ impl RedisStore {
                 .arg("complete")
                 .arg(&record.fingerprint.0[..])
                 .arg(record.expires_at)
-                .arg(Record::Completed(record.clone()).encode())
+                .arg(record.encode())
                 .arg(pexpire_ms(record.expires_at, now)),
             None => invocation.arg("release"),
         };
