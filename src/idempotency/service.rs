@@ -201,7 +201,7 @@ where
             let rejection = Rejection::Overloaded {
                 retry_after: Duration::from_secs(1),
             };
-            return ResponseFuture::rejected(log, rejection, &policy);
+            return ResponseFuture::rejected(log, RequestOutcome::Overloaded, rejection, &policy);
         };
         if !policy.covers(req.method()) {
             return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log, permit);
@@ -209,13 +209,23 @@ where
         let key = match key_of(req.headers()) {
             Ok(Some(key)) => key,
             Ok(None) if policy.require_key => {
-                return ResponseFuture::rejected(log, Rejection::MissingKey, &policy)
+                return ResponseFuture::rejected(
+                    log,
+                    RequestOutcome::MissingKey,
+                    Rejection::MissingKey,
+                    &policy,
+                )
             }
             Ok(None) => {
                 return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log, permit)
             }
             Err(invalid) => {
-                return ResponseFuture::rejected(log, Rejection::InvalidKey(invalid), &policy)
+                return ResponseFuture::rejected(
+                    log,
+                    RequestOutcome::InvalidKey,
+                    Rejection::InvalidKey(invalid),
+                    &policy,
+                )
             }
         };
         let exchange = Exchange {
@@ -272,12 +282,12 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
         }
     }
 
-    fn rejected(log: RequestLog, rejection: Rejection, policy: &Policy) -> Self {
-        let outcome = match rejection {
-            Rejection::MissingKey => RequestOutcome::MissingKey,
-            Rejection::Overloaded { .. } => RequestOutcome::Overloaded,
-            _ => RequestOutcome::InvalidKey,
-        };
+    fn rejected(
+        log: RequestLog,
+        outcome: RequestOutcome,
+        rejection: Rejection,
+        policy: &Policy,
+    ) -> Self {
         let response = rejection.into_response(policy.profile);
         log.finish(outcome, &response);
         ResponseFuture::Ready {
