@@ -299,45 +299,34 @@ async fn corrupt_values_are_reported_not_fatal() {
     let url = server.url();
     let mut conn = raw(&url).await;
 
-    // A completed record whose bytes are garbage.
-    let garbled = new_key();
-    let token = claim(&store, garbled, LEASE).await;
-    store
-        .complete(&garbled, token, &completed(1))
-        .await
-        .expect("complete");
-    let _: () = redis::cmd("HSET")
-        .arg(store.redis_key(&garbled))
-        .arg("rec")
-        .arg(&b"\x01garbage"[..])
-        .query_async(&mut conn)
-        .await
-        .expect("HSET");
-    assert_corrupt(
-        "begin of garbage",
-        store.begin(&begin(garbled, 1, LEASE, OnStale::Store)).await,
-    );
-    assert_corrupt("get of garbage", store.get(&garbled).await);
-
-    // A record from a future format version.
-    let future = new_key();
-    let token = claim(&store, future, LEASE).await;
-    store
-        .complete(&future, token, &completed(1))
-        .await
-        .expect("complete");
-    let _: () = redis::cmd("HSET")
-        .arg(store.redis_key(&future))
-        .arg("rec")
-        .arg(&[99u8, 1, 2, 3][..])
-        .query_async(&mut conn)
-        .await
-        .expect("HSET");
-    assert_corrupt(
-        "begin of a future version",
-        store.begin(&begin(future, 1, LEASE, OnStale::Store)).await,
-    );
-    assert_corrupt("get of a future version", store.get(&future).await);
+    // A completed record whose bytes are garbage, and one from a future
+    // format version.
+    let unreadable: [(&str, &[u8]); 2] = [
+        ("garbage", b"\x01garbage"),
+        ("a future version", &[99, 1, 2, 3]),
+    ];
+    let mut unreadable_keys = Vec::new();
+    for (what, rec) in unreadable {
+        let key = new_key();
+        unreadable_keys.push(key);
+        let token = claim(&store, key, LEASE).await;
+        store
+            .complete(&key, token, &completed(1))
+            .await
+            .expect("complete");
+        let _: () = redis::cmd("HSET")
+            .arg(store.redis_key(&key))
+            .arg("rec")
+            .arg(rec)
+            .query_async(&mut conn)
+            .await
+            .expect("HSET");
+        assert_corrupt(
+            &format!("begin of {what}"),
+            store.begin(&begin(key, 1, LEASE, OnStale::Store)).await,
+        );
+        assert_corrupt(&format!("get of {what}"), store.get(&key).await);
+    }
 
     // Not a hash at all, and a hash without our fields' values.
     let string = new_key();
@@ -372,7 +361,7 @@ async fn corrupt_values_are_reported_not_fatal() {
     assert_corrupt("release of a string", store.release(&string, token).await);
 
     // Removing needs no decoding: it is how an operator clears them.
-    for key in [garbled, future, string, strange] {
+    for key in unreadable_keys.into_iter().chain([string, strange]) {
         assert!(store.remove(&key).await.expect("remove"));
         assert_eq!(store.get(&key).await.expect("get"), None);
         claim(&store, key, LEASE).await;
