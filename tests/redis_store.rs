@@ -710,3 +710,106 @@ async fn open_dispatches_on_kind_and_shares_one_connection() {
     };
     assert!(open(&memory).await.is_err());
 }
+
+/// Connections of this store open on `server`, not counting the
+/// redis-cli that asks.
+fn our_connections(server: &RedisServer) -> usize {
+    server
+        .cli(&["client", "list"])
+        .lines()
+        .filter(|l| !l.contains("cmd=client"))
+        .count()
+}
+
+/// A claim and its completion on a fresh key.
+async fn claim_and_complete(store: &RedisStore) -> Result<(), StoreError> {
+    let key = new_key();
+    match store.begin(&begin(key, 1, LEASE, OnStale::Store)).await? {
+        BeginOutcome::Acquired { token, .. } => store.complete(&key, token, &completed(1)).await,
+        other => panic!("a fresh key was not acquired: {other:?}"),
+    }
+}
+
+/// A traffic worker is a current-thread runtime; each gets a connection of
+/// its own, opened on its loop, while multi-thread runtimes share the one
+/// opened at startup. A worker whose connection is killed reconnects.
+#[test]
+fn each_current_thread_runtime_gets_its_own_connection() {
+    let server = RedisServer::start();
+    let shared = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = shared.block_on(connect(&server));
+    shared.block_on(async {
+        for _ in 0..10 {
+            claim_and_complete(&store).await.expect("shared connection");
+        }
+    });
+    assert_eq!(
+        our_connections(&server),
+        1,
+        "multi-thread runtimes share one"
+    );
+
+    let workers: Vec<tokio::runtime::Runtime> = (0..2)
+        .map(|_| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+        })
+        .collect();
+    for (i, worker) in workers.iter().enumerate() {
+        worker.block_on(async {
+            // The first call starts opening the loop's connection and goes
+            // over the shared one meanwhile; every call succeeds either way.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while our_connections(&server) < 2 + i {
+                claim_and_complete(&store).await.expect("while opening");
+                assert!(Instant::now() < deadline, "worker {i} never opened its own");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+    }
+    assert_eq!(
+        our_connections(&server),
+        3,
+        "the shared one and one per worker"
+    );
+    // Opened once: further calls reuse them.
+    for worker in &workers {
+        worker.block_on(async {
+            for _ in 0..20 {
+                claim_and_complete(&store).await.expect("own connection");
+            }
+        });
+    }
+    assert_eq!(our_connections(&server), 3);
+
+    // Kill every connection: each worker's next calls reconnect by themselves.
+    server.cli(&["client", "kill", "type", "normal"]);
+    for (i, worker) in workers.iter().enumerate() {
+        worker.block_on(async {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut succeeded = 0;
+            while succeeded < 5 {
+                match claim_and_complete(&store).await {
+                    Ok(()) => succeeded += 1,
+                    Err(StoreError::Unavailable(_)) => {
+                        assert!(Instant::now() < deadline, "worker {i} did not reconnect")
+                    }
+                    Err(other) => panic!("worker {i}: {other:?}"),
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+    }
+    assert_eq!(
+        our_connections(&server),
+        2,
+        "both workers reconnected their own"
+    );
+    drop(workers);
+}
