@@ -536,6 +536,21 @@ async fn measure_round_trips(label: &str, store: &RedisStore, servers: &[&RedisS
         BTreeMap::from([("evalsha".to_string(), 1)]),
         "{label}: a replay is one EVALSHA"
     );
+    // Inside the scripts: a free key is claimed without a DEL, and a replay
+    // reads the record in the same HMGET as its state.
+    let counts = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+        pairs.iter().map(|(c, n)| (c.to_string(), *n)).collect()
+    };
+    assert_eq!(
+        first_inside,
+        counts(&[("del", 1), ("hmget", 2), ("hset", 2), ("pexpire", 2)]),
+        "{label}: commands of begin + complete on a free key"
+    );
+    assert_eq!(
+        replay_inside,
+        counts(&[("hmget", 1)]),
+        "{label}: commands of a replay"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

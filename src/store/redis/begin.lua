@@ -21,15 +21,19 @@
 local key = KEYS[1]
 local now = tonumber(ARGV[1])
 
-local h = redis.pcall('HMGET', key, 'st', 'fp', 'exp', 'lease', 'done')
+-- One read for every case: a replay needs rec too.
+local h = redis.pcall('HMGET', key, 'st', 'fp', 'exp', 'lease', 'done', 'rec')
 if h.err then
   return {'corrupt', h.err}
 end
-local st, fp, exp, lease, done = h[1], h[2], h[3], h[4], h[5]
+local st, fp, exp, lease, done, rec = h[1], h[2], h[3], h[4], h[5], h[6]
 
-local function claim(took_over)
-  -- DEL first: an expired record may still hold fields of another state.
-  redis.call('DEL', key)
+local function claim(took_over, replaces)
+  -- An expired or taken-over record may hold fields of another state; a free
+  -- key (the common case) has nothing to delete.
+  if replaces then
+    redis.call('DEL', key)
+  end
   redis.call('HSET', key, 'st', 'p', 'fp', ARGV[2], 'tok', ARGV[4],
     'lease', ARGV[5], 'exp', ARGV[6], 'rec', ARGV[7])
   redis.call('PEXPIRE', key, ARGV[8])
@@ -37,7 +41,7 @@ local function claim(took_over)
 end
 
 if not st and not fp and not exp then
-  return claim(0)
+  return claim(0, false)
 end
 local exp_ms = tonumber(exp)
 if not exp_ms or not fp or #fp ~= 32 then
@@ -45,7 +49,7 @@ if not exp_ms or not fp or #fp ~= 32 then
 end
 if exp_ms <= now then
   -- Expired by the proxies' clock: absent, whenever Redis reclaims it.
-  return claim(0)
+  return claim(0, true)
 end
 local state
 if st == 'p' then
@@ -59,14 +63,12 @@ if fp ~= ARGV[2] then
   return {'mismatch', state}
 end
 if st == 'c' then
-  local rec = redis.call('HGET', key, 'rec')
   if not rec then
     return {'corrupt', 'completed record without rec'}
   end
   return {'completed', rec}
 end
 if st == 'a' then
-  local rec = redis.call('HGET', key, 'rec')
   if not rec or not done then
     return {'corrupt', 'abandoned record without rec or done'}
   end
@@ -80,12 +82,11 @@ if lease_ms > now then
   return {'in_flight', lease}
 end
 if ARGV[3] == 'retry' then
-  return claim(1)
+  return claim(1, true)
 end
 -- Fail closed: the holder died mid-call, so whether the upstream executed is
 -- unknown. The claim (rec) is kept as it is; 'a' marks it settled, with the
 -- completion instant and the new expiry beside it.
-local rec = redis.call('HGET', key, 'rec')
 if not rec then
   return {'corrupt', 'pending record without rec'}
 end
