@@ -2,7 +2,9 @@
 # Side-by-side load comparison, one run, one machine:
 #   nginx as a plain reverse proxy (the control)  vs
 #   idemproxy on the memory store  vs  idemproxy on a private Redis,
-# all in front of the same fast upstream (nginx `return 201`).
+# all in front of the same fast upstream (nginx `return 201`). Replays also
+# run against a second Redis-backed proxy with the local replay cache
+# (`local_cache_entries = 10000`; off by default).
 #
 # Load: POST, ~1 KB JSON body, a unique Idempotency-Key per request (wrk +
 # benches/load/post.lua, MODE=unique); then replays over 1,000 warmed keys
@@ -55,7 +57,7 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
 
-UP=$(free_port); NG=$(free_port); IM=$(free_port); IR=$(free_port); IS=$(free_port); RP=$(free_port)
+UP=$(free_port); NG=$(free_port); IM=$(free_port); IR=$(free_port); IC=$(free_port); IS=$(free_port); RP=$(free_port)
 
 nginx_conf() { # name listen body
   cat >"$WORK/$1.conf" <<EOF
@@ -91,13 +93,15 @@ start_proxy() { # name port kind [VAR=value...]
 }
 start_proxy memory "$IM" memory
 start_proxy redis "$IR" redis
+start_proxy redis-cache "$IC" redis IDEMPROXY_STORE__LOCAL_CACHE_ENTRIES=10000
 
-declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-redis]="http://127.0.0.1:$IR")
+declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-cache]="http://127.0.0.1:$IC")
 TARGETS=(nginx idemproxy-memory idemproxy-redis)
+REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-redis-cache)
 RESULTS="$WORK/results.txt"; : >"$RESULTS"
 
 # Warm 1,000 keys on each proxy for the replay runs.
-for t in idemproxy-memory idemproxy-redis; do
+for t in idemproxy-memory idemproxy-redis idemproxy-redis-cache; do
   "$LOADGEN" "${URL[$t]}/v1/payments" 2000 0.5 replay >/dev/null
 done
 
@@ -115,9 +119,13 @@ run_wrk() { # scenario target round
 for round in $(seq "$ROUNDS"); do
   # Alternate the order so no target always runs first (or last) on a
   # machine that warms up or gets busier.
-  if (( round % 2 )); then order=("${TARGETS[@]}"); else order=(idemproxy-redis idemproxy-memory nginx); fi
+  if (( round % 2 )); then
+    order=("${TARGETS[@]}"); replay_order=("${REPLAY_TARGETS[@]}")
+  else
+    order=(idemproxy-redis idemproxy-memory nginx); replay_order=(idemproxy-redis-cache idemproxy-redis idemproxy-memory nginx)
+  fi
   for t in "${order[@]}"; do run_wrk unique "$t" "$round"; done
-  for t in "${order[@]}"; do run_wrk replay "$t" "$round"; done
+  for t in "${replay_order[@]}"; do run_wrk replay "$t" "$round"; done
 done
 
 # Fixed rate at half of nginx's median maximum.
@@ -161,19 +169,20 @@ def field(r, name):
     for f in r[3:]:
         if f.startswith(name + "="): return f.split("=", 1)[1]
     return None
-targets = ["nginx", "idemproxy-memory", "idemproxy-redis"]
+targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-redis"],
+           "replay": ["nginx", "idemproxy-memory", "idemproxy-redis", "idemproxy-redis-cache"]}
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
-print(f"{'scenario':<8} {'target':<17} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+print(f"{'scenario':<8} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
 for scenario in ["unique", "replay"]:
     base = None
-    for t in targets:
+    for t in targets[scenario]:
         rs = [r for r in rows if r[0] == scenario and r[1] == t]
         rps = statistics.median(float(field(r, "rps")) for r in rs)
         p50 = statistics.median(ms(field(r, "p50")) for r in rs)
         p99 = statistics.median(ms(field(r, "p99")) for r in rs)
         bad = sum(int(field(r, "non2xx") or 0) for r in rs)
         base = base or rps
-        print(f"{scenario:<8} {t:<17} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}")
+        print(f"{scenario:<8} {t:<21} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}")
 print()
 fixed = [r for r in rows if r[0] == "fixed"]
 if fixed:

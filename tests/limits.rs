@@ -10,7 +10,7 @@ use http::Method;
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::raw;
 use support::upstream::TestUpstream;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const ARRIVAL: Duration = Duration::from_secs(5);
 const SLOW: &str = "/v1/slow?delay_ms=800";
@@ -138,4 +138,74 @@ async fn an_execution_whose_client_left_still_holds_its_permit() {
     let stored = client.post_json(&proxy.url(SLOW), "left-1", "{}").await;
     assert!(stored.replayed(), "{stored:?}");
     assert_eq!(upstream.executions("/v1/slow"), 1);
+}
+
+#[tokio::test]
+async fn a_streaming_passthrough_holds_its_permit_until_its_body_ends() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.max_in_flight = 1;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+
+    // An uncovered GET whose 64 KiB body streams in 4 chunks 300 ms apart.
+    let body_bytes = 4 * support::upstream::CHUNK;
+    let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect to the proxy");
+    let target = format!("/v1/stream?body_bytes={body_bytes}&stream_delay_ms=300");
+    socket
+        .write_all(&raw::request("GET", &target, &[], b""))
+        .await
+        .expect("write the request");
+    let mut received = Vec::new();
+    let head_end = tokio::time::timeout(ARRIVAL, async {
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = socket.read(&mut buf).await.expect("read the head");
+            assert!(n > 0, "the proxy closed before the head");
+            received.extend_from_slice(&buf[..n]);
+            if let Some(at) = received.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+        }
+    })
+    .await
+    .expect("the response head arrives");
+    let head = String::from_utf8_lossy(&received[..head_end]).into_owned();
+    assert!(head.starts_with("HTTP/1.1 201"), "{head}");
+    assert!(
+        head.contains(&format!("content-length: {body_bytes}")),
+        "{head}"
+    );
+    assert!(
+        received.len() - head_end < body_bytes,
+        "the body is still streaming"
+    );
+
+    // Mid-body the passthrough still holds the only permit.
+    let shed = client
+        .post_json(&proxy.url("/v1/orders"), "after-stream", "{}")
+        .await;
+    assert_overloaded(&shed);
+
+    tokio::time::timeout(ARRIVAL, socket.read_to_end(&mut received))
+        .await
+        .expect("the body ends")
+        .expect("read the body");
+    assert_eq!(received.len() - head_end, body_bytes);
+
+    // The body is done: the permit is free again.
+    let deadline = tokio::time::Instant::now() + ARRIVAL;
+    let reply = loop {
+        let reply = client
+            .post_json(&proxy.url("/v1/orders"), "after-stream", "{}")
+            .await;
+        if reply.status != 503 || tokio::time::Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 1);
 }

@@ -1,6 +1,7 @@
 //! Bodies of the covered path: reading the request under its cap, and the
 //! response body fed by the task that keeps reading the upstream after the
-//! client has gone.
+//! client has gone. Also the passthrough's response body, which carries its
+//! `max_in_flight` permit while it streams.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -115,6 +116,39 @@ impl http_body::Body for ChannelBody {
 
     fn size_hint(&self) -> SizeHint {
         SizeHint::default()
+    }
+}
+
+/// A response body that holds a value (a `max_in_flight` permit) until the
+/// body is dropped: hyper drops it once the last frame is written or the
+/// client has gone, so a streaming passthrough counts as long as it streams.
+pub struct Holding<T> {
+    body: Body,
+    _held: T,
+}
+
+/// `body`, holding `held` until it is dropped.
+pub fn holding<T: Send + Unpin + 'static>(body: Body, held: T) -> Body {
+    Body::new(Holding { body, _held: held })
+}
+
+impl<T: Unpin> http_body::Body for Holding<T> {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 

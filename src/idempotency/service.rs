@@ -33,7 +33,7 @@ use tokio_util::task::TaskTracker;
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceExt};
 
-use super::body::{channel_body, read_request_body, BoundedCopy};
+use super::body::{channel_body, holding, read_request_body, BoundedCopy};
 use super::key::{parse_key, IdempotencyKey, InvalidKey};
 use super::outcome::RequestOutcome;
 use super::policy::{Policies, Policy};
@@ -315,9 +315,13 @@ where
                 if let Some(log) = log.take() {
                     log.finish(RequestOutcome::Passthrough, &response);
                 }
-                // A passthrough counts until its response head is back; its
-                // body streams without the proxy buffering it.
-                permit.take();
+                // The body streams without the proxy buffering it, but it
+                // still holds an upstream connection and the client's: the
+                // request counts until the body is done.
+                let response = match permit.take() {
+                    Some(permit) => response.map(|body| holding(body, permit)),
+                    None => response,
+                };
                 Poll::Ready(Ok(response))
             }
             ResponseFutureProj::Covered { fut } => fut.as_mut().poll(cx).map(Ok),
