@@ -21,6 +21,7 @@ pub mod idempotency;
 pub mod log_writer;
 pub mod metrics;
 pub mod proxy;
+pub mod request_id;
 pub mod server;
 pub mod store;
 pub mod upstream;
@@ -32,7 +33,7 @@ use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 use tower::ServiceBuilder;
 use tower_http::request_id::{
-    MakeRequestUuid, PropagateRequestId, PropagateRequestIdLayer, SetRequestId, SetRequestIdLayer,
+    PropagateRequestId, PropagateRequestIdLayer, SetRequestId, SetRequestIdLayer,
 };
 
 use admin::AdminState;
@@ -41,6 +42,7 @@ use config::StoreKind;
 use idempotency::{Idempotency, IdempotencyLayer, Policies};
 use metrics::Metrics;
 use proxy::Proxy;
+use request_id::MakeRequestUuidV4;
 use store::{EmbeddedStore, MemoryStore, SharedStore};
 use upstream::Upstream;
 
@@ -48,7 +50,7 @@ pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// The traffic service: request ids (generated when absent, forwarded to the
 /// upstream, returned to the client), then idempotency, then the upstream.
-pub type ProxyService = SetRequestId<PropagateRequestId<Idempotency<Proxy>>, MakeRequestUuid>;
+pub type ProxyService = SetRequestId<PropagateRequestId<Idempotency<Proxy>>, MakeRequestUuidV4>;
 
 /// Everything `run` serves, built without sockets.
 pub struct App {
@@ -78,7 +80,7 @@ impl Stack {
     fn build(&self) -> Result<ProxyService, Error> {
         let upstream = Upstream::new(&self.upstream)?;
         Ok(ServiceBuilder::new()
-            .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+            .layer(SetRequestIdLayer::x_request_id(MakeRequestUuidV4))
             .layer(PropagateRequestIdLayer::x_request_id())
             .layer(self.layer.clone())
             .service(Proxy::new(upstream, self.upstream.timeout)))

@@ -41,13 +41,39 @@ impl RecordKey {
 
     /// Lower-case hex: how the key appears in logs, metrics and admin URLs.
     pub fn to_hex(&self) -> String {
-        hex::encode(self.0)
+        self.hex().as_str().to_owned()
+    }
+
+    /// [`RecordKey::to_hex`] on the stack, for the request log line and the
+    /// Redis key written on every request.
+    pub fn hex(&self) -> KeyHex {
+        let mut out = [0u8; 64];
+        // Cannot fail: `out` is exactly twice the key's length.
+        let _ = hex::encode_to_slice(self.0, &mut out);
+        KeyHex(out)
     }
 
     pub fn from_hex(s: &str) -> Option<Self> {
         let mut out = [0u8; 32];
         hex::decode_to_slice(s, &mut out).ok()?;
         Some(Self(out))
+    }
+}
+
+/// A [`RecordKey`] in lower-case hex (see [`RecordKey::hex`]).
+#[derive(Clone, Copy)]
+pub struct KeyHex([u8; 64]);
+
+impl KeyHex {
+    pub fn as_str(&self) -> &str {
+        // Hex digits are ASCII; the fallback is unreachable.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl fmt::Display for KeyHex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -362,5 +388,7 @@ mod tests {
         assert_ne!(a, RecordKey::new(&[1; 32], "k1"));
         assert_ne!(a, RecordKey::new(&[0; 32], "k2"));
         assert_eq!(RecordKey::from_hex(&a.to_hex()), Some(a));
+        assert_eq!(a.hex().as_str(), hex::encode(a.as_bytes()));
+        assert_eq!(a.hex().to_string(), a.to_hex());
     }
 }

@@ -38,7 +38,7 @@ use super::key::{parse_key, IdempotencyKey, InvalidKey};
 use super::outcome::RequestOutcome;
 use super::policy::{Policies, Policy};
 use super::record::{
-    from_millis, millis, now_millis, CompletedRecord, FencingToken, Fingerprint, Outcome,
+    from_millis, millis, now_millis, CompletedRecord, FencingToken, Fingerprint, KeyHex, Outcome,
     RecordKey, StoredResponse, UnknownCause,
 };
 use super::rejection::Rejection;
@@ -924,8 +924,8 @@ impl RequestLog {
         self.metrics.request(outcome, elapsed);
         // The full store hash: an operator can look the key up through the
         // admin API. It is a hash of scope and key, never the key itself.
-        let key = self.key.map(|k| k.to_hex());
-        let key = key.as_deref().unwrap_or("-");
+        let key = self.key.map(|k| k.hex());
+        let key = key.as_ref().map_or("-", KeyHex::as_str);
         let request_id = self
             .request_id
             .as_ref()

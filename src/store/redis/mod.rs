@@ -128,7 +128,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 /// The Redis key of `key` under `prefix`: `<prefix>{<hex>}`. The hash tag
 /// (the part in braces) makes the cluster slot depend on the record key only.
 pub fn redis_key(prefix: &str, key: &RecordKey) -> String {
-    format!("{prefix}{{{}}}", key.to_hex())
+    format!("{prefix}{{{}}}", key.hex())
 }
 
 /// Opens the store `config.kind` names (`redis` or `redis-cluster`).
