@@ -51,7 +51,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Body;
-use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, HOST, TE};
+use http::header::{
+    HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, HOST, PROXY_AUTHENTICATE,
+    PROXY_AUTHORIZATION, TE, TRAILER, TRANSFER_ENCODING, UPGRADE,
+};
 use http::uri::{Authority, Scheme};
 use http::{HeaderMap, Request, Response, Uri, Version};
 use hyper::body::Incoming;
@@ -91,16 +94,18 @@ pub struct ClientInfo {
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1,
 /// plus the legacy `Proxy-Connection` and `Keep-Alive`, and the proxy
 /// authentication pair, which is meant for the proxy, not the origin).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
-    "proxy-authenticate",
+///
+/// Names, not strings: removing by `&str` parses the name on every call.
+static HOP_BY_HOP: [HeaderName; 9] = [
+    CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    TE,
+    TRAILER,
+    TRANSFER_ENCODING,
+    UPGRADE,
+    PROXY_AUTHORIZATION,
+    PROXY_AUTHENTICATE,
 ];
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -393,6 +398,12 @@ fn join_path(base: &str, inbound: &Uri) -> String {
 /// `Connection` header names. `Content-Length` survives even when named:
 /// it frames the body the proxy forwards unchanged.
 pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass of name comparisons is cheaper
+    // than nine hash lookups, and this runs on every request and response.
+    // (Headers `Connection` names are only removed when it is present.)
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(CONNECTION)
         .iter()
@@ -404,7 +415,7 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP {
+    for name in &HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -661,6 +672,34 @@ mod tests {
         remove_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert_eq!(h["x-request-id"], "r1");
+    }
+
+    #[test]
+    fn each_fixed_hop_by_hop_header_goes_without_a_connection_header() {
+        for name in [
+            "keep-alive",
+            "proxy-connection",
+            "te",
+            "trailer",
+            "transfer-encoding",
+            "upgrade",
+            "proxy-authorization",
+            "proxy-authenticate",
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(name, HeaderValue::from_static("x"));
+            h.insert("x-request-id", HeaderValue::from_static("r1"));
+            remove_hop_by_hop(&mut h);
+            assert!(h.get(name).is_none(), "{name} survived");
+            assert_eq!(h.len(), 1, "{name}");
+        }
+        // Without any, nothing changes.
+        let mut h = HeaderMap::new();
+        h.insert("content-length", HeaderValue::from_static("2"));
+        h.insert("x-request-id", HeaderValue::from_static("r1"));
+        let before = h.clone();
+        remove_hop_by_hop(&mut h);
+        assert_eq!(h, before);
     }
 
     #[test]
