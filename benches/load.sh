@@ -202,8 +202,11 @@ if soak:
         samples = [int(v) / 1024 for v in field(r, "rss_kib").strip(",").split(",") if v]
         if not samples:
             continue
-        # Growth after warm-up: the last sample against the one at 15 s.
-        warm = samples[min(2, len(samples) - 1)]
+        # Growth after warm-up: the last sample against the ones at 15 s and
+        # at 30 s (a memory store fills up to TTL + purge interval worth of
+        # records, and its hash tables grow in steps, before it levels off).
+        at15 = samples[min(2, len(samples) - 1)]
+        at30 = samples[min(5, len(samples) - 1)]
         print(f"  {r[1]:<28} {float(field(r, 'rps')):>8.0f} req/s  " + " ".join(f"{s:.0f}" for s in samples)
-              + f"  (last vs 15 s: {samples[-1] - warm:+.1f} MiB)")
+              + f"  (last vs 15 s: {samples[-1] - at15:+.1f} MiB, vs 30 s: {samples[-1] - at30:+.1f} MiB)")
 PY

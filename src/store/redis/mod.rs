@@ -82,6 +82,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
+use redis::io::tcp::TcpSettings;
 use redis::{
     Client, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisError,
     RedisFuture, Script, TlsCertificates, Value,
@@ -312,7 +313,9 @@ impl RedisStore {
         if let Some(db) = config.database {
             settings = settings.set_db(db);
         }
-        let info = info.set_redis_settings(settings);
+        let info = info
+            .set_redis_settings(settings)
+            .set_tcp_settings(tcp_settings());
         let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
         let client = match tls_certificates(config, tls)? {
             Some(certs) => Client::build_with_tls(info, certs),
@@ -375,7 +378,8 @@ impl RedisStore {
             // these; a dead cluster fails calls after them.
             .retries(3)
             .min_retry_wait(10)
-            .max_retry_wait(200);
+            .max_retry_wait(200)
+            .tcp_settings(tcp_settings());
         if let Some(username) = &config.username {
             builder = builder.username(username);
         }
@@ -701,6 +705,15 @@ fn parse_millis(bytes: &[u8]) -> Result<UnixMillis, StoreError> {
 /// is due already reads as absent anyway.
 fn pexpire_ms(expires_at: UnixMillis, now: UnixMillis) -> u64 {
     expires_at.saturating_sub(now).clamp(1, MAX_PEXPIRE_MS)
+}
+
+/// `TCP_NODELAY`, which redis-rs leaves off: with Nagle's algorithm a small
+/// write waits while an earlier one is unacknowledged, and on a multiplexed
+/// connection under load one usually is. Redis sets it on its side. Unique
+/// keys on Redis, 3 alternating wrk rounds: 13.1k -> 13.8k req/s; replays
+/// 30.2k -> 31.1k.
+fn tcp_settings() -> TcpSettings {
+    TcpSettings::default().set_nodelay(true)
 }
 
 fn io_timeout(config: &StoreConfig) -> Duration {
