@@ -268,3 +268,77 @@ async fn a_redis_killed_under_load_means_fast_503s_then_recovery_and_aof_replays
         "nothing else reached the upstream"
     );
 }
+
+/// A `begin` that Redis runs only after `store.timeout` has passed (Redis
+/// paused): the request is answered 503 `store-unavailable` and not
+/// executed, and the claim the late `begin` makes is released, so the
+/// caller's retry with the same key executes, once, instead of finding the
+/// key in flight until its lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.store.kind = StoreKind::Redis;
+    c.store.url = redis.url();
+    c.store.key_prefix = redis_server::unique_prefix("late-begin");
+    c.store.timeout = Duration::from_millis(100);
+    let proxy = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+
+    // Warm up: the workers' own Redis connections are open.
+    for i in 0..4 {
+        let warm = client
+            .post_json(&proxy.url("/v1/warm"), &format!("warm-{i}"), BODY)
+            .await;
+        assert_eq!(warm.status, 201, "{warm:?}\n{}", proxy.logs());
+    }
+
+    // Redis holds every command for 600 ms: longer than store.timeout,
+    // shorter than the connection's own response timeout (1 s), so the
+    // begin still runs, late.
+    redis.cli(&["client", "pause", "600", "all"]);
+    let started = Instant::now();
+    let first = client
+        .post_json(&proxy.url("/v1/late"), "late-1", BODY)
+        .await;
+    assert_eq!(first.status, 503, "{first:?}");
+    assert_eq!(first.problem(), "store-unavailable", "{first:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "answered at once"
+    );
+    assert_eq!(upstream.executions("/v1/late"), 0);
+
+    // Once Redis runs the begin, its claim is released: the retry executes.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let retry = loop {
+        let reply = client
+            .post_json(&proxy.url("/v1/late"), "late-1", BODY)
+            .await;
+        if reply.status == 201 || Instant::now() > deadline {
+            break reply;
+        }
+        assert!(
+            reply.status == 503 || reply.status == 425,
+            "while Redis is paused or before the release: {reply:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(retry.status, 201, "{retry:?}\n{}", proxy.logs());
+    assert!(!retry.replayed());
+    assert_eq!(upstream.executions("/v1/late"), 1);
+    assert!(
+        proxy
+            .logs()
+            .contains("released a claim whose begin answered after store.timeout"),
+        "{}",
+        proxy.logs()
+    );
+    // And the key now replays.
+    let again = client
+        .post_json(&proxy.url("/v1/late"), "late-1", BODY)
+        .await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(upstream.executions("/v1/late"), 1);
+}

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
+use futures_util::future::{BoxFuture, Fuse, FusedFuture};
 use futures_util::FutureExt;
 use http::{HeaderValue, Method, Request, Response};
 use http_body_util::BodyExt;
@@ -416,9 +416,24 @@ where
         let wait_until = Instant::now() + self.policy.wait_timeout;
         let mut backoff = Duration::from_millis(10);
         loop {
-            let begun = timed(&self.settings, &mut self.log, "begin", |s| s.begin(&begin)).await;
+            let mut call = owned_begin(&self.settings.store, &begin);
+            let begun = timed(&self.settings, &mut self.log, "begin", |_| &mut call).await;
             match begun {
-                Err(e) => return self.store_failed(request, respond, e).await,
+                Err(e) => {
+                    // Timed out, the call may still claim the key. Rejected,
+                    // this request executes nothing, so such a claim only
+                    // blocks the retry: released once it shows up. (Passed
+                    // on unprotected, the request does execute; its claim
+                    // is then left to fail closed.)
+                    let late = (!call.is_terminated()
+                        && self.policy.on_store_error == OnStoreError::Reject)
+                        .then(|| (self.settings.store.clone(), self.policy.lease));
+                    self.store_failed(request, respond, e).await;
+                    if let Some((store, lease)) = late {
+                        release_late_claim(store, claim.key, call, lease).await;
+                    }
+                    return;
+                }
                 Ok(BeginOutcome::Acquired { token, took_over }) => {
                     if took_over {
                         self.log.metrics.lease_expired();
@@ -773,6 +788,44 @@ where
                 }
             }
         }
+    }
+}
+
+/// A `begin` that owns what it needs, so that it can outlive the caller's
+/// wait (see [`release_late_claim`]); fused, to tell whether it finished.
+type OwnedBegin = Fuse<BoxFuture<'static, Result<BeginOutcome, StoreError>>>;
+
+fn owned_begin(store: &SharedStore, begin: &Begin) -> OwnedBegin {
+    let (store, begin) = (store.clone(), begin.clone());
+    async move { store.begin(&begin).await }.boxed().fuse()
+}
+
+/// Finishes a `begin` that gave no answer within `store.timeout`, after its
+/// request was answered 503 without executing. If it turns out to have
+/// claimed the key, the claim is released: otherwise the caller's retry
+/// would find the key in flight and, once the lease ran out, settled as
+/// outcome-unknown, for a request that never ran. Waits at most a lease
+/// (after that the claim is stale anyway).
+async fn release_late_claim(store: SharedStore, key: RecordKey, call: OwnedBegin, lease: Duration) {
+    let Ok(Ok(BeginOutcome::Acquired { token, .. })) = tokio::time::timeout(lease, call).await
+    else {
+        return;
+    };
+    match tokio::time::timeout(lease, store.release(&key, token)).await {
+        Ok(Ok(())) => tracing::warn!(
+            key = %key.hex(),
+            "released a claim whose begin answered after store.timeout (its request was answered 503 and not executed)"
+        ),
+        Ok(Err(StoreError::Fenced)) => {}
+        Ok(Err(e)) => tracing::error!(
+            key = %key.hex(),
+            error = %e,
+            "could not release a claim whose begin answered late; it fails closed when its lease ends"
+        ),
+        Err(_) => tracing::error!(
+            key = %key.hex(),
+            "no answer releasing a claim whose begin answered late; it fails closed when its lease ends"
+        ),
     }
 }
 
