@@ -521,7 +521,8 @@ async fn histograms_cover_requests_upstream_calls_and_each_store_op() {
         ),
         1.0
     );
-    // Covered executions time their upstream call (a release included).
+    // Covered executions time their upstream call (a release included), and
+    // so do passthroughs.
     assert_eq!(
         histogram(
             &s,
@@ -529,6 +530,14 @@ async fn histograms_cover_requests_upstream_calls_and_each_store_op() {
             &[("route", "payments")]
         ),
         2.0
+    );
+    assert_eq!(
+        histogram(
+            &s,
+            "idemproxy_upstream_duration_seconds",
+            &[("route", "default")]
+        ),
+        1.0
     );
     assert_eq!(
         histogram(&s, "idemproxy_store_duration_seconds", &[("op", "begin")]),

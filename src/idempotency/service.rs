@@ -259,6 +259,7 @@ pin_project! {
             fut: Oneshot<S, Request<Body>>,
             log: Option<RequestLog>,
             permit: Option<OwnedSemaphorePermit>,
+            started: Instant,
         },
         Covered {
             fut: BoxFuture<'static, Response<Body>>,
@@ -279,6 +280,7 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
             fut,
             log: Some(log),
             permit: Some(permit),
+            started: Instant::now(),
         }
     }
 
@@ -304,15 +306,23 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {
-            ResponseFutureProj::Passthrough { fut, log, permit } => {
-                let response = match std::task::ready!(fut.poll(cx)) {
+            ResponseFutureProj::Passthrough {
+                fut,
+                log,
+                permit,
+                started,
+            } => {
+                let result = std::task::ready!(fut.poll(cx));
+                let upstream = started.elapsed();
+                let response = match result {
                     Ok(response) => response,
                     Err(e) => Rejection::PassthroughFailed {
                         timeout: matches!(e, UpstreamError::Timeout),
                     }
                     .into_response(crate::config::Profile::Default),
                 };
-                if let Some(log) = log.take() {
+                if let Some(mut log) = log.take() {
+                    log.upstream_done(upstream);
                     log.finish(RequestOutcome::Passthrough, &response);
                 }
                 // The body streams without the proxy buffering it, but it
@@ -765,9 +775,7 @@ where
     }
 
     fn upstream_done(&mut self, started: Instant) {
-        let elapsed = started.elapsed();
-        self.log.upstream = Some(elapsed);
-        self.log.metrics.upstream(elapsed);
+        self.log.upstream_done(started.elapsed());
     }
 
     async fn release(&mut self, key: &RecordKey, token: FencingToken) {
@@ -965,6 +973,13 @@ impl RequestLog {
             store: Duration::ZERO,
             upstream: None,
         }
+    }
+
+    /// The upstream answered (or failed) after `elapsed`: for the log line
+    /// and `idemproxy_upstream_duration_seconds`.
+    fn upstream_done(&mut self, elapsed: Duration) {
+        self.upstream = Some(elapsed);
+        self.metrics.upstream(elapsed);
     }
 
     fn finish(mut self, outcome: RequestOutcome, response: &Response<Body>) {
