@@ -9,10 +9,10 @@ mod support;
 
 use std::time::Duration;
 
-use idemproxy::config::{Config, StoreKind};
+use idemproxy::config::Config;
 use support::binary::ProxyProcess;
 use support::fault::{raw_exchange, raw_post, Executions};
-use support::proxy::{config, Reply, TestClient};
+use support::proxy::{redis_config, Reply, TestClient};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::task::JoinSet;
@@ -22,10 +22,7 @@ const BODY: &str = r#"{"amount":1000,"currency":"eur"}"#;
 
 /// A binary's configuration on the private Redis at `redis`.
 fn on_redis(upstream: &TestUpstream, redis: &RedisServer, prefix: &str) -> Config {
-    let mut c = config(&upstream.url());
-    c.store.kind = StoreKind::Redis;
-    c.store.url = redis.url();
-    c.store.key_prefix = prefix.to_string();
+    let mut c = redis_config(&upstream.url(), &redis.url(), prefix);
     c.log.level = "info".into();
     c
 }

@@ -11,10 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idemproxy::config::StoreKind;
 use support::binary::ProxyProcess;
 use support::fault::{slug, Executions};
-use support::proxy::{config, Reply, TestClient};
+use support::proxy::{redis_config, Reply, TestClient};
 use support::redis_server::{self, RedisOptions, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::task::JoinSet;
@@ -50,10 +49,11 @@ async fn a_redis_killed_under_load_means_fast_503s_then_recovery_and_aof_replays
         "the test Redis runs with an fsynced AOF"
     );
     let upstream = TestUpstream::start().await;
-    let mut c = config(&upstream.url());
-    c.store.kind = StoreKind::Redis;
-    c.store.url = redis.url();
-    c.store.key_prefix = redis_server::unique_prefix("redis-down");
+    let mut c = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix("redis-down"),
+    );
     c.store.timeout = Duration::from_millis(250);
     let proxy = ProxyProcess::start(c).await;
     let client = TestClient::new();
@@ -278,10 +278,11 @@ async fn a_redis_killed_under_load_means_fast_503s_then_recovery_and_aof_replays
 async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
-    let mut c = config(&upstream.url());
-    c.store.kind = StoreKind::Redis;
-    c.store.url = redis.url();
-    c.store.key_prefix = redis_server::unique_prefix("late-begin");
+    let mut c = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix("late-begin"),
+    );
     c.store.timeout = Duration::from_millis(100);
     let proxy = ProxyProcess::start(c).await;
     let client = TestClient::new();

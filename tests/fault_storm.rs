@@ -8,10 +8,9 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemproxy::config::StoreKind;
 use idemproxy::store::{RedisStore, SharedStore};
 use support::fault::Executions;
-use support::proxy::{config, TestClient, TestProxy};
+use support::proxy::{redis_config, TestClient, TestProxy};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::sync::Semaphore;
@@ -35,10 +34,11 @@ enum Answer {
 async fn a_duplicate_storm_over_two_replicas_executes_each_operation_once() {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
-    let mut c = config(&upstream.url());
-    c.store.kind = StoreKind::Redis;
-    c.store.url = redis.url();
-    c.store.key_prefix = redis_server::unique_prefix("storm");
+    let mut c = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix("storm"),
+    );
     // The storm tests at-most-once, not store timeouts: a slow moment on a
     // loaded machine must not turn into 503s.
     c.store.timeout = Duration::from_secs(2);

@@ -9,10 +9,9 @@ mod support;
 
 use std::time::Duration;
 
-use idemproxy::config::StoreKind;
 use support::binary::ProxyProcess;
 use support::fault::{raw_exchange, raw_post, Executions};
-use support::proxy::{config, Reply, TestClient};
+use support::proxy::{redis_config, Reply, TestClient};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::time::Instant;
@@ -28,10 +27,11 @@ fn assert_problem(reply: &Reply, status: u16, slug: &str) {
 async fn upstream_timeouts_resets_and_broken_bodies_are_stored_and_replayed() {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
-    let mut c = config(&upstream.url());
-    c.store.kind = StoreKind::Redis;
-    c.store.url = redis.url();
-    c.store.key_prefix = redis_server::unique_prefix("upstream-faults");
+    let mut c = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix("upstream-faults"),
+    );
     c.upstream.timeout = Duration::from_secs(1);
     c.idempotency.lease_margin = Duration::from_secs(1);
     let a = ProxyProcess::start(c.clone()).await;

@@ -32,6 +32,20 @@ async fn metric(client: &TestClient, proxy: &TestProxy, series: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {series} in\n{text}"))
 }
 
+/// POSTs `{}` to `/v1/orders` under `key` until it is not shed (503), for
+/// at most `ARRIVAL`: a freed permit is visible a moment after the client
+/// sees the end of what held it.
+async fn post_until_admitted(client: &TestClient, proxy: &TestProxy, key: &str) -> Reply {
+    let deadline = tokio::time::Instant::now() + ARRIVAL;
+    loop {
+        let reply = client.post_json(&proxy.url("/v1/orders"), key, "{}").await;
+        if reply.status != 503 || tokio::time::Instant::now() > deadline {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn past_max_in_flight_requests_are_shed_with_503_and_never_execute() {
     let upstream = TestUpstream::start().await;
@@ -123,16 +137,7 @@ async fn an_execution_whose_client_left_still_holds_its_permit() {
     assert_overloaded(&shed);
 
     // Once it has stored its outcome the permit is free again.
-    let deadline = tokio::time::Instant::now() + ARRIVAL;
-    let reply = loop {
-        let reply = client
-            .post_json(&proxy.url("/v1/orders"), "next-1", "{}")
-            .await;
-        if reply.status != 503 || tokio::time::Instant::now() > deadline {
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let reply = post_until_admitted(&client, &proxy, "next-1").await;
     assert_eq!(reply.status, 201, "{reply:?}");
     assert_eq!(upstream.executions("/v1/orders"), 1);
     let stored = client.post_json(&proxy.url(SLOW), "left-1", "{}").await;
@@ -196,16 +201,7 @@ async fn a_streaming_passthrough_holds_its_permit_until_its_body_ends() {
     assert_eq!(received.len() - head_end, body_bytes);
 
     // The body is done: the permit is free again.
-    let deadline = tokio::time::Instant::now() + ARRIVAL;
-    let reply = loop {
-        let reply = client
-            .post_json(&proxy.url("/v1/orders"), "after-stream", "{}")
-            .await;
-        if reply.status != 503 || tokio::time::Instant::now() > deadline {
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let reply = post_until_admitted(&client, &proxy, "after-stream").await;
     assert_eq!(reply.status, 201, "{reply:?}");
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }

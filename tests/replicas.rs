@@ -12,23 +12,13 @@ use std::time::Duration;
 
 use idemproxy::config::{Config, OnInFlight, StoreKind};
 use idemproxy::store::{cache, RedisStore, SharedStore};
-use support::proxy::{config, Reply, TestClient, TestProxy};
+use support::proxy::{config, redis_config, Reply, TestClient, TestProxy};
 use support::redis_server;
 use support::upstream::TestUpstream;
 use tokio::time::Instant;
 
 const BODY: &str = r#"{"amount":1000,"currency":"eur"}"#;
 const ARRIVAL: Duration = Duration::from_secs(5);
-
-/// A replica's configuration: the test defaults on `store.kind = redis` at
-/// `redis_url`, under `prefix` (shared by the replicas of one test).
-fn redis_config(upstream: &TestUpstream, redis_url: &str, prefix: &str) -> Config {
-    let mut c = config(&upstream.url());
-    c.store.kind = StoreKind::Redis;
-    c.store.url = redis_url.to_string();
-    c.store.key_prefix = prefix.to_string();
-    c
-}
 
 fn cluster_config(upstream: &TestUpstream, urls: Vec<String>, prefix: &str) -> Config {
     let mut c = config(&upstream.url());
@@ -58,8 +48,8 @@ async fn replica(c: Config) -> TestProxy {
 async fn two_replicas(upstream: &TestUpstream, name: &str) -> (TestProxy, TestProxy) {
     let server = redis_server::shared();
     let prefix = redis_server::unique_prefix(name);
-    let a = replica(redis_config(upstream, &server.url(), &prefix)).await;
-    let b = replica(redis_config(upstream, &server.url(), &prefix)).await;
+    let a = replica(redis_config(&upstream.url(), &server.url(), &prefix)).await;
+    let b = replica(redis_config(&upstream.url(), &server.url(), &prefix)).await;
     (a, b)
 }
 
@@ -161,8 +151,8 @@ async fn with_on_in_flight_wait_b_answers_with_the_replay_once_a_finishes() {
     let upstream = TestUpstream::start().await;
     let server = redis_server::shared();
     let prefix = redis_server::unique_prefix("wait");
-    let a = replica(redis_config(&upstream, &server.url(), &prefix)).await;
-    let mut waiting = redis_config(&upstream, &server.url(), &prefix);
+    let a = replica(redis_config(&upstream.url(), &server.url(), &prefix)).await;
+    let mut waiting = redis_config(&upstream.url(), &server.url(), &prefix);
     waiting.idempotency.on_in_flight = OnInFlight::Wait;
     waiting.idempotency.wait_timeout = Duration::from_secs(5);
     let b = replica(waiting).await;
@@ -295,7 +285,7 @@ async fn with_the_local_cache_replays_on_b_stay_correct() {
     let upstream = TestUpstream::start().await;
     let server = redis_server::shared();
     let prefix = redis_server::unique_prefix("cached");
-    let mut c = redis_config(&upstream, &server.url(), &prefix);
+    let mut c = redis_config(&upstream.url(), &server.url(), &prefix);
     c.store.local_cache_entries = 1000;
     let a = replica(c.clone()).await;
     let b = replica(c).await;

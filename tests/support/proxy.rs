@@ -30,6 +30,16 @@ pub fn config(upstream_url: &str) -> Config {
     c
 }
 
+/// [`config`] on the Redis at `redis_url`, its keys under `prefix` (make it
+/// unique per test: `redis_server::unique_prefix`).
+pub fn redis_config(upstream_url: &str, redis_url: &str, prefix: &str) -> Config {
+    let mut c = config(upstream_url);
+    c.store.kind = idemproxy::config::StoreKind::Redis;
+    c.store.url = redis_url.to_string();
+    c.store.key_prefix = prefix.to_string();
+    c
+}
+
 pub struct TestProxy {
     pub addr: SocketAddr,
     pub admin_addr: SocketAddr,
