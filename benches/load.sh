@@ -7,8 +7,9 @@
 # (`local_cache_entries = 10000`; off by default).
 #
 # Load: POST, ~1 KB JSON body, a unique Idempotency-Key per request (wrk +
-# benches/load/post.lua, MODE=unique); then replays over 1,000 warmed keys
-# (MODE=replay); then a fixed-rate run at half of nginx's maximum, with
+# benches/load/post.lua, MODE=unique), and the same without a key against
+# the memory proxy (MODE=passthrough: the proxy without the idempotency
+# work); then replays over 1,000 warmed keys (MODE=replay); then a fixed-rate run at half of nginx's maximum, with
 # latencies corrected for coordinated omission (examples/loadgen.rs).
 # Targets are measured in alternating order over ROUNDS rounds; the table
 # shows medians and ratios to nginx. Last, a soak: SOAK_SECONDS of unique
@@ -125,6 +126,10 @@ for round in $(seq "$ROUNDS"); do
     order=(idemproxy-redis idemproxy-memory nginx); replay_order=(idemproxy-redis-cache idemproxy-redis idemproxy-memory nginx)
   fi
   for t in "${order[@]}"; do run_wrk unique "$t" "$round"; done
+  # The same POSTs without a key: forwarded unprotected, so this is the
+  # proxy alone (hyper, tokio, request ids, the log line), compared with
+  # nginx's unique-key run, which is the same traffic for nginx.
+  run_wrk passthrough idemproxy-memory "$round"
   for t in "${replay_order[@]}"; do run_wrk replay "$t" "$round"; done
 done
 
@@ -170,11 +175,14 @@ def field(r, name):
         if f.startswith(name + "="): return f.split("=", 1)[1]
     return None
 targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-redis"],
+           "passthrough": ["idemproxy-memory"],
            "replay": ["nginx", "idemproxy-memory", "idemproxy-redis", "idemproxy-redis-cache"]}
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
-print(f"{'scenario':<8} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
-for scenario in ["unique", "replay"]:
-    base = None
+print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+nginx_unique = None
+for scenario in ["unique", "passthrough", "replay"]:
+    # nginx ignores the key, so its unique-key run is the passthrough's base.
+    base = nginx_unique if scenario == "passthrough" else None
     for t in targets[scenario]:
         rs = [r for r in rows if r[0] == scenario and r[1] == t]
         rps = statistics.median(float(field(r, "rps")) for r in rs)
@@ -182,7 +190,9 @@ for scenario in ["unique", "replay"]:
         p99 = statistics.median(ms(field(r, "p99")) for r in rs)
         bad = sum(int(field(r, "non2xx") or 0) for r in rs)
         base = base or rps
-        print(f"{scenario:<8} {t:<21} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}")
+        if scenario == "unique" and t == "nginx":
+            nginx_unique = rps
+        print(f"{scenario:<11} {t:<21} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}")
 print()
 fixed = [r for r in rows if r[0] == "fixed"]
 if fixed:

@@ -2,7 +2,10 @@
 --   MODE=unique (default): a new key per request (thread id + counter), so
 --                          every request is a first execution;
 --   MODE=replay:           one of 1,000 keys warmed beforehand ("warm-N"),
---                          so every request is a replay.
+--                          so every request is a replay;
+--   MODE=passthrough:      no key, so idemproxy forwards without protection
+--                          (keys are optional by default): the cost of the
+--                          proxy itself, without the idempotency work.
 -- RUN names the run, keeping unique keys apart between runs.
 local counter = 0
 local threads = {}
@@ -28,7 +31,9 @@ end
 
 function request()
   counter = counter + 1
-  if mode == "replay" then
+  if mode == "passthrough" then
+    wrk.headers["Idempotency-Key"] = nil
+  elseif mode == "replay" then
     wrk.headers["Idempotency-Key"] = string.format("warm-%d", counter % 1000)
   else
     wrk.headers["Idempotency-Key"] = string.format("%s-%d-%d", run, id, counter)
