@@ -313,7 +313,8 @@ impl Store for EmbeddedStore {
                 let txn = db.begin_read().map_err(db_error)?;
                 let records = txn.open_table(RECORDS).map_err(db_error)?;
                 let stored = read(&records, &begin.key)?;
-                let (outcome, write) = decide_begin(&begin, live(stored.as_ref(), now), now);
+                let (outcome, write) =
+                    decide_begin(&begin, stored.filter(|r| r.expires_at() > now), now);
                 if write.is_none() {
                     return Ok(outcome);
                 }
@@ -325,7 +326,9 @@ impl Store for EmbeddedStore {
                 let mut records = txn.open_table(RECORDS).map_err(db_error)?;
                 let mut expiry = txn.open_table(EXPIRY).map_err(db_error)?;
                 let stored = read(&records, &begin.key)?;
-                let (outcome, new) = decide_begin(&begin, live(stored.as_ref(), now), now);
+                // Cloned only on this write path, and only when it replaces
+                // a live record (a stale claim): `write` needs the old one.
+                let (outcome, new) = decide_begin(&begin, live(stored.as_ref(), now).cloned(), now);
                 match new {
                     // Dropping the transaction aborts it: nothing to write.
                     None => return Ok(outcome),

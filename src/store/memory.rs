@@ -61,9 +61,15 @@ impl Stored {
     }
 }
 
-/// The record under `key`, decoded.
-fn read(records: &Shard, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-    records.get(key).map(Stored::record).transpose()
+/// The record under `key`, decoded, unless it has expired: an expired
+/// record is absent for every reader, and is overwritten by the next write
+/// or dropped by the purger. One map lookup.
+fn read(records: &Shard, key: &RecordKey, now: UnixMillis) -> Result<Option<Record>, StoreError> {
+    records
+        .get(key)
+        .filter(|stored| stored.expires_at > now)
+        .map(Stored::record)
+        .transpose()
 }
 
 /// Power of two well above the worker count, so shards rarely contend.
@@ -134,25 +140,13 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     shard.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Forgets `key` if its record has expired, so that what remains under `key`
-/// is exactly what readers may see.
-fn drop_if_expired(records: &mut Shard, key: &RecordKey, now: UnixMillis) {
-    if records
-        .get(key)
-        .is_some_and(|stored| stored.expires_at <= now)
-    {
-        records.remove(key);
-    }
-}
-
 #[async_trait]
 impl Store for MemoryStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         let now = now_millis();
         let mut records = self.shard(&begin.key);
-        drop_if_expired(&mut records, &begin.key, now);
-        let existing = read(&records, &begin.key)?;
-        let (outcome, write) = decide_begin(begin, existing.as_ref(), now);
+        let existing = read(&records, &begin.key, now)?;
+        let (outcome, write) = decide_begin(begin, existing, now);
         if let Some(record) = write {
             records.insert(begin.key, Stored::new(&record));
         }
@@ -167,8 +161,7 @@ impl Store for MemoryStore {
     ) -> Result<(), StoreError> {
         let now = now_millis();
         let mut records = self.shard(key);
-        drop_if_expired(&mut records, key, now);
-        check_owner(read(&records, key)?.as_ref(), token)?;
+        check_owner(read(&records, key, now)?.as_ref(), token)?;
         records.insert(*key, Stored::completed(record));
         Ok(())
     }
@@ -176,24 +169,21 @@ impl Store for MemoryStore {
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
         let now = now_millis();
         let mut records = self.shard(key);
-        drop_if_expired(&mut records, key, now);
-        check_owner(read(&records, key)?.as_ref(), token)?;
+        check_owner(read(&records, key, now)?.as_ref(), token)?;
         records.remove(key);
         Ok(())
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let now = now_millis();
-        let mut records = self.shard(key);
-        drop_if_expired(&mut records, key, now);
-        read(&records, key)
+        read(&self.shard(key), key, now)
     }
 
     async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let now = now_millis();
-        let mut records = self.shard(key);
-        drop_if_expired(&mut records, key, now);
-        Ok(records.remove(key).is_some())
+        // An expired record goes too, but did not count as there.
+        let removed = self.shard(key).remove(key);
+        Ok(removed.is_some_and(|stored| stored.expires_at > now))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -137,7 +137,7 @@ pub type SharedStore = Arc<dyn Store>;
 /// returns the outcome and the record to write, if the key changes.
 pub fn decide_begin(
     begin: &Begin,
-    existing: Option<&Record>,
+    existing: Option<Record>,
     now: UnixMillis,
 ) -> (BeginOutcome, Option<Record>) {
     let claim = |took_over: bool| {
@@ -162,7 +162,7 @@ pub fn decide_begin(
             },
             None,
         ),
-        Some(Record::Completed(done)) => (BeginOutcome::Completed(done.clone()), None),
+        Some(Record::Completed(done)) => (BeginOutcome::Completed(done), None),
         Some(Record::Pending(p)) if p.lease_expires_at > now => (
             BeginOutcome::InFlight {
                 lease_expires_at: p.lease_expires_at,
