@@ -23,7 +23,8 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-fn body() -> Bytes {
+/// The JSON body up to its metadata's last field; `body` closes it.
+fn body_head() -> String {
     let items: Vec<String> = (1..=12)
         .map(|i| {
             format!(
@@ -34,10 +35,21 @@ fn body() -> Bytes {
             )
         })
         .collect();
-    Bytes::from(format!(
-        r#"{{"customer":"cus_123","currency":"eur","items":[{}],"metadata":{{"sent_at":"2026-11-30T12:00:00Z"}}}}"#,
+    format!(
+        r#"{{"customer":"cus_123","currency":"eur","items":[{}],"metadata":{{"sent_at":"2026-11-30T12:00:00Z""#,
         items.join(",")
-    ))
+    )
+}
+
+/// The body of a request: the same bytes for every replay of the warmed
+/// keys; for a first execution (`seq`) a body of its own, as distinct
+/// operations have (the same bytes every time would let the proxy reuse one
+/// canonical fingerprint for all of them).
+fn body(head: &str, seq: Option<&str>) -> Bytes {
+    Bytes::from(match seq {
+        Some(seq) => format!(r#"{head},"seq":"{seq}"}}}}"#),
+        None => format!("{head}}}}}"),
+    })
 }
 
 #[tokio::main(worker_threads = 1)]
@@ -64,7 +76,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let client = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(connections)
         .build_http::<Full<Bytes>>();
-    let body = body();
+    let head = Arc::new(body_head());
+    let replay_body = body(&head, None);
     let histogram = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(
         1, 60_000_000, 3,
     )?));
@@ -74,9 +87,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let start = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
     for worker in 0..connections as u64 {
-        let (client, body, histogram, errors, url, run) = (
+        let (client, head, replay_body, histogram, errors, url, run) = (
             client.clone(),
-            body.clone(),
+            head.clone(),
+            replay_body.clone(),
             histogram.clone(),
             errors.clone(),
             url.clone(),
@@ -92,15 +106,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             while i < total {
                 let due = start + offset + interval.mul_f64(n as f64);
                 tokio::time::sleep_until(due).await;
-                let key = if replay {
-                    format!("warm-{}", i % 1000)
+                let (key, payload) = if replay {
+                    (format!("warm-{}", i % 1000), replay_body.clone())
                 } else {
-                    format!("{run}-{i}")
+                    let key = format!("{run}-{i}");
+                    let payload = body(&head, Some(&key));
+                    (key, payload)
                 };
                 let request = http::Request::post(url.clone())
                     .header("content-type", "application/json")
                     .header("idempotency-key", key)
-                    .body(Full::new(body.clone()))
+                    .body(Full::new(payload))
                     .map_err(|e| e.to_string())?;
                 let ok = match client.request(request).await {
                     Ok(response) => {
