@@ -163,6 +163,13 @@ impl CompletedRecord {
     }
 }
 
+impl PendingRecord {
+    /// The bytes of `Record::Pending(self)`, without building it.
+    pub fn encode(&self) -> Vec<u8> {
+        RecordRef::Pending(self).encode()
+    }
+}
+
 impl Record {
     pub fn fingerprint(&self) -> &Fingerprint {
         match self {
@@ -188,7 +195,7 @@ impl Record {
 
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Record::Pending(p) => RecordRef::Pending(p).encode(),
+            Record::Pending(p) => p.encode(),
             Record::Completed(c) => c.encode(),
         }
     }
@@ -354,8 +361,9 @@ mod tests {
             let mut owned = vec![FORMAT_VERSION];
             owned.extend(postcard::to_stdvec(&record).expect("serializes"));
             assert_eq!(record.encode(), owned);
-            if let Record::Completed(c) = &record {
-                assert_eq!(c.encode(), owned);
+            match &record {
+                Record::Completed(c) => assert_eq!(c.encode(), owned),
+                Record::Pending(p) => assert_eq!(p.encode(), owned),
             }
         }
     }

@@ -501,7 +501,7 @@ impl Store for RedisStore {
             .arg(&token.0.to_be_bytes()[..])
             .arg(claim.lease_expires_at)
             .arg(claim.expires_at)
-            .arg(Record::Pending(claim.clone()).encode())
+            .arg(claim.encode())
             .arg(pexpire_ms(claim.expires_at, now))
             .arg(settled_expires_at)
             .arg(pexpire_ms(settled_expires_at, now))
