@@ -1,5 +1,6 @@
 //! The `idemproxy` command: flags, configuration, telemetry, serve.
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -186,34 +187,43 @@ async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {
 }
 
 /// Logs go to stdout in batches (see `idemproxy::log_writer`); the guard
-/// writes out what is buffered when `main` returns.
+/// writes out what is buffered when `main` returns. If the writer thread
+/// cannot start, logs go to stderr, unbatched.
 fn init_tracing(config: &Config) -> Option<FlushGuard> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&config.log.level))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let (writer, guard) = match BatchedWriter::new(std::io::stdout()) {
-        Ok((writer, guard)) => (writer, guard),
+    match BatchedWriter::new(std::io::stdout()) {
+        Ok((writer, guard)) => {
+            let ansi = std::io::stdout().is_terminal();
+            install_subscriber(filter, config.log.format, writer, ansi);
+            Some(guard)
+        }
         Err(e) => {
             eprintln!("idemproxy: cannot start the log writer: {e}; logging to stderr");
-            let builder = tracing_subscriber::fmt()
-                .with_env_filter(filter)
-                .with_writer(std::io::stderr);
-            match config.log.format {
-                LogFormat::Json => builder.json().flatten_event(true).init(),
-                LogFormat::Human => builder.init(),
-            }
-            return None;
+            let ansi = std::io::stderr().is_terminal();
+            install_subscriber(filter, config.log.format, std::io::stderr, ansi);
+            None
         }
-    };
+    }
+}
+
+fn install_subscriber<W>(
+    filter: tracing_subscriber::EnvFilter,
+    format: LogFormat,
+    writer: W,
+    ansi: bool,
+) where
+    W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
+{
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()));
-    match config.log.format {
+        .with_ansi(ansi);
+    match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Human => builder.init(),
     }
-    Some(guard)
 }
 
 /// Resolves on SIGINT or SIGTERM: both mean "drain and exit".
