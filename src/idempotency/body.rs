@@ -122,7 +122,7 @@ impl http_body::Body for ChannelBody {
 /// A response body that holds a value (a `max_in_flight` permit) until the
 /// body is dropped: hyper drops it once the last frame is written or the
 /// client has gone, so a streaming passthrough counts as long as it streams.
-pub struct Holding<T> {
+struct Holding<T> {
     body: Body,
     _held: T,
 }
