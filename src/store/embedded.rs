@@ -12,6 +12,7 @@
 //!
 //! redb is a blocking library; every call runs on Tokio's blocking pool.
 
+use std::borrow::Borrow;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -217,9 +218,10 @@ fn read(
     }
 }
 
-/// What readers may see of a stored record: expired ones read as absent.
-fn live(record: Option<&Record>, now: UnixMillis) -> Option<&Record> {
-    record.filter(|r| r.expires_at() > now)
+/// What readers may see of a stored record (owned or borrowed): expired
+/// ones read as absent.
+fn live<R: Borrow<Record>>(record: Option<R>, now: UnixMillis) -> Option<R> {
+    record.filter(|r| r.borrow().expires_at() > now)
 }
 
 /// Replaces what is stored under `key` (`old`, as read in this transaction)
@@ -313,8 +315,7 @@ impl Store for EmbeddedStore {
                 let txn = db.begin_read().map_err(db_error)?;
                 let records = txn.open_table(RECORDS).map_err(db_error)?;
                 let stored = read(&records, &begin.key)?;
-                let (outcome, write) =
-                    decide_begin(&begin, stored.filter(|r| r.expires_at() > now), now);
+                let (outcome, write) = decide_begin(&begin, live(stored, now), now);
                 if write.is_none() {
                     return Ok(outcome);
                 }
