@@ -150,9 +150,16 @@ enum RecordRef<'a> {
 }
 
 impl RecordRef<'_> {
-    fn encode(&self) -> Vec<u8> {
+    /// Appends the encoding to `out`, so a store that frames records (Redis
+    /// puts a header first) writes them without a second buffer.
+    fn encode_after(&self, mut out: Vec<u8>) -> Vec<u8> {
+        out.push(FORMAT_VERSION);
         // Serializing plain data into a Vec cannot fail.
-        postcard::to_extend(self, vec![FORMAT_VERSION]).unwrap_or_default()
+        postcard::to_extend(self, out).unwrap_or_default()
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        self.encode_after(Vec::new())
     }
 }
 
@@ -161,12 +168,22 @@ impl CompletedRecord {
     pub fn encode(&self) -> Vec<u8> {
         RecordRef::Completed(self).encode()
     }
+
+    /// [`CompletedRecord::encode`], appended to `out`.
+    pub fn encode_after(&self, out: Vec<u8>) -> Vec<u8> {
+        RecordRef::Completed(self).encode_after(out)
+    }
 }
 
 impl PendingRecord {
     /// The bytes of `Record::Pending(self)`, without building it.
     pub fn encode(&self) -> Vec<u8> {
         RecordRef::Pending(self).encode()
+    }
+
+    /// [`PendingRecord::encode`], appended to `out`.
+    pub fn encode_after(&self, out: Vec<u8>) -> Vec<u8> {
+        RecordRef::Pending(self).encode_after(out)
     }
 }
 
@@ -194,9 +211,14 @@ impl Record {
     }
 
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_after(Vec::new())
+    }
+
+    /// [`Record::encode`], appended to `out`.
+    pub fn encode_after(&self, out: Vec<u8>) -> Vec<u8> {
         match self {
-            Record::Pending(p) => p.encode(),
-            Record::Completed(c) => c.encode(),
+            Record::Pending(p) => RecordRef::Pending(p).encode_after(out),
+            Record::Completed(c) => RecordRef::Completed(c).encode_after(out),
         }
     }
 

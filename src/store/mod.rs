@@ -132,27 +132,37 @@ pub trait Store: Send + Sync + 'static {
 
 pub type SharedStore = Arc<dyn Store>;
 
-/// The decision `begin` makes, shared by the in-process stores so that they
-/// cannot drift apart. `existing` is the live (unexpired) record, if any;
-/// returns the outcome and the record to write, if the key changes.
+/// A new claim of `begin.key` made at `now`, with a fresh fencing token.
+pub fn new_claim(begin: &Begin, now: UnixMillis) -> PendingRecord {
+    let lease_expires_at = now.saturating_add(millis(begin.lease));
+    PendingRecord {
+        fingerprint: begin.fingerprint,
+        token: FencingToken::random(),
+        created_at: now,
+        lease_expires_at,
+        // An abandoned claim is kept as long as a completion would be, so
+        // fail-closed answers outlive the retries that ask for them.
+        expires_at: lease_expires_at.saturating_add(millis(begin.ttl)),
+    }
+}
+
+/// The decision `begin` makes, shared by all stores so that they cannot
+/// drift apart. `existing` is the live (unexpired) record, if any; returns
+/// the outcome and the record to write, if the key changes.
 pub fn decide_begin(
     begin: &Begin,
     existing: Option<Record>,
     now: UnixMillis,
 ) -> (BeginOutcome, Option<Record>) {
     let claim = |took_over: bool| {
-        let token = FencingToken::random();
-        let lease_expires_at = now.saturating_add(millis(begin.lease));
-        let record = Record::Pending(PendingRecord {
-            fingerprint: begin.fingerprint,
-            token,
-            created_at: now,
-            lease_expires_at,
-            // An abandoned claim is kept as long as a completion would be, so
-            // fail-closed answers outlive the retries that ask for them.
-            expires_at: lease_expires_at.saturating_add(millis(begin.ttl)),
-        });
-        (BeginOutcome::Acquired { token, took_over }, Some(record))
+        let claim = new_claim(begin, now);
+        (
+            BeginOutcome::Acquired {
+                token: claim.token,
+                took_over,
+            },
+            Some(Record::Pending(claim)),
+        )
     };
     match existing {
         None => claim(false),

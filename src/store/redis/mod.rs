@@ -3,49 +3,59 @@
 //!
 //! # Layout
 //!
-//! One Redis HASH per record, under `<key_prefix>{<hex of the RecordKey>}`.
+//! One Redis STRING per record, under `<key_prefix>{<hex of the RecordKey>}`.
 //! The braces are a cluster hash tag: the slot is computed from the record
-//! key alone, and since every script touches exactly that one key, the same
-//! scripts run unchanged on a standalone Redis and on a Redis Cluster (no
-//! CROSSSLOT, no multi-key transactions).
+//! key alone, and since every command and script touches exactly that one
+//! key, the same code runs unchanged on a standalone Redis and on a Redis
+//! Cluster (no CROSSSLOT, no multi-key transactions).
 //!
-//! | field   | holds                                                      |
-//! |---------|------------------------------------------------------------|
-//! | `st`    | `p` pending, `c` completed, `a` a pending claim settled as abandoned |
-//! | `fp`    | the request fingerprint, 32 raw bytes (for the mismatch check)  |
-//! | `tok`   | pending only: the fencing token, 16 bytes, big-endian       |
-//! | `lease` | pending only: `lease_expires_at`, decimal Unix ms           |
-//! | `done`  | `a` only: the instant the claim was settled, decimal Unix ms |
-//! | `exp`   | `expires_at`, decimal Unix ms                               |
-//! | `rec`   | [`Record::encode`] bytes: the versioned record itself (for `a`, the abandoned claim) |
+//! The value is a 25-byte header, then the [`Record::encode`] bytes (the
+//! versioned record itself):
 //!
-//! The scripts only ever compare `fp`, `tok`, `lease` and `exp`; they never
-//! parse `rec`, so the record format can evolve in Rust alone. A stale claim
-//! settled fail-closed cannot be encoded by the client in advance (its
-//! `created_at` is only known inside the script), so the script marks it `a`
-//! and keeps the claim's bytes; the client rebuilds the completed record from
-//! them exactly as [`decide_begin`](super::decide_begin) would.
+//! | bytes  | holds                                                          |
+//! |--------|----------------------------------------------------------------|
+//! | 0      | `p` a pending claim, `c` a completed record                    |
+//! | 1..17  | the claim's fencing token, big-endian (zero when completed)    |
+//! | 17..25 | `expires_at`, Unix ms, big-endian                              |
+//!
+//! The header repeats what the record says, so that the scripts can check a
+//! fencing token and an expiry without decoding records; they never parse
+//! the rest, so the record format can evolve in Rust alone. Reading a value
+//! back checks that the two agree.
+//!
+//! Development builds before this layout kept a HASH per record; for a key
+//! still holding one, Redis answers `WRONGTYPE`, which surfaces as a corrupt
+//! record (fail closed: nothing executes) until it expires or an operator
+//! removes it.
 //!
 //! # One round trip per state change
 //!
-//! `begin`, `complete` and `release` are one `EVALSHA` each (scripts in this
-//! directory, preloaded at connect so the first call does not pay for a
+//! - `begin` is one `SET key claim NX GET PX lease+ttl` (Redis 7.0 or later):
+//!   it claims a free key, and otherwise leaves the key alone and returns
+//!   what it holds, which the proxy decides on with
+//!   [`decide_begin`](super::decide_begin), like every store. No script
+//!   runs, so a replay costs Redis one plain command. Only when the answer
+//!   is a record to replace (expired by the proxies' clock, or a claim whose
+//!   holder died) does a second call follow: `swap.lua` replaces the value
+//!   only if it is still exactly what was read, else `begin` starts over.
+//! - `complete` and `release` are one `EVALSHA` of `settle.lua` each, with
+//!   the fencing-token check inside the script.
+//! - `get` is one `GET`, `remove` one `GETDEL`, `ping` one `PING`.
+//!
+//! Scripts are preloaded at connect, so the first call does not pay for a
 //! `NOSCRIPT` retry; after a Redis restart [`redis::Script`] reloads them
-//! once). Everything that depends on randomness or the record encoding (the
-//! new token, the new claim's bytes) is computed client-side and passed in;
-//! the script decides which to write. `get` is one `HMGET`, `remove` one
-//! `EVALSHA`, `ping` one `PING`.
+//! once.
 //!
 //! # Clocks
 //!
-//! Every instant a script compares (`now`, leases, expiries) comes from the
-//! calling proxy's wall clock ([`now_millis`]), never from Redis's, so the
-//! decisions are exactly those of `decide_begin`. The assumption is that the
+//! Every instant compared (`now`, leases, expiries) comes from the calling
+//! proxy's wall clock ([`now_millis`]), never from Redis's, so the decisions
+//! are exactly those of `decide_begin`. The assumption is that the
 //! proxies sharing a Redis keep their clocks in step (NTP): a proxy whose
 //! clock runs S ahead presumes a holder dead S early (and settles or takes
 //! over its key S early), one running behind presumes it S late. Keep skew
 //! well under the lease margin. Redis's own clock only decides when it
-//! reclaims memory: keys get a relative `PEXPIRE` of `expires_at - now`, so
+//! reclaims memory: keys get a relative `PX` of `expires_at - now`, so
 //! proxy/Redis skew does not shift that either.
 //!
 //! # Expiry
@@ -91,14 +101,14 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 use tokio::runtime::{Handle, RuntimeFlavor};
 
-use super::{Begin, BeginOutcome, OnStale, SharedStore, Store, StoreError};
+use super::{decide_begin, new_claim, Begin, BeginOutcome, SharedStore, Store, StoreError};
 use crate::config::{StoreConfig, StoreKind};
 use crate::idempotency::record::{
-    millis, now_millis, CompletedRecord, FencingToken, KeyState, Outcome, PendingRecord, Record,
-    RecordKey, UnixMillis, UnknownCause,
+    now_millis, CompletedRecord, FencingToken, Outcome, PendingRecord, Record, RecordKey,
+    UnixMillis,
 };
 
-/// Longest relative expiry handed to `PEXPIRE`. Redis refuses expiries that
+/// Longest relative expiry handed to `PX`. Redis refuses expiries that
 /// overflow its own clock arithmetic; a `ttl` this long (about 35,000 years)
 /// means "keep", so clamping changes nothing real.
 const MAX_PEXPIRE_MS: u64 = 1 << 50;
@@ -115,16 +125,23 @@ const MIN_IO_TIMEOUT: Duration = Duration::from_secs(1);
 const RECONNECT_RETRIES: usize = 2;
 
 struct Scripts {
-    begin: Script,
     settle: Script,
-    remove: Script,
+    swap: Script,
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    begin: Script::new(include_str!("begin.lua")),
     settle: Script::new(include_str!("settle.lua")),
-    remove: Script::new(include_str!("remove.lua")),
+    swap: Script::new(include_str!("swap.lua")),
 });
+
+/// Bytes before the record in a stored value (see "Layout" above).
+const HEADER_LEN: usize = 25;
+
+/// How many times `begin` reads a key again after a `swap` found it changed.
+/// Each retry means another proxy wrote the key in between, which then holds
+/// a fresh claim or a completion, so a second read practically always
+/// settles it; the bound only keeps a pathological loop finite.
+const BEGIN_ATTEMPTS: usize = 4;
 
 /// The Redis key of `key` under `prefix`: `<prefix>{<hex>}`. The hash tag
 /// (the part in braces) makes the cluster slot depend on the record key only.
@@ -399,7 +416,8 @@ impl RedisStore {
     }
 
     /// Loads the scripts (on every primary of a cluster), so that the first
-    /// request does not pay for a `NOSCRIPT` round trip.
+    /// request does not pay for a `NOSCRIPT` round trip, and checks that
+    /// Redis takes `SET ... NX GET` (7.0 or later).
     async fn ready(
         conn: Conn,
         connector: Connector,
@@ -412,12 +430,28 @@ impl RedisStore {
             prefix: config.key_prefix.clone(),
             kind,
         };
-        for script in [&SCRIPTS.begin, &SCRIPTS.settle, &SCRIPTS.remove] {
+        for script in [&SCRIPTS.settle, &SCRIPTS.swap] {
             script
                 .load_async(&mut store.shared.clone())
                 .await
                 .map_err(|e| connect_error("redis (SCRIPT LOAD)", e))?;
         }
+        // A key of our own that lives 1 ms: asking is the only check that
+        // works the same through ACLs, proxies and managed Redis services.
+        redis::cmd("SET")
+            .arg(format!("{}{{version-check}}", store.prefix))
+            .arg("")
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(1)
+            .query_async::<Option<Vec<u8>>>(&mut store.shared.clone())
+            .await
+            .map_err(|e| {
+                StoreError::Unavailable(format!(
+                    "redis does not take SET ... NX GET, which needs Redis 7.0 or later: {e}"
+                ))
+            })?;
         Ok(store)
     }
 
@@ -444,16 +478,15 @@ impl RedisStore {
         completed: Option<&CompletedRecord>,
     ) -> Result<(), StoreError> {
         let now = now_millis();
+        let mut claim_head = [b'p'; 17];
+        claim_head[1..].copy_from_slice(&token.0.to_be_bytes());
         let mut invocation = SCRIPTS.settle.key(self.redis_key(key));
-        invocation.arg(now).arg(&token.0.to_be_bytes()[..]);
+        invocation.arg(now).arg(&claim_head[..]);
         match completed {
             Some(record) => invocation
-                .arg("complete")
-                .arg(&record.fingerprint.0[..])
-                .arg(record.expires_at)
-                .arg(record.encode())
+                .arg(stored_completed(record))
                 .arg(pexpire_ms(record.expires_at, now)),
-            None => invocation.arg("release"),
+            None => invocation.arg("").arg(0),
         };
         let reply: Value = invocation
             .invoke_async(&mut self.conn())
@@ -472,79 +505,52 @@ impl RedisStore {
 #[async_trait]
 impl Store for RedisStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
-        let now = now_millis();
-        // The claim the script writes if the key is free (or taken over):
-        // prepared here, because the token is random and the encoding is Rust's.
-        let token = FencingToken::random();
-        let lease_expires_at = now.saturating_add(millis(begin.lease));
-        let claim = PendingRecord {
-            fingerprint: begin.fingerprint,
-            token,
-            created_at: now,
-            lease_expires_at,
-            // As in `decide_begin`: an abandoned claim is kept as long as a
-            // completion would be, so it is found stale and settled
-            // fail-closed instead of vanishing with its lease.
-            expires_at: lease_expires_at.saturating_add(millis(begin.ttl)),
-        };
-        let settled_expires_at = now.saturating_add(millis(begin.ttl));
-        let on_stale = match begin.on_stale {
-            OnStale::Store => "store",
-            OnStale::Retry => "retry",
-        };
-        let reply: Value = SCRIPTS
-            .begin
-            .key(self.redis_key(&begin.key))
-            .arg(now)
-            .arg(&begin.fingerprint.0[..])
-            .arg(on_stale)
-            .arg(&token.0.to_be_bytes()[..])
-            .arg(claim.lease_expires_at)
-            .arg(claim.expires_at)
-            .arg(claim.encode())
-            .arg(pexpire_ms(claim.expires_at, now))
-            .arg(settled_expires_at)
-            .arg(pexpire_ms(settled_expires_at, now))
-            .invoke_async(&mut self.conn())
-            .await
-            .map_err(redis_error)?;
-
-        let mut reply = Reply::new(reply)?;
-        match reply.status.as_str() {
-            "acquired" => Ok(BeginOutcome::Acquired {
-                token,
-                took_over: reply.int()? == 1,
-            }),
-            "completed" => match decode(&reply.bytes()?)? {
-                Record::Completed(done) => Ok(BeginOutcome::Completed(done)),
-                Record::Pending(_) => Err(corrupt("a completed record holds a pending claim")),
-            },
-            status @ ("abandoned" | "settled") => {
-                let settled_now = status == "settled";
-                let rec = reply.bytes()?;
-                let completed_at = reply.int()?;
-                let expires_at = reply.int()?;
-                let done = abandoned(&rec, completed_at, expires_at)?;
-                Ok(if settled_now {
-                    BeginOutcome::Settled(done)
-                } else {
-                    BeginOutcome::Completed(done)
-                })
+        let key = self.redis_key(&begin.key);
+        let mut conn = self.conn();
+        for _ in 0..BEGIN_ATTEMPTS {
+            let now = now_millis();
+            // The claim to write if the key is free: prepared here, because
+            // its token is random and its encoding is Rust's.
+            let claim = new_claim(begin, now);
+            let current: Option<Vec<u8>> = redis::cmd("SET")
+                .arg(&key)
+                .arg(stored_pending(&claim))
+                .arg("NX")
+                .arg("GET")
+                .arg("PX")
+                .arg(pexpire_ms(claim.expires_at, now))
+                .query_async(&mut conn)
+                .await
+                .map_err(redis_error)?;
+            let Some(current) = current else {
+                return Ok(BeginOutcome::Acquired {
+                    token: claim.token,
+                    took_over: false,
+                });
+            };
+            let existing = read_stored(&current)?;
+            // Expired by this proxy's clock: absent, whenever Redis reclaims it.
+            let live = (existing.expires_at() > now).then_some(existing);
+            let (outcome, replacement) = decide_begin(begin, live, now);
+            let Some(replacement) = replacement else {
+                return Ok(outcome);
+            };
+            let swapped: i64 = SCRIPTS
+                .swap
+                .key(&key)
+                .arg(&current)
+                .arg(stored(&replacement))
+                .arg(pexpire_ms(replacement.expires_at(), now))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(redis_error)?;
+            if swapped == 1 {
+                return Ok(outcome);
             }
-            "in_flight" => Ok(BeginOutcome::InFlight {
-                lease_expires_at: reply.int()?,
-            }),
-            "mismatch" => {
-                let state = match reply.bytes()?.as_slice() {
-                    b"pending" => KeyState::Pending,
-                    b"completed" => KeyState::Completed,
-                    _ => return Err(unexpected("mismatch state")),
-                };
-                Ok(BeginOutcome::Mismatch { state })
-            }
-            "corrupt" => Err(reply.corrupt()),
-            other => Err(unexpected(other)),
         }
+        Err(StoreError::Unavailable(format!(
+            "the record changed under each of {BEGIN_ATTEMPTS} attempts to claim it"
+        )))
     }
 
     async fn complete(
@@ -562,56 +568,42 @@ impl Store for RedisStore {
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let now = now_millis();
-        let fields: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+        let value: Option<Vec<u8>> = redis::cmd("GET")
             .arg(self.redis_key(key))
-            .arg(&["st", "fp", "exp", "done", "rec"])
             .query_async(&mut self.conn())
             .await
             .map_err(redis_error)?;
-        let [st, fp, exp, done, rec]: [Option<Vec<u8>>; 5] = fields
-            .try_into()
-            .map_err(|_| unexpected("HMGET reply length"))?;
-        if st.is_none() && fp.is_none() && exp.is_none() {
+        let Some(value) = value else {
             return Ok(None);
-        }
-        let (Some(st), Some(exp), Some(rec)) = (st, exp, rec) else {
-            return Err(corrupt("record hash lacks st, exp or rec"));
         };
-        let exp = parse_millis(&exp)?;
-        if exp <= now {
-            // Expired by this proxy's clock, whether or not Redis reclaimed it.
-            return Ok(None);
-        }
-        match st.as_slice() {
-            b"p" => match decode(&rec)? {
-                pending @ Record::Pending(_) => Ok(Some(pending)),
-                Record::Completed(_) => Err(corrupt("a pending record holds a completion")),
-            },
-            b"c" => match decode(&rec)? {
-                done @ Record::Completed(_) => Ok(Some(done)),
-                Record::Pending(_) => Err(corrupt("a completed record holds a pending claim")),
-            },
-            b"a" => {
-                let done = done.ok_or_else(|| corrupt("abandoned record without done"))?;
-                Ok(Some(Record::Completed(abandoned(
-                    &rec,
-                    parse_millis(&done)?,
-                    exp,
-                )?)))
-            }
-            _ => Err(corrupt("unknown record state")),
-        }
+        let record = read_stored(&value)?;
+        // Expired by this proxy's clock, whether or not Redis reclaimed it.
+        Ok((record.expires_at() > now).then_some(record))
     }
 
     async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let removed: i64 = SCRIPTS
-            .remove
-            .key(self.redis_key(key))
-            .arg(now_millis())
-            .invoke_async(&mut self.conn())
-            .await
-            .map_err(redis_error)?;
-        Ok(removed == 1)
+        let now = now_millis();
+        let name = self.redis_key(key);
+        let removed: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GETDEL")
+            .arg(&name)
+            .query_async(&mut self.conn())
+            .await;
+        match removed {
+            Ok(None) => Ok(false),
+            // A value without a readable expiry counts as live: removing it
+            // is how an operator clears a corrupt record.
+            Ok(Some(value)) => Ok(stored_expires_at(&value).is_none_or(|exp| exp > now)),
+            // Not a string (a hash of an earlier build, or anything else).
+            Err(e) if e.code() == Some("WRONGTYPE") => {
+                let deleted: i64 = redis::cmd("DEL")
+                    .arg(&name)
+                    .query_async(&mut self.conn())
+                    .await
+                    .map_err(redis_error)?;
+                Ok(deleted == 1)
+            }
+            Err(e) => Err(redis_error(e)),
+        }
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -626,25 +618,62 @@ impl Store for RedisStore {
     }
 }
 
-/// The completed record of a claim settled as abandoned: what
-/// `decide_begin` writes for `on_stale = "store"`.
-fn abandoned(
-    claim: &[u8],
-    completed_at: UnixMillis,
-    expires_at: UnixMillis,
-) -> Result<CompletedRecord, StoreError> {
-    match decode(claim)? {
-        Record::Pending(p) => Ok(CompletedRecord {
-            fingerprint: p.fingerprint,
-            created_at: p.created_at,
-            completed_at,
-            expires_at,
-            outcome: Outcome::Unknown {
-                cause: UnknownCause::Abandoned,
-            },
-        }),
-        Record::Completed(_) => Err(corrupt("an abandoned claim holds a completion")),
+/// The header of a stored value (see "Layout" above), with room for the
+/// `record_len` bytes of the record that follow it.
+fn header(state: u8, token: u128, expires_at: UnixMillis, record_len: usize) -> Vec<u8> {
+    let mut value = Vec::with_capacity(HEADER_LEN + record_len);
+    value.push(state);
+    value.extend_from_slice(&token.to_be_bytes());
+    value.extend_from_slice(&expires_at.to_be_bytes());
+    value
+}
+
+/// A pending claim as Redis holds it.
+fn stored_pending(claim: &PendingRecord) -> Vec<u8> {
+    claim.encode_after(header(b'p', claim.token.0, claim.expires_at, 96))
+}
+
+/// A completed record as Redis holds it.
+fn stored_completed(record: &CompletedRecord) -> Vec<u8> {
+    let body = match &record.outcome {
+        Outcome::Response(response) => response.body.len() + 64 * response.headers.len(),
+        Outcome::NotStored { .. } | Outcome::Unknown { .. } => 0,
+    };
+    record.encode_after(header(b'c', 0, record.expires_at, 128 + body))
+}
+
+fn stored(record: &Record) -> Vec<u8> {
+    match record {
+        Record::Pending(claim) => stored_pending(claim),
+        Record::Completed(done) => stored_completed(done),
     }
+}
+
+/// `expires_at` from a stored value's header, if it has one.
+fn stored_expires_at(value: &[u8]) -> Option<UnixMillis> {
+    let exp: [u8; 8] = value.get(17..HEADER_LEN)?.try_into().ok()?;
+    matches!(value.first(), Some(b'p' | b'c')).then(|| UnixMillis::from_be_bytes(exp))
+}
+
+/// The record in a stored value, checked against its header: the scripts
+/// trust the header, so a value whose header says something else than its
+/// record is corrupt.
+fn read_stored(value: &[u8]) -> Result<Record, StoreError> {
+    let (Some(expires_at), Some(record)) = (stored_expires_at(value), value.get(HEADER_LEN..))
+    else {
+        return Err(corrupt("the value is not a record"));
+    };
+    let record = decode(record)?;
+    let token = match &record {
+        Record::Pending(claim) => (value[0] == b'p').then_some(claim.token.0),
+        Record::Completed(_) => (value[0] == b'c').then_some(0),
+    };
+    if token.map(u128::to_be_bytes).as_ref().map(|t| &t[..]) != Some(&value[1..17])
+        || record.expires_at() != expires_at
+    {
+        return Err(corrupt("the header of a record disagrees with the record"));
+    }
+    Ok(record)
 }
 
 /// A script reply: a status word, then its values in order.
@@ -675,14 +704,6 @@ impl Reply {
         }
     }
 
-    fn int(&mut self) -> Result<u64, StoreError> {
-        match self.values.next() {
-            Some(Value::Int(i)) => u64::try_from(i).map_err(|_| unexpected("negative integer")),
-            Some(Value::BulkString(b)) => parse_millis(&b),
-            _ => Err(unexpected("script reply lacks an integer")),
-        }
-    }
-
     fn corrupt(&mut self) -> StoreError {
         let why = self.bytes().unwrap_or_default();
         corrupt(&String::from_utf8_lossy(&why))
@@ -693,15 +714,8 @@ fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
     Record::decode(bytes).map_err(|e| StoreError::Corrupt(e.to_string()))
 }
 
-fn parse_millis(bytes: &[u8]) -> Result<UnixMillis, StoreError> {
-    std::str::from_utf8(bytes)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| corrupt("a time field is not a decimal number"))
-}
-
 /// The relative expiry of a key that should live until `expires_at`. At
-/// least 1 ms: `PEXPIRE 0` would delete the key at once, while a record that
+/// least 1 ms: `PX 0` is an error, while a record that
 /// is due already reads as absent anyway.
 fn pexpire_ms(expires_at: UnixMillis, now: UnixMillis) -> u64 {
     expires_at.saturating_sub(now).clamp(1, MAX_PEXPIRE_MS)
@@ -821,7 +835,9 @@ fn connect_error(target: &str, e: RedisError) -> StoreError {
 /// not allowed, in a failover.
 fn redis_error(e: RedisError) -> StoreError {
     if e.code() == Some("WRONGTYPE") {
-        StoreError::Corrupt(format!("not a record hash: {e}"))
+        StoreError::Corrupt(format!(
+            "the key holds no record string (a hash is an earlier build's layout): {e}"
+        ))
     } else {
         StoreError::Unavailable(format!("redis: {e}"))
     }
@@ -889,30 +905,58 @@ mod tests {
     }
 
     #[test]
-    fn abandoned_rebuilds_the_settled_record() {
+    fn stored_values_read_back_and_check_their_header() {
         let claim = PendingRecord {
             fingerprint: Fingerprint([3; 32]),
-            token: FencingToken(7),
+            token: FencingToken(0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10),
             created_at: 10,
             lease_expires_at: 20,
-            expires_at: 30,
+            expires_at: 0x0000_0123_4567_89ab,
         };
-        let done = abandoned(&Record::Pending(claim).encode(), 25, 99).ok();
+        let value = stored_pending(&claim);
+        // The layout the scripts read: state, token, expires_at, then the
+        // record's own bytes.
+        assert_eq!(value[0], b'p');
+        assert_eq!(value[1..17], claim.token.0.to_be_bytes());
+        assert_eq!(value[17..25], [0, 0, 1, 0x23, 0x45, 0x67, 0x89, 0xab]);
+        assert_eq!(value[HEADER_LEN..], claim.encode());
+        assert_eq!(stored_expires_at(&value), Some(claim.expires_at));
+        let pending = Record::Pending(claim);
+        assert_eq!(read_stored(&value).ok(), Some(pending.clone()));
+        assert_eq!(stored(&pending), value);
+
+        let done = CompletedRecord {
+            fingerprint: Fingerprint([3; 32]),
+            created_at: 10,
+            completed_at: 25,
+            expires_at: 99,
+            outcome: Outcome::NotStored { status: 201 },
+        };
+        let value = stored_completed(&done);
         assert_eq!(
-            done,
-            Some(CompletedRecord {
-                fingerprint: Fingerprint([3; 32]),
-                created_at: 10,
-                completed_at: 25,
-                expires_at: 99,
-                outcome: Outcome::Unknown {
-                    cause: UnknownCause::Abandoned
-                },
-            })
+            value[..17],
+            [b'c', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         );
-        assert!(matches!(
-            abandoned(b"\x01junk", 1, 2),
-            Err(StoreError::Corrupt(_))
-        ));
+        assert_eq!(read_stored(&value).ok(), Some(Record::Completed(done)));
+
+        // A header that says something else than its record is corrupt, as
+        // are values too short to hold one and garbage after a valid one.
+        let mut other_state = value.clone();
+        other_state[0] = b'p';
+        let mut other_expiry = value.clone();
+        other_expiry[24] ^= 1;
+        let mut garbage = value[..HEADER_LEN].to_vec();
+        garbage.extend_from_slice(b"\x01junk");
+        for bad in [
+            &other_state[..],
+            &other_expiry,
+            &value[..HEADER_LEN],
+            b"hello",
+            &garbage,
+        ] {
+            assert!(matches!(read_stored(bad), Err(StoreError::Corrupt(_))));
+        }
+        assert_eq!(stored_expires_at(b"hello"), None);
+        assert_eq!(stored_expires_at(&garbage), Some(99));
     }
 }

@@ -1,37 +1,45 @@
 -- settle: complete or release the pending claim KEYS[1], for the holder of
 -- its fencing token only.
 --
+-- A record is a string: a 25-byte header, then the record's bytes (see
+-- "Layout" in mod.rs). The script reads the header only: byte 1 the state,
+-- bytes 2-17 the claim's fencing token, bytes 18-25 expires_at.
+--
 -- KEYS[1]  the record key
 -- ARGV[1]  now, Unix ms (the proxy's wall clock)
--- ARGV[2]  the caller's fencing token (16 bytes)
--- ARGV[3]  "complete" or "release"
--- complete only:
--- ARGV[4]  fingerprint of the completed record (32 bytes)
--- ARGV[5]  expires_at of the completed record (Unix ms)
--- ARGV[6]  the completed record, Record::encode()
--- ARGV[7]  PEXPIRE (ms from now)
+-- ARGV[2]  "p" and the caller's fencing token: the first 17 bytes of its claim
+-- ARGV[3]  the completed record (header and bytes), or "" to release
+-- ARGV[4]  PX of the completed record (ms from now)
 --
 -- Replies: {"ok"}, {"fenced"}, {"corrupt", why}.
 local key = KEYS[1]
-local h = redis.pcall('HMGET', key, 'st', 'tok', 'exp')
-if h.err then
-  return {'corrupt', h.err}
+local v = redis.pcall('GET', key)
+if type(v) == 'table' then
+  return {'corrupt', v.err}
 end
-local st, tok, exp = h[1], h[2], h[3]
-if st and st ~= 'p' and st ~= 'c' and st ~= 'a' then
-  return {'corrupt', 'unknown record state'}
-end
-if st and not tonumber(exp) then
-  return {'corrupt', 'record hash lacks a valid exp field'}
-end
--- Absent, expired (by the proxies' clock), settled, or claimed by another
--- holder: the caller does not own the key and changes nothing.
-if st ~= 'p' or tonumber(exp) <= tonumber(ARGV[1]) or tok ~= ARGV[2] then
+if not v then
   return {'fenced'}
 end
-redis.call('DEL', key)
-if ARGV[3] == 'complete' then
-  redis.call('HSET', key, 'st', 'c', 'fp', ARGV[4], 'exp', ARGV[5], 'rec', ARGV[6])
-  redis.call('PEXPIRE', key, ARGV[7])
+local st = string.sub(v, 1, 1)
+if #v < 26 or (st ~= 'p' and st ~= 'c') then
+  return {'corrupt', 'the value is not a record'}
+end
+-- Settled, or claimed by another holder: the caller does not own the key
+-- and changes nothing.
+if string.sub(v, 1, 17) ~= ARGV[2] then
+  return {'fenced'}
+end
+-- Expired by the proxies' clock, whether or not Redis reclaimed it yet.
+local exp = 0
+for i = 18, 25 do
+  exp = exp * 256 + string.byte(v, i)
+end
+if exp <= tonumber(ARGV[1]) then
+  return {'fenced'}
+end
+if ARGV[3] == '' then
+  redis.call('DEL', key)
+else
+  redis.call('SET', key, ARGV[3], 'PX', ARGV[4])
 end
 return {'ok'}
