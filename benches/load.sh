@@ -9,8 +9,10 @@
 # Load: POST, ~1 KB JSON body, a unique Idempotency-Key per request (wrk +
 # benches/load/post.lua, MODE=unique), and the same without a key against
 # the memory proxy (MODE=passthrough: the proxy without the idempotency
-# work); then replays over 1,000 warmed keys (MODE=replay); then a fixed-rate run at half of nginx's maximum, with
-# latencies corrected for coordinated omission (examples/loadgen.rs).
+# work); then replays over 1,000 warmed keys (MODE=replay); then a fixed-rate
+# run at half of nginx's maximum (unique keys, and the passthrough traffic
+# against the memory proxy), with latencies corrected for coordinated
+# omission (examples/loadgen.rs).
 # Targets are measured in alternating order over ROUNDS rounds; the table
 # shows medians and ratios to nginx. Last, a soak: SOAK_SECONDS of unique
 # keys against idemproxy-redis and a memory-store proxy whose records live
@@ -140,6 +142,9 @@ for t in "${TARGETS[@]}"; do
   line=$("$LOADGEN" "${URL[$t]}/v1/payments" "$RATE" "$FIXED_SECONDS" unique "fixed-$t")
   echo "fixed $t 1 $line" >>"$RESULTS"
 done
+# The same without a key: the proxy's own latency, without the idempotency work.
+line=$("$LOADGEN" "${URL[idemproxy-memory]}/v1/payments" "$RATE" "$FIXED_SECONDS" passthrough "fixed-passthrough")
+echo "fixed passthrough 1 $line" >>"$RESULTS"
 
 RSS_MEMORY=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/memory.pid")/status")
 RSS_REDIS=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/redis.pid")/status")
@@ -196,7 +201,7 @@ for scenario in ["unique", "passthrough", "replay"]:
 print()
 fixed = [r for r in rows if r[0] == "fixed"]
 if fixed:
-    print(f"fixed rate {field(fixed[0], 'rate')} req/s, unique keys, latency from the scheduled send time:")
+    print(f"fixed rate {field(fixed[0], 'rate')} req/s, unique keys (passthrough: the same without a key, memory proxy), latency from the scheduled send time:")
     base = None
     for r in fixed:
         p99 = float(field(r, "p99_ms"))

@@ -8,7 +8,9 @@
 //!
 //! ```sh
 //! cargo run --release --example loadgen -- URL RATE SECONDS MODE [RUN]
-//! # MODE: unique (a new Idempotency-Key per request) or replay (1,000 warm keys)
+//! # MODE: unique (a new Idempotency-Key per request), replay (1,000 warm
+//! #       keys), or passthrough (unique bodies without a key: forwarded
+//! #       unprotected, the proxy without its idempotency work)
 //! ```
 //! Prints one line: `rate=… sent=… ok=… errors=… p50_ms=… p99_ms=… p999_ms=… max_ms=…`.
 
@@ -56,13 +58,14 @@ fn body(head: &str, seq: Option<&str>) -> Bytes {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 5 {
-        eprintln!("usage: loadgen URL RATE SECONDS unique|replay [RUN]");
+        eprintln!("usage: loadgen URL RATE SECONDS unique|replay|passthrough [RUN]");
         std::process::exit(2);
     }
     let url: http::Uri = args[1].parse()?;
     let rate: f64 = args[2].parse()?;
     let seconds: f64 = args[3].parse()?;
     let replay = args[4] == "replay";
+    let keyed = args[4] != "passthrough";
     let run = args.get(5).cloned().unwrap_or_else(|| "fixed".into());
 
     // wrk2's model: a fixed set of connections, each sending its share of
@@ -113,9 +116,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let payload = body(&head, Some(&key));
                     (key, payload)
                 };
-                let request = http::Request::post(url.clone())
-                    .header("content-type", "application/json")
-                    .header("idempotency-key", key)
+                let mut request =
+                    http::Request::post(url.clone()).header("content-type", "application/json");
+                if keyed {
+                    request = request.header("idempotency-key", key);
+                }
+                let request = request
                     .body(Full::new(payload))
                     .map_err(|e| e.to_string())?;
                 let ok = match client.request(request).await {
