@@ -5,8 +5,10 @@
 //! The covered path, in order:
 //! 1. read the body under `max_request_bytes`, fingerprint it, derive the
 //!    record key from scope and key;
-//! 2. hand the rest to a spawned task, so that a client that disconnects
-//!    cancels nothing: a claimed key is always completed or released;
+//! 2. run the rest on the connection's task while the client waits, and in
+//!    a task of its own once it leaves (`DetachOnDrop`), so that a client
+//!    that disconnects cancels nothing: a claimed key is always completed or
+//!    released;
 //! 3. `begin` in the store, then replay, reject, wait, or execute;
 //! 4. when executing, stream the upstream's response to the client while
 //!    keeping a bounded copy, and store it before ending the client's body,
@@ -74,8 +76,8 @@ struct Settings {
     /// connections, before the process exits.
     tasks: TaskTracker,
     /// One permit per request being served (`max_in_flight`). A covered
-    /// request's permit moves into its execution task, so an execution
-    /// whose client went away still counts until its outcome is stored:
+    /// request's permit moves into its run, so an execution whose client
+    /// went away still counts until its outcome is stored:
     /// that is what bounds buffered bodies and upstream calls.
     in_flight: Arc<Semaphore>,
 }
@@ -342,6 +344,40 @@ where
     }
 }
 
+/// The run of a covered request (`Exchange::run`), polled on the
+/// connection's task while the client waits for it, and moved to a task of
+/// its own if the client goes first: dropping this spawns what is left, so a
+/// disconnect cancels nothing and a claimed key is still completed or
+/// released.
+///
+/// Spawning every run up front did the same, but each request then went
+/// through the worker's run queue twice more (the spawned task, then the
+/// connection's task woken by the answer), behind every other ready task;
+/// polled here, the answer is ready in the poll that produces it.
+struct DetachOnDrop(Option<BoxFuture<'static, ()>>);
+
+impl DetachOnDrop {
+    fn poll(&mut self, cx: &mut Context<'_>) {
+        if let Some(run) = self.0.as_mut() {
+            if run.as_mut().poll(cx).is_ready() {
+                self.0 = None;
+            }
+        }
+    }
+}
+
+impl Drop for DetachOnDrop {
+    fn drop(&mut self) {
+        if let Some(run) = self.0.take() {
+            // Without a runtime (it is shutting down), the run ends here like
+            // every other task of that runtime; its claim then fails closed.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(run);
+            }
+        }
+    }
+}
+
 /// One covered request, from its body to its stored outcome.
 struct Exchange<S> {
     settings: Arc<Settings>,
@@ -371,8 +407,8 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
-    /// Runs on the connection's task: reads the body, then hands over to a
-    /// spawned task and waits for its answer.
+    /// Runs on the connection's task: reads the body, then drives the run
+    /// until it answers (see [`DetachOnDrop`]).
     async fn start(mut self, req: Request<Body>, key: IdempotencyKey) -> Response<Body> {
         let (parts, body) = req.into_parts();
         let body =
@@ -390,12 +426,20 @@ where
             fingerprint,
         };
         let request = Request::from_parts(parts, Body::from(body));
-        let (respond, answer) = oneshot::channel();
+        let (respond, mut answer) = oneshot::channel();
         let tasks = self.settings.tasks.clone();
-        tasks.spawn(self.run(claim, request, respond));
-        answer
-            .await
-            .unwrap_or_else(|_| Rejection::Internal.into_response(Default::default()))
+        let mut run = DetachOnDrop(Some(Box::pin(
+            tasks.track_future(self.run(claim, request, respond)),
+        )));
+        let answer = std::future::poll_fn(|cx| {
+            run.poll(cx);
+            Pin::new(&mut answer).poll(cx)
+        })
+        .await;
+        // Whatever the run still does after answering (storing a streamed
+        // body) goes on in a task of its own, as it would if the client left.
+        drop(run);
+        answer.unwrap_or_else(|_| Rejection::Internal.into_response(Default::default()))
     }
 
     fn reject(self, outcome: RequestOutcome, rejection: Rejection) -> Response<Body> {
