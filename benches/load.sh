@@ -86,7 +86,7 @@ nginx_conf upstream "$UP" 'location / { default_type application/json; return 20
 nginx_conf control "$NG" 'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
 
 redis-server --port "$RP" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync everysec --dir "$WORK" --daemonize no >"$WORK/redis.log" 2>&1 &
-PIDS+=($!); wait_port "$RP"
+PIDS+=($!); echo $! >"$WORK/redis-server.pid"; wait_port "$RP"
 
 start_proxy() { # name port kind [VAR=value...]
   local name=$1 port=$2 kind=$3; shift 3
@@ -108,15 +108,47 @@ for t in idemproxy-memory idemproxy-redis idemproxy-redis-cache; do
   "$LOADGEN" "${URL[$t]}/v1/payments" 2000 0.5 replay >/dev/null
 done
 
+# CPU time (user + system, clock ticks) of processes and all their threads.
+ticks() {
+  local total=0 task f
+  for pid in "$@"; do
+    for task in /proc/"$pid"/task/*/stat; do
+      read -r -a f <"$task" 2>/dev/null || continue
+      total=$((total + f[13] + f[14]))
+    done
+  done
+  echo "$total"
+}
+# The processes that serve a target: the proxy itself (nginx: master and
+# workers), the upstream, and for Redis-backed proxies the Redis server.
+proxy_pids() {
+  case $1 in
+    nginx) cat "$WORK/control.pid"; pgrep -P "$(cat "$WORK/control.pid")" ;;
+    idemproxy-memory) cat "$WORK/memory.pid" ;;
+    idemproxy-redis) cat "$WORK/redis.pid" ;;
+    idemproxy-redis-cache) cat "$WORK/redis-cache.pid" ;;
+  esac
+}
+upstream_pids() { cat "$WORK/upstream.pid"; pgrep -P "$(cat "$WORK/upstream.pid")"; }
+HZ=$(getconf CLK_TCK)
+
 run_wrk() { # scenario target round
-  local out
+  local out proxy upstream store
+  local -a pp up
+  mapfile -t pp < <(proxy_pids "$2"); mapfile -t up < <(upstream_pids)
+  proxy=$(ticks "${pp[@]}"); upstream=$(ticks "${up[@]}"); store=$(ticks "$(cat "$WORK/redis-server.pid")")
   out=$(MODE="$1" RUN="r$3-$2" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s benches/load/post.lua "${URL[$2]}/v1/payments")
-  local rps p50 p99 non2xx
+  proxy=$(( $(ticks "${pp[@]}") - proxy )); upstream=$(( $(ticks "${up[@]}") - upstream ))
+  store=$(( $(ticks "$(cat "$WORK/redis-server.pid")") - store ))
+  local rps p50 p99 non2xx requests
   rps=$(awk '/Requests\/sec:/ {print $2}' <<<"$out")
   p50=$(awk '$1=="50%" {print $2}' <<<"$out")
   p99=$(awk '$1=="99%" {print $2}' <<<"$out")
   non2xx=$(awk '/Non-2xx/ {print $5}' <<<"$out")
-  echo "$1 $2 $3 rps=$rps p50=$p50 p99=$p99 non2xx=${non2xx:-0}" >>"$RESULTS"
+  requests=$(awk '/requests in/ {print $1}' <<<"$out")
+  # CPU per request, in µs: where each request's time goes, in this run.
+  cpu() { python3 -c "print(f'{$1 * 1e6 / $HZ / max(1, $requests):.1f}')"; }
+  echo "$1 $2 $3 rps=$rps p50=$p50 p99=$p99 non2xx=${non2xx:-0} cpu_proxy=$(cpu "$proxy") cpu_upstream=$(cpu "$upstream") cpu_redis=$(cpu "$store")" >>"$RESULTS"
 }
 
 for round in $(seq "$ROUNDS"); do
@@ -183,7 +215,7 @@ targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-redis"],
            "passthrough": ["idemproxy-memory"],
            "replay": ["nginx", "idemproxy-memory", "idemproxy-redis", "idemproxy-redis-cache"]}
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
-print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis")
 nginx_unique = None
 for scenario in ["unique", "passthrough", "replay"]:
     # nginx ignores the key, so its unique-key run is the passthrough's base.
@@ -197,7 +229,11 @@ for scenario in ["unique", "passthrough", "replay"]:
         base = base or rps
         if scenario == "unique" and t == "nginx":
             nginx_unique = rps
-        print(f"{scenario:<11} {t:<21} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}")
+        cpu = {part: statistics.median(float(field(r, "cpu_" + part) or "nan") for r in rs)
+               for part in ("proxy", "upstream", "redis")}
+        redis = f"{cpu['redis']:6.1f}" if "redis" in t else f"{'-':>6}"
+        print(f"{scenario:<11} {t:<21} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}"
+              f"   {cpu['proxy']:20.1f} {cpu['upstream']:8.1f} {redis}")
 print()
 fixed = [r for r in rows if r[0] == "fixed"]
 if fixed:
