@@ -558,6 +558,24 @@ async fn unreachable_redis_fails_connect_with_unavailable() {
     assert!(started.elapsed() < Duration::from_secs(5));
 }
 
+/// The proxy writes every call, so a Redis it cannot write to (here a
+/// read-only replica) fails at startup, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_redis_fails_connect_with_its_reason() {
+    let master_port = redis_server::free_port().to_string();
+    let replica = RedisServer::start_with(RedisOptions {
+        extra_args: vec!["--replicaof".into(), "127.0.0.1".into(), master_port],
+        ..RedisOptions::default()
+    });
+    match RedisStore::connect(&config(replica.url())).await {
+        Err(StoreError::Unavailable(message)) => {
+            assert!(message.contains("read only replica"), "{message}");
+            assert!(!message.contains("7.0"), "not a version problem: {message}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
 /// `INFO commandstats` of `servers`, summed: command → calls.
 fn commandstats(servers: &[&RedisServer]) -> BTreeMap<String, u64> {
     let mut stats = BTreeMap::new();

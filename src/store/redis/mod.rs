@@ -448,9 +448,14 @@ impl RedisStore {
             .query_async::<Option<Vec<u8>>>(&mut store.shared.clone())
             .await
             .map_err(|e| {
-                StoreError::Unavailable(format!(
-                    "redis does not take SET ... NX GET, which needs Redis 7.0 or later: {e}"
-                ))
+                // Before 7.0, NX and GET together are a syntax error; any
+                // other failure (a read-only replica, an ACL) says itself.
+                let hint = if e.to_string().contains("syntax error") {
+                    " (SET with both NX and GET needs Redis 7.0 or later)"
+                } else {
+                    ""
+                };
+                StoreError::Unavailable(format!("cannot write a test key to redis: {e}{hint}"))
             })?;
         Ok(store)
     }
