@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -358,8 +359,18 @@ struct DetachOnDrop(Option<BoxFuture<'static, ()>>);
 
 impl DetachOnDrop {
     fn poll(&mut self, cx: &mut Context<'_>) {
-        if let Some(run) = self.0.as_mut() {
-            if run.as_mut().poll(cx).is_ready() {
+        let Some(run) = self.0.as_mut() else {
+            return;
+        };
+        // A panic in the run must not take the client's connection with
+        // it, as it would not have from a task of its own: the run is
+        // dropped, its answer channel with it, and the client gets a 500.
+        // Its claim, if it made one, fails closed when its lease runs out.
+        match std::panic::catch_unwind(AssertUnwindSafe(|| run.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => {}
+            Ok(Poll::Ready(())) => self.0 = None,
+            Err(_) => {
+                tracing::error!("a covered request's run panicked; answering 500");
                 self.0 = None;
             }
         }
@@ -1056,5 +1067,49 @@ impl RequestLog {
             upstream_ms,
             total_ms = elapsed.as_secs_f64() * 1e3,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::config::Config;
+    use crate::store::MemoryStore;
+
+    /// The run is polled on the connection's task; a panic in it (here in
+    /// the upstream service) must end in a 500 for this request, not unwind
+    /// into the connection, and must not take the service down for the next.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_panicking_run_answers_500_and_the_service_goes_on() {
+        let policies = Policies::from_config(&Config::default()).expect("policies");
+        let calls = Arc::new(AtomicUsize::new(0));
+        let upstream = tower::service_fn({
+            let calls = calls.clone();
+            move |_req: Request<Body>| {
+                let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+                async move {
+                    assert!(!first, "the upstream service panics on its first call");
+                    Ok::<_, UpstreamError>(Response::new(Body::from("ok")))
+                }
+            }
+        });
+        let service = IdempotencyLayer::new(policies, Arc::new(MemoryStore::new())).layer(upstream);
+        let request = |key: &str| {
+            Request::post("/v1/payments")
+                .header("idempotency-key", key)
+                .body(Body::from("{}"))
+                .expect("request")
+        };
+        let status = |response: Result<Response<Body>, Infallible>| match response {
+            Ok(response) => response.status(),
+            Err(never) => match never {},
+        };
+        let panicked = service.clone().oneshot(request("a")).await;
+        assert_eq!(status(panicked), http::StatusCode::INTERNAL_SERVER_ERROR);
+        let next = service.clone().oneshot(request("b")).await;
+        assert_eq!(status(next), http::StatusCode::OK);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
     }
 }
