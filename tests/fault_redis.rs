@@ -343,3 +343,40 @@ async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
     assert!(again.replayed(), "{again:?}");
     assert_eq!(upstream.executions("/v1/late"), 1);
 }
+
+/// A proxy started while its Redis is down (restarting, or started after
+/// it) waits for it instead of exiting, and serves once it is up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_started_before_its_redis_waits_for_it() {
+    let mut redis = RedisServer::start();
+    redis.kill();
+    let upstream = TestUpstream::start().await;
+    let config = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix("startup"),
+    );
+    let starting = tokio::spawn(ProxyProcess::start(config));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !starting.is_finished(),
+        "gave up, or became healthy, without its Redis"
+    );
+    redis.restart();
+    let proxy = starting.await.expect("the proxy starts once Redis is up");
+    assert!(
+        proxy.logs().contains("redis is not up yet"),
+        "the wait is logged:\n{}",
+        proxy.logs()
+    );
+    let client = TestClient::new();
+    let first = client
+        .post_json(&proxy.url("/v1/after"), "after-1", BODY)
+        .await;
+    assert_eq!(first.status, 201, "{first:?}\n{}", proxy.logs());
+    let replay = client
+        .post_json(&proxy.url("/v1/after"), "after-1", BODY)
+        .await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(upstream.executions("/v1/after"), 1);
+}

@@ -94,8 +94,8 @@ use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::TcpSettings;
 use redis::{
-    Client, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisError,
-    RedisFuture, Script, TlsCertificates, Value,
+    Client, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, Pipeline,
+    RedisError, RedisFuture, Script, ServerErrorKind, TlsCertificates, Value,
 };
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
@@ -149,12 +149,27 @@ pub fn redis_key(prefix: &str, key: &RecordKey) -> String {
     format!("{prefix}{{{}}}", key.hex())
 }
 
-/// Opens the store `config.kind` names (`redis` or `redis-cluster`).
+/// How long [`open`] waits for a Redis that is not up yet.
+pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
+
+/// Opens the store `config.kind` names (`redis` or `redis-cluster`), waiting
+/// up to [`STARTUP_WAIT`] for a Redis that refuses connections, does not
+/// answer or is still loading its data (as after a restart with a large
+/// append-only file), instead of exiting into a restart loop that backs off
+/// longer each time. Anything else (credentials, TLS, configuration) fails
+/// at once.
 pub async fn open(config: &StoreConfig) -> Result<SharedStore, StoreError> {
+    open_within(config, STARTUP_WAIT).await
+}
+
+/// [`open`] with another bound on the wait.
+pub async fn open_within(config: &StoreConfig, wait: Duration) -> Result<SharedStore, StoreError> {
     match config.kind {
-        StoreKind::Redis => Ok(std::sync::Arc::new(RedisStore::connect(config).await?)),
+        StoreKind::Redis => Ok(std::sync::Arc::new(
+            RedisStore::connect_within(config, wait).await?,
+        )),
         StoreKind::RedisCluster => Ok(std::sync::Arc::new(
-            RedisStore::connect_cluster(config).await?,
+            RedisStore::connect_cluster_within(config, wait).await?,
         )),
         other => Err(StoreError::Unavailable(format!(
             "store kind {other:?} is not a Redis store"
@@ -207,6 +222,33 @@ enum Connector {
 }
 
 impl Connector {
+    /// The store's first connection, with the scripts loaded (on every
+    /// primary of a cluster) so that the first request does not pay for a
+    /// `NOSCRIPT` round trip. Tries again, backing off, for up to `wait`
+    /// while the failure is one that passes by itself ([`not_up_yet`]).
+    async fn start(&self, target: &str, wait: Duration) -> Result<Conn, StoreError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let attempt = async {
+                let mut conn = self.connect().await?;
+                for script in [&SCRIPTS.settle, &SCRIPTS.swap] {
+                    script.load_async(&mut conn).await?;
+                }
+                Ok::<_, RedisError>(conn)
+            };
+            match attempt.await {
+                Ok(conn) => return Ok(conn),
+                Err(e) if not_up_yet(&e) && tokio::time::Instant::now() + backoff < deadline => {
+                    tracing::warn!(redis = %target, error = %e, retry_in = ?backoff, "redis is not up yet");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => return Err(connect_error(target, e)),
+            }
+        }
+    }
+
     async fn connect(&self) -> Result<Conn, RedisError> {
         match self {
             Connector::Single(client, config) => {
@@ -315,6 +357,15 @@ impl RedisStore {
     /// loads the scripts. Fails if Redis cannot be reached or refuses the
     /// credentials; once connected, the store reconnects by itself.
     pub async fn connect(config: &StoreConfig) -> Result<RedisStore, StoreError> {
+        Self::connect_within(config, Duration::ZERO).await
+    }
+
+    /// [`RedisStore::connect`], trying again for up to `wait` while Redis is
+    /// not up yet (see [`open`]).
+    pub async fn connect_within(
+        config: &StoreConfig,
+        wait: Duration,
+    ) -> Result<RedisStore, StoreError> {
         let info = config
             .url
             .as_str()
@@ -348,10 +399,7 @@ impl RedisStore {
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(500));
         let connector = Connector::Single(client, manager_config);
-        let conn = connector
-            .connect()
-            .await
-            .map_err(|e| connect_error(&redacted(&config.url), e))?;
+        let conn = connector.start(&redacted(&config.url), wait).await?;
         Self::ready(conn, connector, config, "redis").await
     }
 
@@ -359,6 +407,15 @@ impl RedisStore {
     /// (`config.url` alone when `urls` is empty), with the credentials and CA
     /// of `config`, and loads the scripts on every primary.
     pub async fn connect_cluster(config: &StoreConfig) -> Result<RedisStore, StoreError> {
+        Self::connect_cluster_within(config, Duration::ZERO).await
+    }
+
+    /// [`RedisStore::connect_cluster`], trying again for up to `wait` while
+    /// the cluster is not up yet (see [`open`]).
+    pub async fn connect_cluster_within(
+        config: &StoreConfig,
+        wait: Duration,
+    ) -> Result<RedisStore, StoreError> {
         let urls: Vec<&str> = if config.urls.is_empty() {
             vec![config.url.as_str()]
         } else {
@@ -408,16 +465,12 @@ impl RedisStore {
         }
         let client = builder.build().map_err(|e| config_error("store.urls", e))?;
         let connector = Connector::Cluster(client);
-        let conn = connector
-            .connect()
-            .await
-            .map_err(|e| connect_error(&redacted_list(&urls), e))?;
+        let conn = connector.start(&redacted_list(&urls), wait).await?;
         Self::ready(conn, connector, config, "redis-cluster").await
     }
 
-    /// Loads the scripts (on every primary of a cluster), so that the first
-    /// request does not pay for a `NOSCRIPT` round trip, and checks that
-    /// Redis takes `SET ... NX GET` (7.0 or later).
+    /// Checks that Redis takes `SET ... NX GET` (7.0 or later) and can be
+    /// written to.
     async fn ready(
         conn: Conn,
         connector: Connector,
@@ -430,12 +483,6 @@ impl RedisStore {
             prefix: config.key_prefix.clone(),
             kind,
         };
-        for script in [&SCRIPTS.settle, &SCRIPTS.swap] {
-            script
-                .load_async(&mut store.shared.clone())
-                .await
-                .map_err(|e| connect_error("redis (SCRIPT LOAD)", e))?;
-        }
         // A key of our own that lives 1 ms: asking is the only check that
         // works the same through ACLs, proxies and managed Redis services.
         redis::cmd("SET")
@@ -828,6 +875,27 @@ fn redacted_list(urls: &[&str]) -> String {
 
 fn config_error(field: &str, e: RedisError) -> StoreError {
     StoreError::Unavailable(format!("{field}: {e}"))
+}
+
+/// Whether a failed start may succeed if tried again later: Redis not
+/// listening yet, not answering, dropping the connection, or loading its
+/// data set; a cluster without a reachable node or with slots not served
+/// yet. Nothing else (a TLS failure, a refused password, a name that does
+/// not resolve): waiting would only delay the error.
+fn not_up_yet(e: &RedisError) -> bool {
+    e.is_connection_refusal()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || matches!(
+            e.kind(),
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::Server(
+                    ServerErrorKind::BusyLoading
+                        | ServerErrorKind::TryAgain
+                        | ServerErrorKind::MasterDown
+                        | ServerErrorKind::ClusterDown
+                )
+        )
 }
 
 fn connect_error(target: &str, e: RedisError) -> StoreError {
