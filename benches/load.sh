@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Side-by-side load comparison, one run, one machine:
 #   nginx as a plain reverse proxy (the control)  vs
-#   idemproxy on the memory store  vs  idemproxy on a private Redis,
+#   idemproxy on the memory store  vs  idemproxy on a private Redis (each
+#   also with `workers = 1`),
 # all in front of the same fast upstream (nginx `return 201`). Replays also
 # run against a second Redis-backed proxy with the local replay cache
 # (`local_cache_entries = 10000`; off by default).
@@ -60,7 +61,7 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
 
-UP=$(free_port); NG=$(free_port); IM=$(free_port); IR=$(free_port); IC=$(free_port); IS=$(free_port); RP=$(free_port)
+UP=$(free_port); NG=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); RP=$(free_port)
 
 nginx_conf() { # name listen body
   cat >"$WORK/$1.conf" <<EOF
@@ -95,16 +96,22 @@ start_proxy() { # name port kind [VAR=value...]
   PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
 }
 start_proxy memory "$IM" memory
+# The same with one traffic worker instead of one per CPU: on two cores that
+# the load generator and the upstream also use, fewer threads can mean
+# fewer wake-ups and context switches (a sidecar shares its cores too).
+start_proxy memory-1w "$I1" memory IDEMPROXY_WORKERS=1
 start_proxy redis "$IR" redis
+start_proxy redis-1w "$IR1" redis IDEMPROXY_WORKERS=1
 start_proxy redis-cache "$IC" redis IDEMPROXY_STORE__LOCAL_CACHE_ENTRIES=10000
 
-declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-cache]="http://127.0.0.1:$IC")
-TARGETS=(nginx idemproxy-memory idemproxy-redis)
-REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-redis-cache)
+declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-cache]="http://127.0.0.1:$IC")
+TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w)
+REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-cache)
+FIXED_TARGETS=(nginx idemproxy-memory idemproxy-redis)
 RESULTS="$WORK/results.txt"; : >"$RESULTS"
 
 # Warm 1,000 keys on each proxy for the replay runs.
-for t in idemproxy-memory idemproxy-redis idemproxy-redis-cache; do
+for t in idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-cache; do
   "$LOADGEN" "${URL[$t]}/v1/payments" 2000 0.5 replay >/dev/null
 done
 
@@ -125,7 +132,9 @@ proxy_pids() {
   case $1 in
     nginx) cat "$WORK/control.pid"; pgrep -P "$(cat "$WORK/control.pid")" ;;
     idemproxy-memory) cat "$WORK/memory.pid" ;;
+    idemproxy-memory-1w) cat "$WORK/memory-1w.pid" ;;
     idemproxy-redis) cat "$WORK/redis.pid" ;;
+    idemproxy-redis-1w) cat "$WORK/redis-1w.pid" ;;
     idemproxy-redis-cache) cat "$WORK/redis-cache.pid" ;;
   esac
 }
@@ -157,7 +166,7 @@ for round in $(seq "$ROUNDS"); do
   if (( round % 2 )); then
     order=("${TARGETS[@]}"); replay_order=("${REPLAY_TARGETS[@]}")
   else
-    order=(idemproxy-redis idemproxy-memory nginx); replay_order=(idemproxy-redis-cache idemproxy-redis idemproxy-memory nginx)
+    order=(idemproxy-redis-1w idemproxy-redis idemproxy-memory-1w idemproxy-memory nginx); replay_order=(idemproxy-redis-cache idemproxy-redis-1w idemproxy-redis idemproxy-memory-1w idemproxy-memory nginx)
   fi
   for t in "${order[@]}"; do run_wrk unique "$t" "$round"; done
   # The same POSTs without a key: forwarded unprotected, so this is the
@@ -170,7 +179,7 @@ done
 # Fixed rate at half of nginx's median maximum.
 NGINX_MAX=$(awk '$1=="unique" && $2=="nginx" {sub("rps=","",$4); print $4}' "$RESULTS" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
 RATE=${FIXED_RATE:-$(python3 -c "print(max(100, int(float('$NGINX_MAX') / 2)))")}
-for t in "${TARGETS[@]}"; do
+for t in "${FIXED_TARGETS[@]}"; do
   line=$("$LOADGEN" "${URL[$t]}/v1/payments" "$RATE" "$FIXED_SECONDS" unique "fixed-$t")
   echo "fixed $t 1 $line" >>"$RESULTS"
 done
@@ -211,9 +220,9 @@ def field(r, name):
     for f in r[3:]:
         if f.startswith(name + "="): return f.split("=", 1)[1]
     return None
-targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-redis"],
+targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w"],
            "passthrough": ["idemproxy-memory"],
-           "replay": ["nginx", "idemproxy-memory", "idemproxy-redis", "idemproxy-redis-cache"]}
+           "replay": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w", "idemproxy-redis-cache"]}
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
 print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis")
 nginx_unique = None
