@@ -19,7 +19,7 @@
 # keys against idemproxy-redis and a memory-store proxy whose records live
 # 10 s, both at once, with their RSS sampled every 5 s.
 #
-#   benches/load.sh                 # ROUNDS=3 DURATION=6 CONNS=32
+#   benches/load.sh                 # ROUNDS=3 DURATION=4 CONNS=32, about 4 minutes
 #   FIXED_RATE=5000 benches/load.sh # fixed-rate run at a chosen rate instead
 #
 # Needs nginx, wrk and redis-server (installed from Debian's packages when
@@ -28,9 +28,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ROUNDS=${ROUNDS:-3}
-DURATION=${DURATION:-6}
+DURATION=${DURATION:-4}
 CONNS=${CONNS:-32}
-FIXED_SECONDS=${FIXED_SECONDS:-8}
+FIXED_SECONDS=${FIXED_SECONDS:-6}
 SOAK_SECONDS=${SOAK_SECONDS:-60}
 
 for tool in nginx wrk redis-server; do
