@@ -211,14 +211,9 @@ impl Record {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        self.encode_after(Vec::new())
-    }
-
-    /// [`Record::encode`], appended to `out`.
-    pub fn encode_after(&self, out: Vec<u8>) -> Vec<u8> {
         match self {
-            Record::Pending(p) => RecordRef::Pending(p).encode_after(out),
-            Record::Completed(c) => RecordRef::Completed(c).encode_after(out),
+            Record::Pending(p) => p.encode(),
+            Record::Completed(c) => c.encode(),
         }
     }
 

@@ -262,7 +262,6 @@ pin_project! {
             fut: Oneshot<S, Request<Body>>,
             log: Option<RequestLog>,
             permit: Option<OwnedSemaphorePermit>,
-            started: Instant,
         },
         Covered {
             fut: BoxFuture<'static, Response<Body>>,
@@ -283,7 +282,6 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
             fut,
             log: Some(log),
             permit: Some(permit),
-            started: Instant::now(),
         }
     }
 
@@ -309,15 +307,8 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {
-            ResponseFutureProj::Passthrough {
-                fut,
-                log,
-                permit,
-                started,
-            } => {
-                let result = std::task::ready!(fut.poll(cx));
-                let upstream = started.elapsed();
-                let response = match result {
+            ResponseFutureProj::Passthrough { fut, log, permit } => {
+                let response = match std::task::ready!(fut.poll(cx)) {
                     Ok(response) => response,
                     Err(e) => Rejection::PassthroughFailed {
                         timeout: matches!(e, UpstreamError::Timeout),
@@ -325,7 +316,9 @@ where
                     .into_response(crate::config::Profile::Default),
                 };
                 if let Some(mut log) = log.take() {
-                    log.upstream_done(upstream);
+                    // Forwarding starts right after the log is opened: the
+                    // whole wait is the upstream's.
+                    log.upstream_done(log.started.elapsed());
                     log.finish(RequestOutcome::Passthrough, &response);
                 }
                 // The body streams without the proxy buffering it, but it
