@@ -614,8 +614,8 @@ fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTree
     ran
 }
 
-/// Measures the Redis commands of a first request (begin + complete) and of
-/// a replay (begin), on `servers` (all nodes of a cluster).
+/// Measures the Redis commands of a first request (begin + complete), of a
+/// replay (begin) and of a release, on `servers` (all nodes of a cluster).
 async fn measure_round_trips(label: &str, store: &RedisStore, servers: &[&RedisServer]) {
     let key = new_key();
     let before = commandstats(servers);
@@ -653,6 +653,19 @@ async fn measure_round_trips(label: &str, store: &RedisStore, servers: &[&RedisS
         replay,
         counts(&[("set", 1)]),
         "{label}: a replay is one SET NX GET, no script"
+    );
+
+    // release: one EVALSHA, which runs a GET and a DEL inside.
+    let released = new_key();
+    let token = claim(store, released, LEASE).await;
+    let before = commandstats(servers);
+    store.release(&released, token).await.expect("release");
+    let release = delta(&before, &commandstats(servers));
+    println!("{label}: release ran {release:?}");
+    assert_eq!(
+        release,
+        counts(&[("del", 1), ("evalsha", 1), ("get", 1)]),
+        "{label}: commands of a release"
     );
 }
 
