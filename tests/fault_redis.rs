@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idemproxy::config::OnStoreError;
 use support::binary::ProxyProcess;
 use support::fault::{slug, Executions};
+use support::keys;
 use support::proxy::{redis_config, Reply, TestClient};
 use support::redis_server::{self, RedisOptions, RedisServer};
 use support::upstream::TestUpstream;
@@ -379,4 +381,45 @@ async fn a_proxy_started_before_its_redis_waits_for_it() {
         .await;
     assert!(replay.replayed(), "{replay:?}");
     assert_eq!(upstream.executions("/v1/after"), 1);
+}
+
+/// `on_store_error = "pass"` forwards requests while the store cannot
+/// answer, not when it answers with a record this build cannot read: that
+/// key may stand for a side effect already done, so it fails closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_record_fails_closed_even_with_on_store_error_pass() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let prefix = redis_server::unique_prefix("unreadable-pass");
+    let mut c = redis_config(&upstream.url(), &redis.url(), &prefix);
+    c.idempotency.on_store_error = OnStoreError::Pass;
+    let proxy = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+
+    // Where the key's record lives, a value that is no record.
+    let key = keys::record_key(&keys::json_post("/v1/orders"), "unreadable-1");
+    let name = idemproxy::store::redis::redis_key(&prefix, &key);
+    assert_eq!(redis.cli(&["set", &name, "garbage"]).trim(), "OK");
+    let reply = client
+        .post_json(&proxy.url("/v1/orders"), "unreadable-1", BODY)
+        .await;
+    assert_eq!(reply.status, 503, "{reply:?}\n{}", proxy.logs());
+    assert_eq!(reply.problem(), "store-unavailable", "{reply:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 0);
+    assert_eq!(
+        redis.cli(&["get", &name]).trim(),
+        "garbage",
+        "left for the operator"
+    );
+
+    // Other keys on the same store are served and protected as usual.
+    let fine = client
+        .post_json(&proxy.url("/v1/orders"), "fine-1", BODY)
+        .await;
+    assert_eq!(fine.status, 201, "{fine:?}");
+    let retry = client
+        .post_json(&proxy.url("/v1/orders"), "fine-1", BODY)
+        .await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 1);
 }

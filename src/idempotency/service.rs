@@ -545,29 +545,33 @@ where
 
     async fn store_failed(mut self, request: Request<Body>, respond: Responder, error: StoreError) {
         tracing::error!(error = %error, route = %self.policy.route, "idempotency store failed");
-        match self.policy.on_store_error {
-            OnStoreError::Reject => self.answer_rejection(
+        // `pass` trades protection for availability while the store cannot
+        // answer. A record the store returned but this build cannot read is
+        // no such case: the key is there, maybe with a side effect already
+        // done behind it, so forwarding could repeat it. Fail closed.
+        let pass = self.policy.on_store_error == OnStoreError::Pass
+            && !matches!(error, StoreError::Corrupt(_));
+        if !pass {
+            return self.answer_rejection(
                 respond,
                 RequestOutcome::StoreUnavailable,
                 Rejection::StoreUnavailable {
                     retry_after: Duration::from_secs(1),
                 },
-            ),
-            OnStoreError::Pass => {
-                // Forwarded without protection, as the operator chose; the
-                // outcome says so in logs and metrics.
-                let started = Instant::now();
-                let result = self.inner.clone().oneshot(request).await;
-                self.upstream_done(started);
-                let response = result.unwrap_or_else(|e| {
-                    Rejection::PassthroughFailed {
-                        timeout: matches!(e, UpstreamError::Timeout),
-                    }
-                    .into_response(self.policy.profile)
-                });
-                self.answer(respond, RequestOutcome::StoreUnavailable, response)
-            }
+            );
         }
+        // Forwarded without protection, as the operator chose; the outcome
+        // says so in logs and metrics.
+        let started = Instant::now();
+        let result = self.inner.clone().oneshot(request).await;
+        self.upstream_done(started);
+        let response = result.unwrap_or_else(|e| {
+            Rejection::PassthroughFailed {
+                timeout: matches!(e, UpstreamError::Timeout),
+            }
+            .into_response(self.policy.profile)
+        });
+        self.answer(respond, RequestOutcome::StoreUnavailable, response)
     }
 
     async fn execute(
