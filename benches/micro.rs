@@ -1,6 +1,7 @@
 //! Micro-benchmarks of the per-request work: key parsing, fingerprints
-//! (canonicalization included), record encoding, and the middleware's
-//! overhead on the memory store, in-process (no sockets).
+//! (canonicalization included), record encoding, the middleware's
+//! overhead on the memory store, in-process (no sockets), and the
+//! request's log line.
 //!
 //! `cargo bench --bench micro`
 
@@ -216,5 +217,51 @@ fn middleware(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, key_parsing, fingerprints, records, middleware);
+/// The one line a request logs, formatted into a sink: tracing-subscriber's
+/// human format as it comes, and with idemproxy's field formatter and
+/// timer (what the binary uses when stdout is no terminal).
+fn log_line(c: &mut Criterion) {
+    use idemproxy::log_format::{PlainFields, SecondCachedTime};
+    let route: Arc<str> = "payments".into();
+    let event = || {
+        tracing::info!(
+            target: "idemproxy::request",
+            route = %route,
+            method = %http::Method::POST,
+            outcome = "replayed",
+            status = 201u16,
+            key_hash = "cf724e8ae701f4d5eb0b3b8e2783d452a12455f3c507ea61cd1b90bbd97f7cc5",
+            request_id = "8f01c1aa-9ec9-4b95-a270-9aeac63e9f0c",
+            store_ms = 0.002464,
+            upstream_ms = 1.453959,
+            total_ms = 1.470003,
+        );
+    };
+    let human = || {
+        tracing_subscriber::fmt()
+            .with_writer(std::io::sink)
+            .with_ansi(false)
+    };
+    let mut group = c.benchmark_group("log line");
+    tracing::subscriber::with_default(human().finish(), || {
+        group.bench_function("tracing-subscriber human", |b| b.iter(event))
+    });
+    let plain = human()
+        .fmt_fields(PlainFields)
+        .with_timer(SecondCachedTime)
+        .finish();
+    tracing::subscriber::with_default(plain, || {
+        group.bench_function("idemproxy human", |b| b.iter(event))
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    key_parsing,
+    fingerprints,
+    records,
+    middleware,
+    log_line
+);
 criterion_main!(benches);

@@ -18,6 +18,7 @@ pub mod admin;
 pub mod config;
 pub mod demo;
 pub mod idempotency;
+pub mod log_format;
 pub mod log_writer;
 pub mod metrics;
 pub mod proxy;

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use idemproxy::config::{Config, FlagOverrides, LogFormat, StoreKind};
+use idemproxy::log_format::{PlainFields, SecondCachedTime};
 use idemproxy::log_writer::{BatchedWriter, FlushGuard};
 
 #[derive(Parser)]
@@ -222,6 +223,12 @@ fn install_subscriber<W>(
         .with_ansi(ansi);
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
+        // Colours are for people at a terminal; output that goes elsewhere
+        // (a collector, a file) gets the same lines for less CPU.
+        LogFormat::Human if !ansi => builder
+            .fmt_fields(PlainFields)
+            .with_timer(SecondCachedTime)
+            .init(),
         LogFormat::Human => builder.init(),
     }
 }

@@ -1,0 +1,310 @@
+//! The human log format without colours, written with less formatting work.
+//!
+//! Lines are the ones tracing-subscriber's default format writes
+//! (`time LEVEL target: message name=value ...`); only two of its parts are
+//! replaced, both on the path of the one line every request logs:
+//! - [`PlainFields`] writes the fields. The default visitor passes every
+//!   name and `=` through nu-ansi-term styles even with colours off, and
+//!   formats each string through `Debug`;
+//! - [`SecondCachedTime`] writes the timestamp. The default timer works out
+//!   the calendar date for every event; this one once a second per thread.
+//!
+//! With logging on, idemproxy spent ~3.5 µs of CPU per request on its log
+//! line (wrk against the same proxy with `log.level` `info` and `warn`),
+//! about 15% of a replay.
+
+use std::cell::RefCell;
+use std::fmt::{self, Write as _};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tracing::field::{Field, Visit};
+use tracing_subscriber::field::RecordFields;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::time::FormatTime;
+use tracing_subscriber::fmt::FormatFields;
+
+/// Fields as `name=value`, separated by spaces, the message first and bare:
+/// what tracing-subscriber's `DefaultFields` writes without colours.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PlainFields;
+
+impl<'writer> FormatFields<'writer> for PlainFields {
+    fn format_fields<R: RecordFields>(&self, writer: Writer<'writer>, fields: R) -> fmt::Result {
+        let mut visitor = PlainVisitor {
+            writer,
+            first: true,
+            result: Ok(()),
+        };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+}
+
+struct PlainVisitor<'writer> {
+    writer: Writer<'writer>,
+    first: bool,
+    /// The first write error; later fields are skipped.
+    result: fmt::Result,
+}
+
+impl PlainVisitor<'_> {
+    /// Starts a field: the separator and `name=`, or nothing for the
+    /// message. False if the field is not written at all.
+    fn begin(&mut self, field: &Field) -> Option<bool> {
+        if self.result.is_err() {
+            return None;
+        }
+        let name = field.name();
+        // Fields `tracing-log` adds to events from the `log` crate, which
+        // the default format leaves out too.
+        if name.starts_with("log.") {
+            return None;
+        }
+        if !self.first {
+            self.result = self.writer.write_char(' ');
+        }
+        self.first = false;
+        if name == "message" {
+            return Some(true);
+        }
+        let name = name.strip_prefix("r#").unwrap_or(name);
+        self.result = self
+            .result
+            .and_then(|()| self.writer.write_str(name))
+            .and_then(|()| self.writer.write_char('='));
+        Some(false)
+    }
+}
+
+impl Visit for PlainVisitor<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        let Some(message) = self.begin(field) else {
+            return;
+        };
+        self.result = self.result.and_then(|()| {
+            if message {
+                Sanitized(&mut self.writer).write_str(value)
+            } else if value
+                .bytes()
+                .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
+            {
+                // What `Debug` writes for a string that needs no escapes.
+                self.writer.write_char('"')?;
+                self.writer.write_str(value)?;
+                self.writer.write_char('"')
+            } else {
+                write!(self.writer, "{value:?}")
+            }
+        });
+    }
+
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        if self.begin(field).is_some() {
+            self.result = self.result.and_then(|()| write!(self.writer, "{value}"));
+        }
+    }
+
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        if self.begin(field).is_some() {
+            self.result = self.result.and_then(|()| write!(self.writer, "{value}"));
+        }
+    }
+
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        if self.begin(field).is_some() {
+            self.result = self
+                .result
+                .and_then(|()| self.writer.write_str(if value { "true" } else { "false" }));
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        match self.begin(field) {
+            Some(true) => {
+                self.result = self
+                    .result
+                    .and_then(|()| write!(Sanitized(&mut self.writer), "{value:?}"));
+            }
+            Some(false) => {
+                self.result = self.result.and_then(|()| write!(self.writer, "{value:?}"));
+            }
+            None => {}
+        }
+    }
+}
+
+/// Writes a message with the characters that could drive a terminal
+/// (ESC, BEL, BS, FF, DEL and the C1 controls) escaped, as the default
+/// format does for messages: error messages can carry a client's bytes.
+struct Sanitized<'a, 'w>(&'a mut Writer<'w>);
+
+impl fmt::Write for Sanitized<'_, '_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let risky = |c: char| {
+            matches!(
+                c,
+                '\x1b' | '\x07' | '\x08' | '\x0c' | '\x7f' | '\u{80}'..='\u{9f}'
+            )
+        };
+        let mut rest = s;
+        while let Some(at) = rest.find(risky) {
+            let (plain, tail) = rest.split_at(at);
+            self.0.write_str(plain)?;
+            let mut chars = tail.chars();
+            if let Some(c) = chars.next() {
+                match c {
+                    '\u{80}'..='\u{9f}' => write!(self.0, "\\u{{{:x}}}", u32::from(c))?,
+                    c => write!(self.0, "\\x{:02x}", u32::from(c))?,
+                }
+            }
+            rest = chars.as_str();
+        }
+        self.0.write_str(rest)
+    }
+}
+
+/// RFC 3339 UTC with microseconds (`2026-11-30T21:43:28.123456Z`), as the
+/// default timer writes it, with the part up to the second cached.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SecondCachedTime;
+
+thread_local! {
+    /// The second last formatted on this thread and its text up to the
+    /// seconds. Per thread, so workers never share (or lock) it.
+    static SECOND: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+}
+
+impl FormatTime for SecondCachedTime {
+    fn format_time(&self, w: &mut Writer<'_>) -> fmt::Result {
+        let since_epoch = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let secs = since_epoch.as_secs();
+        SECOND.with(|second| {
+            let mut second = second.borrow_mut();
+            if second.0 != secs {
+                let whole = UNIX_EPOCH + Duration::from_secs(secs);
+                let text = humantime::format_rfc3339_seconds(whole).to_string();
+                second.1.clear();
+                second.1.push_str(text.trim_end_matches('Z'));
+                second.0 = secs;
+            }
+            w.write_str(&second.1)
+        })?;
+        write!(w, ".{:06}Z", since_epoch.subsec_micros())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// Collects what a subscriber writes.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Captured {
+        fn text(&self) -> String {
+            String::from_utf8(self.0.lock().expect("lock").clone()).expect("UTF-8")
+        }
+    }
+
+    fn events() {
+        let route: std::sync::Arc<str> = "payments".into();
+        tracing::info!(
+            target: "idemproxy::request",
+            route = %route,
+            method = %http::Method::POST,
+            outcome = "replayed",
+            status = 201u16,
+            key_hash = "ab12",
+            request_id = "with \"quotes\" and \\ and é",
+            store_ms = 0.012_5,
+            upstream_ms = Option::<f64>::None,
+            total_ms = 1.0,
+            negative = -3i64,
+            flag = true,
+        );
+        tracing::warn!(error = %"boom", r#type = "x", "something {} happened", "bad");
+        tracing::error!("only a message\twith a tab, \x1b[31mred\x07 \u{85}\x7f\x08\x0c");
+        tracing::error!(message = "as a field \x1b[0m", status = 1u8);
+        tracing::warn!(text = "not a message \x1b[0m", "{}", "\x1b");
+        tracing::info!(empty = "", control = "a\nb", "");
+    }
+
+    fn lines(plain: bool) -> String {
+        let out = Captured::default();
+        let writer = {
+            let out = out.clone();
+            move || out.clone()
+        };
+        let builder = tracing_subscriber::fmt()
+            .with_writer(writer)
+            .with_ansi(false)
+            .without_time();
+        if plain {
+            tracing::subscriber::with_default(builder.fmt_fields(PlainFields).finish(), events);
+        } else {
+            tracing::subscriber::with_default(builder.finish(), events);
+        }
+        out.text()
+    }
+
+    #[test]
+    fn fields_read_as_the_default_format_writes_them() {
+        let default = lines(false);
+        assert_eq!(lines(true), default);
+        assert!(
+            default.contains(r#"request_id="with \"quotes\" and \\ and é""#),
+            "{default}"
+        );
+        assert!(
+            default.contains("store_ms=0.0125 total_ms=1.0 negative=-3 flag=true"),
+            "{default}"
+        );
+        assert!(
+            default.contains(r"\x1b[31mred\x07 \u{85}\x7f\x08\x0c"),
+            "{default}"
+        );
+        assert_eq!(default.lines().count(), 6, "{default}");
+    }
+
+    #[test]
+    fn time_reads_as_the_default_timer_writes_it() {
+        use tracing_subscriber::fmt::time::SystemTime as DefaultTime;
+        let format = |timer: &dyn FormatTime| {
+            let mut text = String::new();
+            timer
+                .format_time(&mut Writer::new(&mut text))
+                .expect("formats");
+            text
+        };
+        // Twice, so the second call comes from the cache; the two timers
+        // agree up to the second unless a second boundary falls between
+        // them, which a few attempts get past.
+        for _ in 0..3 {
+            let ours = format(&SecondCachedTime);
+            let cached = format(&SecondCachedTime);
+            let theirs = format(&DefaultTime);
+            assert_eq!(ours.len(), theirs.len(), "{ours} {theirs}");
+            assert_eq!(cached.len(), theirs.len(), "{cached} {theirs}");
+            assert!(ours.ends_with('Z') && ours.as_bytes()[19] == b'.', "{ours}");
+            if ours[..19] == theirs[..19] && cached[..19] == theirs[..19] {
+                return;
+            }
+        }
+        panic!("the timers never agreed on the second");
+    }
+}
