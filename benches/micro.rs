@@ -218,10 +218,10 @@ fn middleware(c: &mut Criterion) {
 }
 
 /// The one line a request logs, formatted into a sink: tracing-subscriber's
-/// human format as it comes, and with idemproxy's field formatter and
-/// timer (what the binary uses when stdout is no terminal).
+/// human and JSON formats as they come, and idemproxy's (what the binary
+/// uses: the human one when stdout is no terminal).
 fn log_line(c: &mut Criterion) {
-    use idemproxy::log_format::{PlainFields, SecondCachedTime};
+    use idemproxy::log_format::{JsonLines, PlainFields, SecondCachedTime};
     let route: Arc<str> = "payments".into();
     let event = || {
         tracing::info!(
@@ -252,6 +252,17 @@ fn log_line(c: &mut Criterion) {
         .finish();
     tracing::subscriber::with_default(plain, || {
         group.bench_function("idemproxy human", |b| b.iter(event))
+    });
+    let json = || tracing_subscriber::fmt().with_writer(std::io::sink).json();
+    tracing::subscriber::with_default(json().flatten_event(true).finish(), || {
+        group.bench_function("tracing-subscriber json", |b| b.iter(event))
+    });
+    let lines = json()
+        .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+        .event_format(JsonLines::new())
+        .finish();
+    tracing::subscriber::with_default(lines, || {
+        group.bench_function("idemproxy json", |b| b.iter(event))
     });
     group.finish();
 }

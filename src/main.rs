@@ -7,8 +7,9 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use idemproxy::config::{Config, FlagOverrides, LogFormat, StoreKind};
-use idemproxy::log_format::{PlainFields, SecondCachedTime};
+use idemproxy::log_format::{JsonLines, PlainFields, SecondCachedTime};
 use idemproxy::log_writer::{BatchedWriter, FlushGuard};
+use tracing_subscriber::fmt::format::JsonFields;
 
 #[derive(Parser)]
 #[command(
@@ -222,7 +223,11 @@ fn install_subscriber<W>(
         .with_writer(writer)
         .with_ansi(ansi);
     match format {
-        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Json => builder
+            .with_ansi(false)
+            .fmt_fields(JsonFields::new())
+            .event_format(JsonLines::new())
+            .init(),
         // Colours are for people at a terminal; output that goes elsewhere
         // (a collector, a file) gets the same lines for less CPU.
         LogFormat::Human if !ansi => builder

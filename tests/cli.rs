@@ -256,3 +256,79 @@ async fn the_binary_serves_replays_and_exits_cleanly_on_sigterm() {
     };
     assert!(status.success(), "exit status {status}:\n{}", logs());
 }
+
+/// The one line per request, as the binary writes it to a file in each
+/// format: the JSON lines parse, both carry the outcome and the key's hash,
+/// and neither the raw key nor a terminal colour code shows up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_logs_one_line_per_request_in_either_format() {
+    use idemproxy::config::LogFormat;
+    use support::binary::ProxyProcess;
+
+    let upstream = TestUpstream::start().await;
+    for format in [LogFormat::Json, LogFormat::Human] {
+        let mut c = support::proxy::config(&upstream.url());
+        c.log.format = format;
+        c.log.level = "info".into();
+        let proxy = ProxyProcess::start(c).await;
+        let client = TestClient::new();
+        let url = proxy.url("/v1/orders");
+        let key = "raw-key-never-logged";
+        assert_eq!(client.post_json(&url, key, "{}").await.status, 201);
+        assert!(client.post_json(&url, key, "{}").await.replayed());
+
+        // Lines reach the file in batches (every 100 ms at the latest).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let logs = loop {
+            let logs = proxy.logs();
+            if logs.matches("idemproxy::request").count() >= 2 || Instant::now() > deadline {
+                break logs;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(!logs.contains(key), "{format:?}: {logs}");
+        assert!(!logs.contains('\x1b'), "{format:?}: {logs}");
+        let requests: Vec<&str> = logs
+            .lines()
+            .filter(|line| line.contains("idemproxy::request"))
+            .collect();
+        assert_eq!(requests.len(), 2, "{format:?}: {logs}");
+        match format {
+            LogFormat::Json => {
+                for line in logs.lines() {
+                    let value: serde_json::Value = serde_json::from_str(line)
+                        .unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+                    let timestamp = value["timestamp"].as_str().unwrap_or_default();
+                    assert!(timestamp.len() == 27 && timestamp.ends_with('Z'), "{line}");
+                    assert!(
+                        value["level"].is_string() && value["target"].is_string(),
+                        "{line}"
+                    );
+                }
+                for (line, outcome) in requests.iter().zip(["executed", "replayed"]) {
+                    let value: serde_json::Value = serde_json::from_str(line).expect("JSON");
+                    assert_eq!(value["outcome"], outcome, "{line}");
+                    assert_eq!(value["status"], 201, "{line}");
+                    assert_eq!(value["route"], "default", "{line}");
+                    let hash = value["key_hash"].as_str().unwrap_or_default();
+                    assert!(
+                        hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()),
+                        "{line}"
+                    );
+                    assert!(value["total_ms"].is_f64(), "{line}");
+                }
+            }
+            LogFormat::Human => {
+                for (line, outcome) in requests.iter().zip(["executed", "replayed"]) {
+                    assert!(
+                        line.contains(&format!(
+                            " INFO idemproxy::request: route=default method=POST outcome=\"{outcome}\" status=201 key_hash=\""
+                        )),
+                        "{line}"
+                    );
+                    assert_eq!(line.as_bytes().get(26), Some(&b'Z'), "{line}");
+                }
+            }
+        }
+    }
+}
