@@ -1051,7 +1051,7 @@ impl RequestLog {
             .as_ref()
             .and_then(|v| v.to_str().ok())
             .unwrap_or("-");
-        let upstream_ms = self.upstream.map(|d| d.as_secs_f64() * 1e3);
+        let upstream_ms = self.upstream.map(whole_micros_as_ms);
         tracing::info!(
             target: "idemproxy::request",
             route = %self.route,
@@ -1060,11 +1060,17 @@ impl RequestLog {
             status = self.status.unwrap_or(0),
             key_hash = key,
             request_id,
-            store_ms = self.store.as_secs_f64() * 1e3,
+            store_ms = whole_micros_as_ms(self.store),
             upstream_ms,
-            total_ms = elapsed.as_secs_f64() * 1e3,
+            total_ms = whole_micros_as_ms(elapsed),
         );
     }
+}
+
+/// Milliseconds to the microsecond: `1.47`, not the `1.4700030000000002`
+/// that scaling the seconds gives, and finer than a log reader needs.
+fn whole_micros_as_ms(d: Duration) -> f64 {
+    d.as_micros() as f64 / 1e3
 }
 
 #[cfg(test)]
@@ -1074,6 +1080,17 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::store::MemoryStore;
+
+    #[test]
+    fn log_durations_are_milliseconds_to_the_microsecond() {
+        assert_eq!(
+            whole_micros_as_ms(Duration::from_nanos(1_470_003_999)),
+            1470.003
+        );
+        assert_eq!(whole_micros_as_ms(Duration::from_nanos(1_470_003)), 1.47);
+        assert_eq!(whole_micros_as_ms(Duration::from_nanos(2_464)), 0.002);
+        assert_eq!(whole_micros_as_ms(Duration::ZERO), 0.0);
+    }
 
     /// The run is polled on the connection's task; a panic in it (here in
     /// the upstream service) must end in a 500 for this request, not unwind
