@@ -1,6 +1,7 @@
-//! The human log format without colours, written with less formatting work.
+//! Log lines as tracing-subscriber writes them, for less CPU: the human
+//! format without colours, and JSON.
 //!
-//! Lines are the ones tracing-subscriber's default format writes
+//! Human lines are the ones tracing-subscriber's default format writes
 //! (`time LEVEL target: message name=value ...`); only two of its parts are
 //! replaced, both on the path of the one line every request logs:
 //! - [`PlainFields`] writes the fields. The default visitor passes every
@@ -15,7 +16,8 @@
 //!
 //! With logging on, idemproxy spent ~3.5 µs of CPU per request on its log
 //! line (wrk against the same proxy with `log.level` `info` and `warn`),
-//! about 15% of a replay.
+//! about 15% of a replay. Formatting the line (criterion, `log line`): human
+//! 1.53 -> 0.81 µs, JSON 2.83 -> 1.30 µs.
 
 use std::cell::RefCell;
 use std::fmt::{self, Write as _};
@@ -187,18 +189,27 @@ impl FormatTime for SecondCachedTime {
             .unwrap_or_default();
         let secs = since_epoch.as_secs();
         SECOND.with(|second| {
-            let mut second = second.borrow_mut();
+            // Never borrowed across anything that could log, but a
+            // timestamp is not worth a panic: without the cache, format
+            // afresh.
+            let Ok(mut second) = second.try_borrow_mut() else {
+                return w.write_str(&up_to_the_second(secs));
+            };
             if second.0 != secs {
-                let whole = UNIX_EPOCH + Duration::from_secs(secs);
-                let text = humantime::format_rfc3339_seconds(whole).to_string();
-                second.1.clear();
-                second.1.push_str(text.trim_end_matches('Z'));
-                second.0 = secs;
+                *second = (secs, up_to_the_second(secs));
             }
             w.write_str(&second.1)
         })?;
         write!(w, ".{:06}Z", since_epoch.subsec_micros())
     }
+}
+
+/// `2026-11-30T21:43:28`: `secs` after the epoch, in UTC.
+fn up_to_the_second(secs: u64) -> String {
+    let whole = UNIX_EPOCH + Duration::from_secs(secs);
+    let mut text = humantime::format_rfc3339_seconds(whole).to_string();
+    text.pop(); // the `Z`, written after the fraction
+    text
 }
 
 /// One JSON object per line, as tracing-subscriber's `json()` with
@@ -304,11 +315,16 @@ impl Visit for JsonVisitor<'_, '_> {
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
         self.field(field, |w| {
-            DEBUG_TEXT.with(|text| {
-                let mut text = text.borrow_mut();
-                text.clear();
-                write!(text, "{value:?}")?;
-                json_string(w, &text)
+            DEBUG_TEXT.with(|text| match text.try_borrow_mut() {
+                Ok(mut text) => {
+                    text.clear();
+                    write!(text, "{value:?}")?;
+                    json_string(w, &text)
+                }
+                // Only if a `Debug` impl logged while being formatted and
+                // tracing dispatched that (it does not today): a buffer of
+                // its own rather than a panic.
+                Err(_) => json_string(w, &format!("{value:?}")),
             })
         });
     }
