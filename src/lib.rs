@@ -25,6 +25,8 @@ pub mod proxy;
 pub mod request_id;
 pub mod server;
 pub mod store;
+#[cfg(test)]
+mod testing;
 pub mod upstream;
 
 use std::future::Future;

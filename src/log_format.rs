@@ -371,29 +371,8 @@ impl std::io::Write for FmtAdaptor<'_, '_> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
-
     use super::*;
-
-    /// Collects what a subscriber writes.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().expect("lock").extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl Captured {
-        fn text(&self) -> String {
-            String::from_utf8(self.0.lock().expect("lock").clone()).expect("UTF-8")
-        }
-    }
+    use crate::testing::Captured;
 
     fn events() {
         let route: std::sync::Arc<str> = "payments".into();

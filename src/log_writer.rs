@@ -177,28 +177,9 @@ impl Drop for FlushGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Captured;
     use std::time::Instant;
     use tracing_subscriber::fmt::MakeWriter;
-
-    /// An output the test can read while the flusher writes to it.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().expect("capture").extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl Captured {
-        fn text(&self) -> String {
-            String::from_utf8(self.0.lock().expect("capture").clone()).expect("UTF-8")
-        }
-    }
 
     fn log(writer: &BatchedWriter, line: &str) {
         writer

@@ -1,0 +1,25 @@
+//! Helpers for this crate's unit tests.
+
+use std::sync::{Arc, Mutex};
+
+/// An output that keeps what is written to it, for tests to read while a
+/// writer (or a log subscriber) still holds a clone.
+#[derive(Clone, Default)]
+pub struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("capture").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    pub fn text(&self) -> String {
+        String::from_utf8(self.0.lock().expect("capture").clone()).expect("UTF-8")
+    }
+}
