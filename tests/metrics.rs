@@ -451,6 +451,42 @@ async fn an_unreachable_upstream_counts_upstream_unreachable_and_a_release() {
     );
 }
 
+/// With `on_store_error = "pass"`, a request forwarded while the store is
+/// down is counted as `store_unavailable` (not `executed`), its failed
+/// `begin` as a store error, and its unprotected upstream call is timed.
+#[tokio::test]
+async fn a_request_passed_while_the_store_is_down_is_counted_as_such() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.on_store_error = idemproxy::config::OnStoreError::Pass;
+    let store = FaultyStore::new();
+    let proxy = TestProxy::start_with_store(c, store.clone()).await;
+    let client = TestClient::new();
+
+    let s = scrape(&client, &proxy).await;
+    store.set(Fault::Fail);
+    let passed = client
+        .post_json(&proxy.url("/v1/orders"), "passed-1", "{}")
+        .await;
+    assert_status(&passed, 201, None);
+    assert!(!passed.replayed());
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+    let after = expect_one(&client, &proxy, &s, "default", "store_unavailable", 0.0).await;
+    let delta =
+        |name: &str, labels: &[(&str, &str)]| after.value(name, labels) - s.value(name, labels);
+    assert_eq!(
+        delta("idemproxy_store_errors_total", &[("op", "begin")]),
+        1.0
+    );
+    assert_eq!(
+        delta(
+            "idemproxy_upstream_duration_seconds_count",
+            &[("route", "default")]
+        ),
+        1.0
+    );
+}
+
 /// Checks one histogram series: the documented buckets (100 µs to 60 s,
 /// then `+Inf`), cumulative, `+Inf` equal to `_count`; returns `_count`.
 fn histogram(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {

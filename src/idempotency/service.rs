@@ -546,11 +546,12 @@ where
     async fn store_failed(mut self, request: Request<Body>, respond: Responder, error: StoreError) {
         tracing::error!(error = %error, route = %self.policy.route, "idempotency store failed");
         // `pass` trades protection for availability while the store cannot
-        // answer. A record the store returned but this build cannot read is
-        // no such case: the key is there, maybe with a side effect already
-        // done behind it, so forwarding could repeat it. Fail closed.
+        // answer, and only then. Any other error means the store did answer:
+        // a record it returned but this build cannot read is a key that is
+        // there, maybe with a side effect already done behind it, so
+        // forwarding could repeat it. Fail closed.
         let pass = self.policy.on_store_error == OnStoreError::Pass
-            && !matches!(error, StoreError::Corrupt(_));
+            && matches!(error, StoreError::Unavailable(_));
         if !pass {
             return self.answer_rejection(
                 respond,
