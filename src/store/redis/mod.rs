@@ -137,6 +137,10 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 /// Bytes before the record in a stored value (see "Layout" above).
 const HEADER_LEN: usize = 25;
 
+/// The header's first bytes, state and fencing token: what `settle.lua`
+/// compares with the caller's claim.
+const CLAIM_ID_LEN: usize = 17;
+
 /// How many times `begin` reads a key again after a `swap` found it changed.
 /// Each retry means another proxy wrote the key in between, which then holds
 /// a fresh claim or a completion, so a second read practically always
@@ -530,10 +534,8 @@ impl RedisStore {
         completed: Option<&CompletedRecord>,
     ) -> Result<(), StoreError> {
         let now = now_millis();
-        let mut claim_head = [b'p'; 17];
-        claim_head[1..].copy_from_slice(&token.0.to_be_bytes());
         let mut invocation = SCRIPTS.settle.key(self.redis_key(key));
-        invocation.arg(now).arg(&claim_head[..]);
+        invocation.arg(now).arg(&claim_id(b'p', token.0)[..]);
         match completed {
             Some(record) => invocation
                 .arg(stored_completed(record))
@@ -674,10 +676,16 @@ impl Store for RedisStore {
 /// `record_len` bytes of the record that follow it.
 fn header(state: u8, token: u128, expires_at: UnixMillis, record_len: usize) -> Vec<u8> {
     let mut value = Vec::with_capacity(HEADER_LEN + record_len);
-    value.push(state);
-    value.extend_from_slice(&token.to_be_bytes());
+    value.extend_from_slice(&claim_id(state, token));
     value.extend_from_slice(&expires_at.to_be_bytes());
     value
+}
+
+/// A header's first [`CLAIM_ID_LEN`] bytes.
+fn claim_id(state: u8, token: u128) -> [u8; CLAIM_ID_LEN] {
+    let mut id = [state; CLAIM_ID_LEN];
+    id[1..].copy_from_slice(&token.to_be_bytes());
+    id
 }
 
 /// A pending claim as Redis holds it.
@@ -703,7 +711,7 @@ fn stored(record: &Record) -> Vec<u8> {
 
 /// `expires_at` from a stored value's header, if it has one.
 fn stored_expires_at(value: &[u8]) -> Option<UnixMillis> {
-    let exp: [u8; 8] = value.get(17..HEADER_LEN)?.try_into().ok()?;
+    let exp: [u8; 8] = value.get(CLAIM_ID_LEN..HEADER_LEN)?.try_into().ok()?;
     matches!(value.first(), Some(b'p' | b'c')).then(|| UnixMillis::from_be_bytes(exp))
 }
 
@@ -716,13 +724,11 @@ fn read_stored(value: &[u8]) -> Result<Record, StoreError> {
         return Err(corrupt("the value is not a record"));
     };
     let record = decode(record)?;
-    let token = match &record {
-        Record::Pending(claim) => (value[0] == b'p').then_some(claim.token.0),
-        Record::Completed(_) => (value[0] == b'c').then_some(0),
+    let id = match &record {
+        Record::Pending(claim) => claim_id(b'p', claim.token.0),
+        Record::Completed(_) => claim_id(b'c', 0),
     };
-    if token.map(u128::to_be_bytes).as_ref().map(|t| &t[..]) != Some(&value[1..17])
-        || record.expires_at() != expires_at
-    {
+    if value.get(..CLAIM_ID_LEN) != Some(&id[..]) || record.expires_at() != expires_at {
         return Err(corrupt("the header of a record disagrees with the record"));
     }
     Ok(record)
