@@ -38,11 +38,8 @@ impl Service<Request<Body>> for Proxy {
         let client = req
             .extensions()
             .get::<ClientInfo>()
-            .copied()
-            .unwrap_or(ClientInfo {
-                addr: None,
-                https: false,
-            });
+            .cloned()
+            .unwrap_or_else(|| ClientInfo::new(None, false));
         let req = self.upstream.prepare(req, client);
         let deadline = tokio::time::Instant::now() + self.timeout;
         let upstream = self.upstream.clone();

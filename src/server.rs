@@ -213,14 +213,11 @@ pub async fn serve<S>(
                 continue;
             }
         };
-        let client = ClientInfo {
-            addr: Some(peer),
-            https: tls.is_some(),
-        };
+        let client = ClientInfo::new(Some(peer), tls.is_some());
         let service = worker.service.clone();
         let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let mut req = req.map(Body::new);
-            req.extensions_mut().insert(client);
+            req.extensions_mut().insert(client.clone());
             service.clone().oneshot(req)
         });
         let open = OpenConnection::new(&worker.open);

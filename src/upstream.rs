@@ -85,10 +85,21 @@ pub enum UpstreamError {
 }
 
 /// How the client reached the proxy, for `X-Forwarded-*`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ClientInfo {
-    pub addr: Option<SocketAddr>,
-    pub https: bool,
+    /// The client's IP as `X-Forwarded-For` carries it, written once per
+    /// connection rather than per request.
+    ip: Option<HeaderValue>,
+    https: bool,
+}
+
+impl ClientInfo {
+    pub fn new(addr: Option<SocketAddr>, https: bool) -> Self {
+        // An IPv4 client on a dual-stack socket shows up as `::ffff:a.b.c.d`;
+        // the upstream expects the plain IPv4 form.
+        let ip = addr.and_then(|a| HeaderValue::try_from(a.ip().to_canonical().to_string()).ok());
+        Self { ip, https }
+    }
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1,
@@ -96,6 +107,7 @@ pub struct ClientInfo {
 /// authentication pair, which is meant for the proxy, not the origin).
 ///
 /// Names, not strings: removing by `&str` parses the name on every call.
+/// `CONNECTION` first: bit 0 of `remove_hop_by_hop`'s set of names found.
 static HOP_BY_HOP: [HeaderName; 9] = [
     CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -249,8 +261,8 @@ impl Upstream {
             headers.insert(TE, HeaderValue::from_static("trailers"));
         }
 
-        if let Some(addr) = client.addr {
-            append_forwarded_for(headers, addr);
+        if let Some(ip) = client.ip {
+            append_forwarded_for(headers, ip);
         }
         if !headers.contains_key(X_FORWARDED_PROTO) {
             let proto = if client.https { "https" } else { "http" };
@@ -398,26 +410,58 @@ fn join_path(base: &str, inbound: &Uri) -> String {
 /// `Connection` header names. `Content-Length` survives even when named:
 /// it frames the body the proxy forwards unchanged.
 pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none: one pass of name comparisons is cheaper
-    // than nine hash lookups, and this runs on every request and response.
-    // (Headers `Connection` names are only removed when it is present.)
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+    // Runs on every request and response, and most carry none or only
+    // `Connection: keep-alive`: one pass of name comparisons finds which
+    // fixed names are present, and only those are removed (a removal is a
+    // hash lookup).
+    let mut present = 0u16;
+    for name in headers.keys() {
+        if let Some(i) = hop_by_hop_index(name.as_str()) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
         return;
     }
-    let named: Vec<HeaderName> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .filter(|name| *name != CONTENT_LENGTH)
-        .collect();
-    for name in named {
-        headers.remove(name);
+    // Names listed in `Connection` are hop-by-hop too. They are removed by
+    // `&str`, which costs no `HeaderName` (an allocation for any name
+    // outside the standard set, such as the usual `keep-alive`); the values
+    // are cloned first (a reference count each) so they outlive removals.
+    if present & 1 != 0 {
+        let listed: Vec<HeaderValue> = headers.get_all(CONNECTION).iter().cloned().collect();
+        for token in listed
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|token| !token.eq_ignore_ascii_case(CONTENT_LENGTH.as_str()))
+        {
+            headers.remove(token);
+        }
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
     }
+}
+
+/// Where `name` (lower case, as header names are) sits in [`HOP_BY_HOP`]:
+/// one `match`, mostly length comparisons, instead of nine name
+/// comparisons per header.
+fn hop_by_hop_index(name: &str) -> Option<usize> {
+    Some(match name {
+        "connection" => 0,
+        "keep-alive" => 1,
+        "proxy-connection" => 2,
+        "te" => 3,
+        "trailer" => 4,
+        "transfer-encoding" => 5,
+        "upgrade" => 6,
+        "proxy-authorization" => 7,
+        "proxy-authenticate" => 8,
+        _ => return None,
+    })
 }
 
 /// Whether any `TE` value lists the `trailers` token.
@@ -436,10 +480,11 @@ fn te_accepts_trailers(headers: &HeaderMap) -> bool {
 
 /// Appends the client's IP to `X-Forwarded-For`, folding several header
 /// lines into one comma-separated value.
-fn append_forwarded_for(headers: &mut HeaderMap, addr: SocketAddr) {
-    // An IPv4 client on a dual-stack socket shows up as `::ffff:a.b.c.d`;
-    // the upstream expects the plain IPv4 form.
-    let ip = addr.ip().to_canonical().to_string();
+fn append_forwarded_for(headers: &mut HeaderMap, ip: HeaderValue) {
+    if !headers.contains_key(X_FORWARDED_FOR) {
+        headers.insert(X_FORWARDED_FOR, ip);
+        return;
+    }
     let mut value: Vec<u8> = Vec::new();
     for existing in headers.get_all(X_FORWARDED_FOR) {
         let existing = existing.as_bytes().trim_ascii();
@@ -491,10 +536,7 @@ mod tests {
     }
 
     fn client() -> ClientInfo {
-        ClientInfo {
-            addr: Some(([10, 1, 2, 3], 55555).into()),
-            https: false,
-        }
+        ClientInfo::new(Some(([10, 1, 2, 3], 55555).into()), false)
     }
 
     fn request(uri: &str, headers: &[(&str, &str)]) -> Request<Body> {
@@ -557,13 +599,7 @@ mod tests {
         assert_eq!(req.headers()["x-forwarded-proto"], "https");
         assert_eq!(req.headers()["x-forwarded-host"], "api.example.com");
 
-        let req = up.prepare(
-            request("/", &[]),
-            ClientInfo {
-                addr: None,
-                https: true,
-            },
-        );
+        let req = up.prepare(request("/", &[]), ClientInfo::new(None, true));
         assert_eq!(req.headers()["x-forwarded-proto"], "https");
         assert!(req.headers().get("x-forwarded-for").is_none());
     }
@@ -587,16 +623,10 @@ mod tests {
         let all: Vec<_> = req.headers().get_all("x-forwarded-for").iter().collect();
         assert_eq!(all, ["203.0.113.7, 198.51.100.1, 192.0.2.9, 10.1.2.3"]);
 
-        let mapped = ClientInfo {
-            addr: Some("[::ffff:192.0.2.1]:1".parse().expect("addr")),
-            https: false,
-        };
+        let mapped = ClientInfo::new(Some("[::ffff:192.0.2.1]:1".parse().expect("addr")), false);
         let req = up.prepare(request("/", &[]), mapped);
         assert_eq!(req.headers()["x-forwarded-for"], "192.0.2.1");
-        let v6 = ClientInfo {
-            addr: Some("[2001:db8::1]:1".parse().expect("addr")),
-            https: false,
-        };
+        let v6 = ClientInfo::new(Some("[2001:db8::1]:1".parse().expect("addr")), false);
         let req = up.prepare(request("/", &[]), v6);
         assert_eq!(req.headers()["x-forwarded-for"], "2001:db8::1");
     }
@@ -659,6 +689,16 @@ mod tests {
         );
         assert_eq!(req.headers()["te"], "trailers");
         assert!(req.headers().get("connection").is_none());
+    }
+
+    #[test]
+    fn the_hop_by_hop_index_matches_the_list() {
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            assert_eq!(hop_by_hop_index(name.as_str()), Some(i), "{name}");
+        }
+        for other in ["content-length", "connectio", "x-te", "host", ""] {
+            assert_eq!(hop_by_hop_index(other), None, "{other}");
+        }
     }
 
     #[test]

@@ -24,10 +24,7 @@ fn upstream(url: String) -> Upstream {
 }
 
 fn client() -> ClientInfo {
-    ClientInfo {
-        addr: Some(([192, 0, 2, 1], 40000).into()),
-        https: true,
-    }
+    ClientInfo::new(Some(([192, 0, 2, 1], 40000).into()), true)
 }
 
 fn post(uri: &str, body: &'static str) -> Request<Body> {
