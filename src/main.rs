@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use idemproxy::config::{Config, FlagOverrides, LogFormat, StoreKind};
-use idemproxy::log_format::{JsonLines, PlainFields, SecondCachedTime};
+use idemproxy::log_format::{JsonLines, PlainFields, PlainLines};
 use idemproxy::log_writer::{BatchedWriter, FlushGuard};
 use tracing_subscriber::fmt::format::JsonFields;
 
@@ -232,7 +232,7 @@ fn install_subscriber<W>(
         // (a collector, a file) gets the same lines for less CPU.
         LogFormat::Human if !ansi => builder
             .fmt_fields(PlainFields)
-            .with_timer(SecondCachedTime)
+            .event_format(PlainLines::new())
             .init(),
         LogFormat::Human => builder.init(),
     }
