@@ -74,26 +74,58 @@ pub struct FingerprintRules {
     memo: CanonicalMemo,
 }
 
-/// Canonical fingerprints of recent JSON requests, by the fingerprint of
-/// their raw bytes.
+/// Canonical fingerprints of recent JSON requests, by what was sent.
 ///
 /// A retry is almost always the same bytes sent again, and canonicalizing
 /// a body costs several times as much as hashing it raw. So a JSON request
-/// is first hashed raw (everything the fingerprint covers, the body as
-/// sent), and a request seen before gets its canonical fingerprint from
-/// here. Sound because the canonical fingerprint is a function of exactly
-/// those bytes under this route's rules (one memo per rules), and SHA-256
-/// does not collide; a miss only costs the raw hash. Shared by clones.
+/// seen before gets its canonical fingerprint from here. Sound because the
+/// canonical fingerprint is a function of exactly those bytes under this
+/// route's rules (one memo per rules). Shared by clones.
+///
+/// Up to [`MEMO_EXACT_MAX`] bytes, an entry is keyed by the bytes
+/// themselves (the framed fields, then the body), found by a fast hash and
+/// confirmed by comparing them: no SHA-256 over the body at all, which was
+/// a fifth of an in-process replay. Larger requests are keyed by their raw
+/// SHA-256 fingerprint (SHA-256 does not collide), so the memo's memory
+/// stays bounded by [`MEMO_BYTES`].
 #[derive(Clone)]
-struct CanonicalMemo(Arc<Cache<Fingerprint, Fingerprint>>);
+struct CanonicalMemo(Arc<Cache<MemoKey, Fingerprint, MemoWeight>>);
 
-/// Entries per route: a retry window's worth of distinct requests at a few
-/// thousand a second; ~100 bytes each.
-const MEMO_ENTRIES: usize = 4096;
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum MemoKey {
+    Exact(Box<[u8]>),
+    Digest(Fingerprint),
+}
+
+/// Requests up to this size are remembered by their bytes.
+const MEMO_EXACT_MAX: usize = 4 * 1024;
+
+/// What the entries of one memo may hold in all: a retry window's worth of
+/// distinct requests at a few thousand a second (~3,000 of 1 KB).
+const MEMO_BYTES: u64 = 4 * 1024 * 1024;
+
+/// An entry's weight: its key's bytes and the bookkeeping around them.
+#[derive(Clone)]
+struct MemoWeight;
+
+impl quick_cache::Weighter<MemoKey, Fingerprint> for MemoWeight {
+    fn weight(&self, key: &MemoKey, _: &Fingerprint) -> u64 {
+        let bytes = match key {
+            MemoKey::Exact(bytes) => bytes.len(),
+            MemoKey::Digest(_) => 0,
+        };
+        // usize is at most 64 bits on every supported target.
+        bytes as u64 + 96
+    }
+}
 
 impl Default for CanonicalMemo {
     fn default() -> Self {
-        Self(Arc::new(Cache::new(MEMO_ENTRIES)))
+        Self(Arc::new(Cache::with_weighter(
+            (MEMO_BYTES / 1024) as usize,
+            MEMO_BYTES,
+            MemoWeight,
+        )))
     }
 }
 
@@ -128,37 +160,55 @@ impl FingerprintRules {
     }
 
     pub fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
-        let mut h = Sha256::new();
-        h.update(DOMAIN);
-        put_field(&mut h, parts.method.as_str().as_bytes());
+        // The fields before the body, framed: hashed as they are, and the
+        // start of the memo's key for a JSON request.
+        let memo_body = if body.len() <= MEMO_EXACT_MAX {
+            body.len()
+        } else {
+            0
+        };
+        let mut fields = Vec::with_capacity(128 + memo_body);
+        fields.extend_from_slice(DOMAIN);
+        put_field(&mut fields, parts.method.as_str().as_bytes());
         // `None` only for authority-form targets (CONNECT), never proxied here.
         let target = parts.uri.path_and_query().map_or("", |pq| pq.as_str());
-        put_field(&mut h, target.as_bytes());
-        put_values(&mut h, parts.headers.get_all(CONTENT_TYPE));
-        put_len(&mut h, self.headers.len());
+        put_field(&mut fields, target.as_bytes());
+        put_values(&mut fields, parts.headers.get_all(CONTENT_TYPE));
+        put_len(&mut fields, self.headers.len());
         for name in &self.headers {
-            put_field(&mut h, name.as_str().as_bytes());
-            put_values(&mut h, parts.headers.get_all(name));
+            put_field(&mut fields, name.as_str().as_bytes());
+            put_values(&mut fields, parts.headers.get_all(name));
         }
+        let mut h = Sha256::new();
+        h.update(&fields);
         if !declares_json(parts.headers.get_all(CONTENT_TYPE)) {
             return raw_fingerprint(h, body);
         }
-        // The raw fingerprint is also the answer for a body that is not
-        // I-JSON, so a miss costs nothing extra there.
-        let raw = raw_fingerprint(h.clone(), body);
-        if let Some(canonical) = self.memo.0.get(&raw) {
+        // The fields are framed, so they and the body that follows them
+        // read back one way only: equal keys are equal requests.
+        let key = if body.len() <= MEMO_EXACT_MAX {
+            fields.extend_from_slice(body);
+            MemoKey::Exact(fields.into_boxed_slice())
+        } else {
+            MemoKey::Digest(raw_fingerprint(h.clone(), body))
+        };
+        if let Some(canonical) = self.memo.0.get(&key) {
             return canonical;
         }
         let Some(doc) = parse_ijson(body, &self.ignore) else {
-            return raw;
+            return match key {
+                MemoKey::Digest(raw) => raw,
+                MemoKey::Exact(_) => raw_fingerprint(h, body),
+            };
         };
-        h.update(b"J");
-        let mut sink = HashSink::new(&mut h);
+        let mut canonical = h;
+        canonical.update(b"J");
+        let mut sink = HashSink::new(&mut canonical);
         doc.write(&mut sink);
         let len = sink.finish();
-        h.update(len.to_be_bytes());
-        let canonical = Fingerprint(h.finalize().into());
-        self.memo.0.insert(raw, canonical);
+        canonical.update(len.to_be_bytes());
+        let canonical = Fingerprint(canonical.finalize().into());
+        self.memo.0.insert(key, canonical);
         canonical
     }
 }
@@ -166,7 +216,9 @@ impl FingerprintRules {
 /// The fingerprint with the body hashed as the bytes sent (tag `R`).
 fn raw_fingerprint(mut h: Sha256, body: &[u8]) -> Fingerprint {
     h.update(b"R");
-    put_field(&mut h, body);
+    // usize is at most 64 bits on every supported target.
+    h.update((body.len() as u64).to_be_bytes());
+    h.update(body);
     Fingerprint(h.finalize().into())
 }
 
@@ -260,22 +312,22 @@ impl Sink for HashSink<'_> {
     }
 }
 
-fn put_len(h: &mut Sha256, len: usize) {
+fn put_len(out: &mut Vec<u8>, len: usize) {
     // usize is at most 64 bits on every supported target.
-    h.update((len as u64).to_be_bytes());
+    out.extend_from_slice(&(len as u64).to_be_bytes());
 }
 
-fn put_field(h: &mut Sha256, bytes: &[u8]) {
-    put_len(h, bytes.len());
-    h.update(bytes);
+fn put_field(out: &mut Vec<u8>, bytes: &[u8]) {
+    put_len(out, bytes.len());
+    out.extend_from_slice(bytes);
 }
 
-fn put_values(h: &mut Sha256, values: GetAll<'_, HeaderValue>) {
+fn put_values(out: &mut Vec<u8>, values: GetAll<'_, HeaderValue>) {
     for v in values {
-        h.update([1]);
-        put_field(h, v.as_bytes());
+        out.push(1);
+        put_field(out, v.as_bytes());
     }
-    h.update([0]);
+    out.push(0);
 }
 
 /// Only a single `content-type` counts: with several, which one the
@@ -782,6 +834,44 @@ mod tests {
         let dup = r#"{"a":1,"a":2}"#;
         assert_eq!(fp(&r, &p, dup), fp(&r, &p, dup));
         assert_eq!(r.memo.0.len(), 2);
+        // The same request with another target or content type is another
+        // entry, not a hit on this one.
+        let mut other_target = json_parts();
+        other_target.uri = "/other".parse().expect("uri");
+        assert_ne!(fp(&r, &other_target, body), first);
+        let mut other_type = json_parts();
+        other_type.headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/merge-patch+json"),
+        );
+        assert_ne!(fp(&r, &other_type, body), first);
+        assert_eq!(r.memo.0.len(), 4);
+        // Past the size kept by bytes, entries go by their raw SHA-256, with
+        // the same answers.
+        let large = format!(r#"{{"pad":"{}","b":1}}"#, "x".repeat(MEMO_EXACT_MAX));
+        let reordered = format!(r#"{{"b":1,"pad":"{}"}}"#, "x".repeat(MEMO_EXACT_MAX));
+        let large_fp = fp(&r, &p, &large);
+        assert_eq!(r.memo.0.len(), 5);
+        assert_eq!(fp(&r, &p, &large), large_fp);
+        assert_eq!(r.memo.0.len(), 5, "answered from the memo");
+        assert_eq!(fp(&rules(&[], &["/ts"]), &p, &reordered), large_fp);
+    }
+
+    #[test]
+    fn the_memo_holds_a_bounded_number_of_bytes() {
+        let r = rules(&[], &[]);
+        let p = json_parts();
+        let pad = "y".repeat(MEMO_EXACT_MAX - 64);
+        for i in 0..2 * MEMO_BYTES as usize / MEMO_EXACT_MAX {
+            let body = format!(r#"{{"i":{i},"pad":"{pad}"}}"#);
+            let _ = fp(&r, &p, &body);
+        }
+        assert!(r.memo.0.weight() <= MEMO_BYTES, "{}", r.memo.0.weight());
+        assert!(
+            (r.memo.0.len() as u64) < MEMO_BYTES / MEMO_EXACT_MAX as u64,
+            "{}",
+            r.memo.0.len()
+        );
     }
 
     #[test]
