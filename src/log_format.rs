@@ -302,10 +302,10 @@ where
         mut writer: Writer<'_>,
         event: &Event<'_>,
     ) -> fmt::Result {
-        let meta = event.metadata();
-        if in_span(ctx, event) || meta.fields().field("log.target").is_some() {
+        if needs_full_format(ctx, event) {
             return self.full.format_event(ctx, writer, event);
         }
+        let meta = event.metadata();
         if SecondCachedTime.format_time(&mut writer).is_err() {
             writer.write_str("<unknown time>")?;
         }
@@ -324,13 +324,17 @@ where
     }
 }
 
-/// Whether `event` belongs to a span, whose list the line would carry.
-fn in_span<S, N>(ctx: &FmtContext<'_, S, N>, event: &Event<'_>) -> bool
+/// Whether `event` carries more than a request's line does: a span list
+/// (it belongs to a span) or a `log` record's own target. Such events are
+/// left to tracing-subscriber's formatter.
+fn needs_full_format<S, N>(ctx: &FmtContext<'_, S, N>, event: &Event<'_>) -> bool
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
     N: for<'a> FormatFields<'a> + 'static,
 {
-    event.parent().is_some() || (event.is_contextual() && ctx.lookup_current().is_some())
+    event.parent().is_some()
+        || (event.is_contextual() && ctx.lookup_current().is_some())
+        || event.metadata().fields().field("log.target").is_some()
 }
 
 /// One JSON object per line, as tracing-subscriber's `json()` with
@@ -368,10 +372,10 @@ where
         mut writer: Writer<'_>,
         event: &Event<'_>,
     ) -> fmt::Result {
-        let meta = event.metadata();
-        if in_span(ctx, event) || meta.fields().field("log.target").is_some() {
+        if needs_full_format(ctx, event) {
             return self.full.format_event(ctx, writer, event);
         }
+        let meta = event.metadata();
         writer.write_str("{\"timestamp\":\"")?;
         SecondCachedTime.format_time(&mut writer)?;
         writer.write_str("\",\"level\":\"")?;
