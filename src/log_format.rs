@@ -53,14 +53,14 @@ impl<'writer> FormatFields<'writer> for PlainFields {
     }
 }
 
-struct PlainVisitor<'writer> {
-    writer: Writer<'writer>,
+struct PlainVisitor<W> {
+    writer: W,
     first: bool,
     /// The first write error; later fields are skipped.
     result: fmt::Result,
 }
 
-impl PlainVisitor<'_> {
+impl<W: fmt::Write> PlainVisitor<W> {
     /// Starts a field: the separator and `name=`, or nothing for the
     /// message. False if the field is not written at all.
     fn begin(&mut self, field: &Field) -> Option<bool> {
@@ -89,7 +89,7 @@ impl PlainVisitor<'_> {
     }
 }
 
-impl Visit for PlainVisitor<'_> {
+impl<W: fmt::Write> Visit for PlainVisitor<W> {
     fn record_str(&mut self, field: &Field, value: &str) {
         let Some(message) = self.begin(field) else {
             return;
@@ -159,6 +159,16 @@ impl Visit for PlainVisitor<'_> {
 }
 
 /// `value` as `Debug` writes it (`0.005`, `2.0`, `1e-7`).
+fn write_f64<W: fmt::Write>(w: &mut W, value: f64) -> fmt::Result {
+    match write_thousandths(w, value) {
+        Some(written) => written,
+        None => write!(w, "{value:?}"),
+    }
+}
+
+/// Writes `value` if it is a whole number of thousandths below 10^12, as
+/// both `Debug` and serde_json (ryu) write it; `None` (nothing written)
+/// for any other value.
 ///
 /// The request line's durations are whole microseconds in milliseconds,
 /// which are written from integers here instead of by the shortest-digits
@@ -166,40 +176,40 @@ impl Visit for PlainVisitor<'_> {
 /// integer `m` below 10^15 has `m / 1000` with trailing zeros trimmed as its
 /// shortest round-trip form (no other number with three decimals or fewer
 /// lies within its rounding interval, which is narrower than 0.001), and
-/// `Debug` writes such magnitudes without an exponent.
-fn write_f64(w: &mut Writer<'_>, value: f64) -> fmt::Result {
+/// both write such magnitudes without an exponent, whole ones with `.0`.
+fn write_thousandths<W: fmt::Write>(w: &mut W, value: f64) -> Option<fmt::Result> {
     let thousandths = (value * 1000.0).round();
     if !(value.is_sign_positive() && thousandths < 1e15 && thousandths / 1000.0 == value) {
-        return write!(w, "{value:?}");
+        return None;
     }
     // A whole number below 10^15: exact as an integer.
     let thousandths = thousandths as u64;
-    let mut digits = itoa::Buffer::new();
-    w.write_str(digits.format(thousandths / 1000))?;
     let fraction = thousandths % 1000;
-    if fraction == 0 {
-        return w.write_str(".0");
-    }
     let padded = [
         b'.',
         b'0' + (fraction / 100) as u8,
         b'0' + (fraction / 10 % 10) as u8,
         b'0' + (fraction % 10) as u8,
     ];
-    let used = padded
-        .iter()
-        .rposition(|&d| d != b'0')
-        .map_or(1, |last| last + 1);
-    // ASCII digits and a dot.
-    w.write_str(std::str::from_utf8(&padded[..used]).unwrap_or_default())
+    // `.0` for a whole number, else the digits up to the last non-zero.
+    let used = match padded.iter().rposition(|&d| d != b'0') {
+        Some(last) if fraction != 0 => last + 1,
+        _ => 2,
+    };
+    let mut digits = itoa::Buffer::new();
+    Some(
+        w.write_str(digits.format(thousandths / 1000))
+            // ASCII digits and a dot.
+            .and_then(|()| w.write_str(std::str::from_utf8(&padded[..used]).unwrap_or_default())),
+    )
 }
 
 /// Writes a message with the characters that could drive a terminal
 /// (ESC, BEL, BS, FF, DEL and the C1 controls) escaped, as the default
 /// format does for messages: error messages can carry a client's bytes.
-struct Sanitized<'a, 'w>(&'a mut Writer<'w>);
+struct Sanitized<'a, W>(&'a mut W);
 
-impl fmt::Write for Sanitized<'_, '_> {
+impl<W: fmt::Write> fmt::Write for Sanitized<'_, W> {
     fn write_str(&mut self, s: &str) -> fmt::Result {
         let risky = |c: char| {
             matches!(
@@ -305,23 +315,67 @@ where
         if needs_full_format(ctx, event) {
             return self.full.format_event(ctx, writer, event);
         }
-        let meta = event.metadata();
-        if SecondCachedTime.format_time(&mut writer).is_err() {
-            writer.write_str("<unknown time>")?;
-        }
-        // The default format's level column: five wide, right-aligned.
-        writer.write_str(match *meta.level() {
-            tracing::Level::TRACE => " TRACE ",
-            tracing::Level::DEBUG => " DEBUG ",
-            tracing::Level::INFO => "  INFO ",
-            tracing::Level::WARN => "  WARN ",
-            tracing::Level::ERROR => " ERROR ",
-        })?;
-        writer.write_str(meta.target())?;
-        writer.write_str(": ")?;
-        ctx.format_fields(writer.by_ref(), event)?;
-        writer.write_char('\n')
+        with_line_buffer(&mut writer, |line| plain_line(line, event))
     }
+}
+
+/// The line [`PlainLines`] writes, fields as [`PlainFields`] writes them.
+fn plain_line(line: &mut String, event: &Event<'_>) -> fmt::Result {
+    let meta = event.metadata();
+    if SecondCachedTime
+        .format_time(&mut Writer::new(line))
+        .is_err()
+    {
+        line.write_str("<unknown time>")?;
+    }
+    // The default format's level column: five wide, right-aligned.
+    line.write_str(match *meta.level() {
+        tracing::Level::TRACE => " TRACE ",
+        tracing::Level::DEBUG => " DEBUG ",
+        tracing::Level::INFO => "  INFO ",
+        tracing::Level::WARN => "  WARN ",
+        tracing::Level::ERROR => " ERROR ",
+    })?;
+    line.write_str(meta.target())?;
+    line.write_str(": ")?;
+    let mut fields = PlainVisitor {
+        writer: &mut *line,
+        first: true,
+        result: Ok(()),
+    };
+    event.record(&mut fields);
+    fields.result?;
+    line.write_char('\n')
+}
+
+thread_local! {
+    /// Where [`PlainLines`] and [`JsonLines`] put a line together before
+    /// handing it to tracing-subscriber's writer in one piece: appending to
+    /// a `String` is inlined, where each write to that writer is a call
+    /// through `dyn fmt::Write` (dozens per line). One per thread, reused.
+    static LINE: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// Runs `format` on the thread's line buffer, then writes the line to
+/// `writer` in one piece. A fresh `String` if the buffer is in use (only
+/// if a `Debug` impl logged while being formatted, and tracing dispatched
+/// that).
+fn with_line_buffer(
+    writer: &mut Writer<'_>,
+    format: impl Fn(&mut String) -> fmt::Result,
+) -> fmt::Result {
+    LINE.with(|buffer| match buffer.try_borrow_mut() {
+        Ok(mut line) => {
+            line.clear();
+            format(&mut line)?;
+            writer.write_str(&line)
+        }
+        Err(_) => {
+            let mut line = String::new();
+            format(&mut line)?;
+            writer.write_str(&line)
+        }
+    })
 }
 
 /// Whether `event` carries more than a request's line does: a span list
@@ -375,33 +429,38 @@ where
         if needs_full_format(ctx, event) {
             return self.full.format_event(ctx, writer, event);
         }
-        let meta = event.metadata();
-        writer.write_str("{\"timestamp\":\"")?;
-        SecondCachedTime.format_time(&mut writer)?;
-        writer.write_str("\",\"level\":\"")?;
-        writer.write_str(meta.level().as_str())?;
-        writer.write_char('"')?;
-        let mut fields = JsonVisitor {
-            writer: &mut writer,
-            result: Ok(()),
-        };
-        event.record(&mut fields);
-        fields.result?;
-        writer.write_str(",\"target\":")?;
-        json_string(&mut writer, meta.target())?;
-        writer.write_str("}\n")
+        with_line_buffer(&mut writer, |line| json_line(line, event))
     }
 }
 
+/// The object [`JsonLines`] writes, and its newline.
+fn json_line(line: &mut String, event: &Event<'_>) -> fmt::Result {
+    let meta = event.metadata();
+    line.write_str("{\"timestamp\":\"")?;
+    SecondCachedTime.format_time(&mut Writer::new(line))?;
+    line.write_str("\",\"level\":\"")?;
+    line.write_str(meta.level().as_str())?;
+    line.write_char('"')?;
+    let mut fields = JsonVisitor {
+        writer: &mut *line,
+        result: Ok(()),
+    };
+    event.record(&mut fields);
+    fields.result?;
+    line.write_str(",\"target\":")?;
+    json_string(line, meta.target())?;
+    line.write_str("}\n")
+}
+
 /// Appends `,"name":value` per field.
-struct JsonVisitor<'a, 'w> {
-    writer: &'a mut Writer<'w>,
+struct JsonVisitor<'a, W> {
+    writer: &'a mut W,
     /// The first write error; later fields are skipped.
     result: fmt::Result,
 }
 
-impl JsonVisitor<'_, '_> {
-    fn field(&mut self, field: &Field, value: impl FnOnce(&mut Writer<'_>) -> fmt::Result) {
+impl<W: fmt::Write> JsonVisitor<'_, W> {
+    fn field(&mut self, field: &Field, value: impl FnOnce(&mut W) -> fmt::Result) {
         if self.result.is_ok() {
             self.result = self
                 .writer
@@ -413,17 +472,17 @@ impl JsonVisitor<'_, '_> {
     }
 }
 
-impl Visit for JsonVisitor<'_, '_> {
+impl<W: fmt::Write> Visit for JsonVisitor<'_, W> {
     fn record_str(&mut self, field: &Field, value: &str) {
         self.field(field, |w| json_string(w, value));
     }
 
     fn record_u64(&mut self, field: &Field, value: u64) {
-        self.field(field, |w| write!(w, "{value}"));
+        self.field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
     }
 
     fn record_i64(&mut self, field: &Field, value: i64) {
-        self.field(field, |w| write!(w, "{value}"));
+        self.field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
     }
 
     fn record_bool(&mut self, field: &Field, value: bool) {
@@ -432,8 +491,11 @@ impl Visit for JsonVisitor<'_, '_> {
 
     fn record_f64(&mut self, field: &Field, value: f64) {
         // serde_json's own rendering (shortest round trip; `null` when not
-        // finite), as the default formatter writes it.
-        self.field(field, |w| serde_json(w, &value));
+        // finite), as the default formatter writes it; durations from
+        // integers, with the same text.
+        self.field(field, |w| {
+            write_thousandths(w, value).unwrap_or_else(|| serde_json(w, &value))
+        });
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
@@ -461,7 +523,7 @@ thread_local! {
 
 /// `s` as a JSON string: directly when nothing in it needs escaping (the
 /// usual case: ids, hashes, routes), else escaped by serde_json.
-fn json_string(w: &mut Writer<'_>, s: &str) -> fmt::Result {
+fn json_string<W: fmt::Write>(w: &mut W, s: &str) -> fmt::Result {
     if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
         w.write_char('"')?;
         w.write_str(s)?;
@@ -472,15 +534,15 @@ fn json_string(w: &mut Writer<'_>, s: &str) -> fmt::Result {
 }
 
 /// Serializes `value` with serde_json into a `fmt::Write`.
-fn serde_json<T: serde::Serialize + ?Sized>(w: &mut Writer<'_>, value: &T) -> fmt::Result {
+fn serde_json<W: fmt::Write, T: serde::Serialize + ?Sized>(w: &mut W, value: &T) -> fmt::Result {
     serde_json::to_writer(FmtAdaptor(w), value).map_err(|_| fmt::Error)
 }
 
 /// serde_json writes to `io::Write`; every piece it writes for a string or
 /// a number is whole UTF-8 (it splits text only at ASCII escapes).
-struct FmtAdaptor<'a, 'w>(&'a mut Writer<'w>);
+struct FmtAdaptor<'a, W>(&'a mut W);
 
-impl std::io::Write for FmtAdaptor<'_, '_> {
+impl<W: fmt::Write> std::io::Write for FmtAdaptor<'_, W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let text = std::str::from_utf8(buf).map_err(std::io::Error::other)?;
         self.0.write_str(text).map_err(std::io::Error::other)?;
@@ -644,7 +706,7 @@ mod tests {
     }
 
     #[test]
-    fn floats_read_as_debug_writes_them() {
+    fn floats_read_as_debug_and_serde_json_write_them() {
         let ours = |value: f64| {
             let mut text = String::new();
             write_f64(&mut Writer::new(&mut text), value).expect("formats");
@@ -653,6 +715,12 @@ mod tests {
         let mut checked = 0;
         let mut check = |value: f64| {
             assert_eq!(ours(value), format!("{value:?}"), "{value:e}");
+            // What JSON lines write from integers is serde_json's text too.
+            let mut json = String::new();
+            if let Some(written) = write_thousandths(&mut json, value) {
+                written.expect("formats");
+                assert_eq!(json, serde_json::to_string(&value).expect("a number"));
+            }
             checked += 1;
         };
         // Every duration up to 100 s, and then sparser up to the limit.
