@@ -157,16 +157,54 @@ impl RecordRef<'_> {
         // Serializing plain data into a Vec cannot fail.
         postcard::to_extend(self, out).unwrap_or_default()
     }
-
-    fn encode(&self) -> Vec<u8> {
-        self.encode_after(Vec::new())
-    }
 }
+
+/// Bytes of a postcard varint holding `n`.
+fn varint_len(n: usize) -> usize {
+    // usize is at most 64 bits on every supported target.
+    (usize::BITS - n.leading_zeros()).max(1).div_ceil(7) as usize
+}
+
+/// The most a `u64` varint takes.
+const VARINT_MAX: usize = 10;
+
+/// The format version, the record's variant and the fingerprint, then
+/// three instants: what every encoding starts with, at most.
+const ENCODED_PREFIX_MAX: usize = 1 + 1 + 32 + 3 * VARINT_MAX;
 
 impl CompletedRecord {
     /// The bytes of `Record::Completed(self)`, without building it.
     pub fn encode(&self) -> Vec<u8> {
-        RecordRef::Completed(self).encode()
+        self.encode_after(Vec::with_capacity(self.encoded_len_max()))
+    }
+
+    /// At most how long the encoding is, and at most 12 bytes more (the
+    /// instants counted at their longest): an encoding written into a
+    /// buffer this large never reallocates (postcard's `to_extend` grows a
+    /// `Vec` from empty about six times per record), and the buffer wastes
+    /// little when kept.
+    pub fn encoded_len_max(&self) -> usize {
+        let outcome = match &self.outcome {
+            Outcome::Response(response) => {
+                let headers: usize = response
+                    .headers
+                    .iter()
+                    .map(|(name, value)| {
+                        varint_len(name.len()) + name.len() + varint_len(value.len()) + value.len()
+                    })
+                    .sum();
+                // Status, the header count, the body's length and bytes.
+                varint_len(usize::from(response.status))
+                    + varint_len(response.headers.len())
+                    + headers
+                    + varint_len(response.body.len())
+                    + response.body.len()
+            }
+            Outcome::NotStored { status } => varint_len(usize::from(*status)),
+            // The cause's variant.
+            Outcome::Unknown { .. } => 1,
+        };
+        ENCODED_PREFIX_MAX + 1 + outcome
     }
 
     /// [`CompletedRecord::encode`], appended to `out`.
@@ -176,9 +214,13 @@ impl CompletedRecord {
 }
 
 impl PendingRecord {
+    /// The most a claim's encoding takes: the common prefix and a fencing
+    /// token (a u128 varint).
+    pub const ENCODED_LEN_MAX: usize = ENCODED_PREFIX_MAX + 19;
+
     /// The bytes of `Record::Pending(self)`, without building it.
     pub fn encode(&self) -> Vec<u8> {
-        RecordRef::Pending(self).encode()
+        self.encode_after(Vec::with_capacity(Self::ENCODED_LEN_MAX))
     }
 
     /// [`PendingRecord::encode`], appended to `out`.
@@ -328,6 +370,58 @@ pub struct StoredResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn encodings_fit_the_buffer_sized_for_them() {
+        let now = now_millis();
+        let response = |headers: usize, body: usize| {
+            Outcome::Response(StoredResponse {
+                status: 201,
+                headers: (0..headers)
+                    .map(|i| (format!("x-header-{i}"), Bytes::from(vec![b'v'; i * 37])))
+                    .collect(),
+                body: Bytes::from(vec![b'b'; body]),
+            })
+        };
+        let mut outcomes = vec![
+            Outcome::NotStored { status: 502 },
+            Outcome::Unknown {
+                cause: UnknownCause::Abandoned,
+            },
+        ];
+        for (headers, body) in [(0, 0), (1, 1), (4, 35), (12, 127), (3, 128), (40, 70_000)] {
+            outcomes.push(response(headers, body));
+        }
+        for (i, outcome) in outcomes.into_iter().enumerate() {
+            let record = CompletedRecord {
+                fingerprint: Fingerprint([9; 32]),
+                created_at: now,
+                completed_at: now + 5,
+                expires_at: now + 86_400_000,
+                outcome,
+            };
+            let bytes = record.encode();
+            let max = record.encoded_len_max();
+            assert!(bytes.len() <= max, "{i}: {} > {max}", bytes.len());
+            // Only the instants are counted at their longest (10 bytes
+            // each, 6 for today's milliseconds).
+            assert!(max - bytes.len() <= 3 * 4, "{i}: {} for {max}", bytes.len());
+            assert_eq!(bytes.capacity(), max, "{i}: the buffer grew");
+            assert_eq!(Record::decode(&bytes), Ok(Record::Completed(record)));
+        }
+        for token in [0, 1, u128::MAX] {
+            let claim = PendingRecord {
+                fingerprint: Fingerprint([1; 32]),
+                token: FencingToken(token),
+                created_at: u64::MAX,
+                lease_expires_at: u64::MAX,
+                expires_at: u64::MAX,
+            };
+            let bytes = claim.encode();
+            assert!(bytes.len() <= PendingRecord::ENCODED_LEN_MAX);
+            assert_eq!(bytes.capacity(), PendingRecord::ENCODED_LEN_MAX);
+        }
+    }
 
     fn completed() -> Record {
         Record::Completed(CompletedRecord {

@@ -104,8 +104,7 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use super::{decide_begin, new_claim, Begin, BeginOutcome, SharedStore, Store, StoreError};
 use crate::config::{StoreConfig, StoreKind};
 use crate::idempotency::record::{
-    now_millis, CompletedRecord, FencingToken, Outcome, PendingRecord, Record, RecordKey,
-    UnixMillis,
+    now_millis, CompletedRecord, FencingToken, PendingRecord, Record, RecordKey, UnixMillis,
 };
 
 /// Longest relative expiry handed to `PX`. Redis refuses expiries that
@@ -690,16 +689,17 @@ fn claim_id(state: u8, token: u128) -> [u8; CLAIM_ID_LEN] {
 
 /// A pending claim as Redis holds it.
 fn stored_pending(claim: &PendingRecord) -> Vec<u8> {
-    claim.encode_after(header(b'p', claim.token.0, claim.expires_at, 96))
+    claim.encode_after(header(
+        b'p',
+        claim.token.0,
+        claim.expires_at,
+        PendingRecord::ENCODED_LEN_MAX,
+    ))
 }
 
 /// A completed record as Redis holds it.
 fn stored_completed(record: &CompletedRecord) -> Vec<u8> {
-    let body = match &record.outcome {
-        Outcome::Response(response) => response.body.len() + 64 * response.headers.len(),
-        Outcome::NotStored { .. } | Outcome::Unknown { .. } => 0,
-    };
-    record.encode_after(header(b'c', 0, record.expires_at, 128 + body))
+    record.encode_after(header(b'c', 0, record.expires_at, record.encoded_len_max()))
 }
 
 fn stored(record: &Record) -> Vec<u8> {
@@ -933,7 +933,7 @@ fn unexpected(what: &str) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::record::Fingerprint;
+    use crate::idempotency::record::{Fingerprint, Outcome};
 
     #[test]
     fn keys_carry_the_record_key_as_hash_tag() {
