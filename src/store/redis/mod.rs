@@ -545,12 +545,16 @@ impl RedisStore {
             .invoke_async(&mut self.conn())
             .await
             .map_err(redis_error)?;
-        let mut reply = Reply::new(reply)?;
-        match reply.status.as_str() {
-            "ok" => Ok(()),
-            "fenced" => Err(StoreError::Fenced),
-            "corrupt" => Err(reply.corrupt()),
-            other => Err(unexpected(other)),
+        match reply {
+            Value::Int(1) => Ok(()),
+            Value::Int(0) => Err(StoreError::Fenced),
+            other => {
+                let mut reply = Reply::new(other)?;
+                match reply.status.as_str() {
+                    "corrupt" => Err(reply.corrupt()),
+                    other => Err(unexpected(other)),
+                }
+            }
         }
     }
 }
