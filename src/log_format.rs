@@ -275,15 +275,24 @@ fn up_to_the_second(secs: u64) -> String {
     text
 }
 
-/// Human lines, as tracing-subscriber's default format writes them without
-/// colours: `time LEVEL target: fields`. Written directly rather than
-/// through that format's `write!` per part. Events inside a span, and those
-/// forwarded from the `log` crate, carry more (the span list, the record's
-/// own target), so they go to that formatter itself; requests log outside
-/// any span.
-pub struct PlainLines {
-    full: Format<Full, SecondCachedTime>,
+/// A line format that writes the request's line itself and leaves the
+/// events it does not cover to tracing-subscriber's format `F`: those
+/// inside a span and those forwarded from the `log` crate carry more (the
+/// span list, the record's own target); requests log outside any span.
+pub struct DirectLines<F> {
+    full: F,
+    line: fn(&mut String, &Event<'_>) -> fmt::Result,
 }
+
+/// Human lines, as tracing-subscriber's default format writes them without
+/// colours: `time LEVEL target: fields`, written directly rather than
+/// through that format's `write!` per part.
+pub type PlainLines = DirectLines<Format<Full, SecondCachedTime>>;
+
+/// One JSON object per line, as tracing-subscriber's `json()` with
+/// `flatten_event(true)` writes it: `timestamp`, `level`, the event's
+/// fields (the message as `message`), `target`.
+pub type JsonLines = DirectLines<Format<Json>>;
 
 impl PlainLines {
     pub fn new() -> Self {
@@ -291,6 +300,7 @@ impl PlainLines {
             full: tracing_subscriber::fmt::format()
                 .with_timer(SecondCachedTime)
                 .with_ansi(false),
+            line: plain_line,
         }
     }
 }
@@ -301,10 +311,26 @@ impl Default for PlainLines {
     }
 }
 
-impl<S, N> FormatEvent<S, N> for PlainLines
+impl JsonLines {
+    pub fn new() -> Self {
+        Self {
+            full: tracing_subscriber::fmt::format().json().flatten_event(true),
+            line: json_line,
+        }
+    }
+}
+
+impl Default for JsonLines {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S, N, F> FormatEvent<S, N> for DirectLines<F>
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
     N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
 {
     fn format_event(
         &self,
@@ -315,7 +341,7 @@ where
         if needs_full_format(ctx, event) {
             return self.full.format_event(ctx, writer, event);
         }
-        with_line_buffer(&mut writer, |line| plain_line(line, event))
+        with_line_buffer(&mut writer, |line| (self.line)(line, event))
     }
 }
 
@@ -389,48 +415,6 @@ where
     event.parent().is_some()
         || (event.is_contextual() && ctx.lookup_current().is_some())
         || event.metadata().fields().field("log.target").is_some()
-}
-
-/// One JSON object per line, as tracing-subscriber's `json()` with
-/// `flatten_event(true)` writes it: `timestamp`, `level`, the event's
-/// fields (the message as `message`), `target`. Events inside a span, and
-/// those forwarded from the `log` crate, carry more (the span list, the
-/// record's own target), so they go to that formatter itself; requests
-/// log outside any span.
-pub struct JsonLines {
-    full: Format<Json>,
-}
-
-impl JsonLines {
-    pub fn new() -> Self {
-        Self {
-            full: tracing_subscriber::fmt::format().json().flatten_event(true),
-        }
-    }
-}
-
-impl Default for JsonLines {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl<S, N> FormatEvent<S, N> for JsonLines
-where
-    S: Subscriber + for<'a> LookupSpan<'a>,
-    N: for<'a> FormatFields<'a> + 'static,
-{
-    fn format_event(
-        &self,
-        ctx: &FmtContext<'_, S, N>,
-        mut writer: Writer<'_>,
-        event: &Event<'_>,
-    ) -> fmt::Result {
-        if needs_full_format(ctx, event) {
-            return self.full.format_event(ctx, writer, event);
-        }
-        with_line_buffer(&mut writer, |line| json_line(line, event))
-    }
 }
 
 /// The object [`JsonLines`] writes, and its newline.
