@@ -149,7 +149,15 @@ const BEGIN_ATTEMPTS: usize = 4;
 /// The Redis key of `key` under `prefix`: `<prefix>{<hex>}`. The hash tag
 /// (the part in braces) makes the cluster slot depend on the record key only.
 pub fn redis_key(prefix: &str, key: &RecordKey) -> String {
-    format!("{prefix}{{{}}}", key.hex())
+    // Built by hand: `format!` would grow the string on the way, and every
+    // store call names its key.
+    let hex = key.hex();
+    let mut name = String::with_capacity(prefix.len() + hex.as_str().len() + 2);
+    name.push_str(prefix);
+    name.push('{');
+    name.push_str(hex.as_str());
+    name.push('}');
+    name
 }
 
 /// How long [`open`] waits for a Redis that is not up yet.
