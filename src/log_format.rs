@@ -60,101 +60,97 @@ struct PlainVisitor<W> {
     result: fmt::Result,
 }
 
+/// What [`PlainVisitor::begin`] made of a field.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// Left out: a `log` crate's bookkeeping field, or an earlier write
+    /// failed.
+    Skipped,
+    /// The message: written bare (and sanitized) after the separator.
+    Message,
+    /// Any other field: `name=` is written, the value follows.
+    Named,
+}
+
 impl<W: fmt::Write> PlainVisitor<W> {
-    /// Starts a field: the separator and `name=`, or nothing for the
-    /// message. False if the field is not written at all.
-    fn begin(&mut self, field: &Field) -> Option<bool> {
+    /// Starts a field: the separator and `name=`, or only the separator for
+    /// the message.
+    fn begin(&mut self, field: &Field) -> Slot {
         if self.result.is_err() {
-            return None;
+            return Slot::Skipped;
         }
         let name = field.name();
         // Fields `tracing-log` adds to events from the `log` crate, which
         // the default format leaves out too.
         if name.starts_with("log.") {
-            return None;
+            return Slot::Skipped;
         }
         if !self.first {
             self.result = self.writer.write_char(' ');
         }
         self.first = false;
         if name == "message" {
-            return Some(true);
+            return Slot::Message;
         }
         let name = name.strip_prefix("r#").unwrap_or(name);
         self.result = self
             .result
             .and_then(|()| self.writer.write_str(name))
             .and_then(|()| self.writer.write_char('='));
-        Some(false)
+        Slot::Named
+    }
+
+    /// A field whose value reads the same as message or named field.
+    fn value(&mut self, field: &Field, write: impl FnOnce(&mut W) -> fmt::Result) {
+        if self.begin(field) != Slot::Skipped {
+            self.result = self.result.and_then(|()| write(&mut self.writer));
+        }
     }
 }
 
 impl<W: fmt::Write> Visit for PlainVisitor<W> {
     fn record_str(&mut self, field: &Field, value: &str) {
-        let Some(message) = self.begin(field) else {
-            return;
-        };
-        self.result = self.result.and_then(|()| {
-            if message {
-                Sanitized(&mut self.writer).write_str(value)
-            } else if value
-                .bytes()
-                .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
+        let slot = self.begin(field);
+        self.result = self.result.and_then(|()| match slot {
+            Slot::Skipped => Ok(()),
+            Slot::Message => Sanitized(&mut self.writer).write_str(value),
+            Slot::Named
+                if value
+                    .bytes()
+                    .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\') =>
             {
                 // What `Debug` writes for a string that needs no escapes.
                 self.writer.write_char('"')?;
                 self.writer.write_str(value)?;
                 self.writer.write_char('"')
-            } else {
-                write!(self.writer, "{value:?}")
             }
+            Slot::Named => write!(self.writer, "{value:?}"),
         });
     }
 
     fn record_u64(&mut self, field: &Field, value: u64) {
-        if self.begin(field).is_some() {
-            self.result = self
-                .result
-                .and_then(|()| self.writer.write_str(itoa::Buffer::new().format(value)));
-        }
+        self.value(field, |w| w.write_str(itoa::Buffer::new().format(value)));
     }
 
     fn record_i64(&mut self, field: &Field, value: i64) {
-        if self.begin(field).is_some() {
-            self.result = self
-                .result
-                .and_then(|()| self.writer.write_str(itoa::Buffer::new().format(value)));
-        }
+        self.value(field, |w| w.write_str(itoa::Buffer::new().format(value)));
     }
 
     fn record_f64(&mut self, field: &Field, value: f64) {
-        if self.begin(field).is_some() {
-            self.result = self
-                .result
-                .and_then(|()| write_f64(&mut self.writer, value));
-        }
+        self.value(field, |w| write_f64(w, value));
     }
 
     fn record_bool(&mut self, field: &Field, value: bool) {
-        if self.begin(field).is_some() {
-            self.result = self
-                .result
-                .and_then(|()| self.writer.write_str(if value { "true" } else { "false" }));
-        }
+        self.value(field, |w| w.write_str(if value { "true" } else { "false" }));
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        match self.begin(field) {
-            Some(true) => {
-                self.result = self
-                    .result
-                    .and_then(|()| write!(Sanitized(&mut self.writer), "{value:?}"));
-            }
-            Some(false) => {
-                self.result = self.result.and_then(|()| write!(self.writer, "{value:?}"));
-            }
-            None => {}
-        }
+        let slot = self.begin(field);
+        self.result = self.result.and_then(|()| match slot {
+            Slot::Skipped => Ok(()),
+            Slot::Message => write!(Sanitized(&mut self.writer), "{value:?}"),
+            Slot::Named => write!(self.writer, "{value:?}"),
+        });
     }
 }
 
