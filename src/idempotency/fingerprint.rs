@@ -46,13 +46,16 @@
 //! that need exact big numbers send them as strings, which JCS keeps exact.
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use http::header::{GetAll, CONTENT_TYPE};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue};
 use quick_cache::sync::Cache;
+use quick_cache::Equivalent;
 use sha2::{Digest, Sha256};
 
 use super::canonical::{Document, Kind, NodeId, Sink};
@@ -91,10 +94,43 @@ pub struct FingerprintRules {
 #[derive(Clone)]
 struct CanonicalMemo(Arc<Cache<MemoKey, Fingerprint, MemoWeight>>);
 
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, PartialEq, Eq)]
 enum MemoKey {
     Exact(Box<[u8]>),
     Digest(Fingerprint),
+}
+
+/// Hashed as its bytes alone, as [`ExactBytes`] is: a lookup borrows the
+/// request's bytes instead of copying them into a key it then drops.
+impl Hash for MemoKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        match self {
+            MemoKey::Exact(bytes) => bytes.hash(state),
+            MemoKey::Digest(digest) => digest.0.hash(state),
+        }
+    }
+}
+
+/// A request's bytes, looked up as a [`MemoKey::Exact`].
+struct ExactBytes<'a>(&'a [u8]);
+
+impl Hash for ExactBytes<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
+
+impl Equivalent<MemoKey> for ExactBytes<'_> {
+    fn equivalent(&self, key: &MemoKey) -> bool {
+        matches!(key, MemoKey::Exact(bytes) if **bytes == *self.0)
+    }
+}
+
+thread_local! {
+    /// Where a request's framed fields (and, for a JSON request the memo
+    /// keeps by its bytes, its body) are put together: one buffer per
+    /// thread, reused, instead of an allocation per request.
+    static REQUEST_BYTES: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Requests up to this size are remembered by their bytes.
@@ -160,54 +196,66 @@ impl FingerprintRules {
     }
 
     pub fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
+        REQUEST_BYTES.with(|buffer| match buffer.try_borrow_mut() {
+            Ok(mut bytes) => {
+                bytes.clear();
+                self.fingerprint_with(parts, body, &mut bytes)
+            }
+            // Only if fingerprinting ever ran inside itself: a buffer of its
+            // own rather than a panic.
+            Err(_) => self.fingerprint_with(parts, body, &mut Vec::new()),
+        })
+    }
+
+    /// [`FingerprintRules::fingerprint`], with `bytes` (empty) to put the
+    /// request together in.
+    fn fingerprint_with(&self, parts: &Parts, body: &[u8], bytes: &mut Vec<u8>) -> Fingerprint {
         // The fields before the body, framed: hashed as they are, and the
         // start of the memo's key for a JSON request.
-        let memo_body = if body.len() <= MEMO_EXACT_MAX {
-            body.len()
-        } else {
-            0
-        };
-        let mut fields = Vec::with_capacity(128 + memo_body);
-        fields.extend_from_slice(DOMAIN);
-        put_field(&mut fields, parts.method.as_str().as_bytes());
+        bytes.extend_from_slice(DOMAIN);
+        put_field(bytes, parts.method.as_str().as_bytes());
         // `None` only for authority-form targets (CONNECT), never proxied here.
         let target = parts.uri.path_and_query().map_or("", |pq| pq.as_str());
-        put_field(&mut fields, target.as_bytes());
-        put_values(&mut fields, parts.headers.get_all(CONTENT_TYPE));
-        put_len(&mut fields, self.headers.len());
+        put_field(bytes, target.as_bytes());
+        put_values(bytes, parts.headers.get_all(CONTENT_TYPE));
+        put_len(bytes, self.headers.len());
         for name in &self.headers {
-            put_field(&mut fields, name.as_str().as_bytes());
-            put_values(&mut fields, parts.headers.get_all(name));
+            put_field(bytes, name.as_str().as_bytes());
+            put_values(bytes, parts.headers.get_all(name));
         }
         let mut h = Sha256::new();
-        h.update(&fields);
+        h.update(&bytes[..]);
         if !declares_json(parts.headers.get_all(CONTENT_TYPE)) {
             return raw_fingerprint(h, body);
         }
         // The fields are framed, so they and the body that follows them
         // read back one way only: equal keys are equal requests.
-        let key = if body.len() <= MEMO_EXACT_MAX {
-            fields.extend_from_slice(body);
-            MemoKey::Exact(fields.into_boxed_slice())
+        let digest = if body.len() <= MEMO_EXACT_MAX {
+            bytes.extend_from_slice(body);
+            if let Some(canonical) = self.memo.0.get(&ExactBytes(bytes)) {
+                return canonical;
+            }
+            None
         } else {
-            MemoKey::Digest(raw_fingerprint(h.clone(), body))
+            let raw = raw_fingerprint(h.clone(), body);
+            if let Some(canonical) = self.memo.0.get(&MemoKey::Digest(raw)) {
+                return canonical;
+            }
+            Some(raw)
         };
-        if let Some(canonical) = self.memo.0.get(&key) {
-            return canonical;
-        }
         let Some(doc) = parse_ijson(body, &self.ignore) else {
-            return match key {
-                MemoKey::Digest(raw) => raw,
-                MemoKey::Exact(_) => raw_fingerprint(h, body),
-            };
+            return digest.unwrap_or_else(|| raw_fingerprint(h, body));
         };
-        let mut canonical = h;
-        canonical.update(b"J");
-        let mut sink = HashSink::new(&mut canonical);
+        h.update(b"J");
+        let mut sink = HashSink::new(&mut h);
         doc.write(&mut sink);
         let len = sink.finish();
-        canonical.update(len.to_be_bytes());
-        let canonical = Fingerprint(canonical.finalize().into());
+        h.update(len.to_be_bytes());
+        let canonical = Fingerprint(h.finalize().into());
+        let key = match digest {
+            Some(raw) => MemoKey::Digest(raw),
+            None => MemoKey::Exact(bytes.as_slice().into()),
+        };
         self.memo.0.insert(key, canonical);
         canonical
     }
@@ -821,10 +869,12 @@ mod tests {
         let body = r#"{"b":1,"a":[1,2.50],"ts":"now"}"#;
         let first = fp(&r, &p, body);
         assert_eq!(r.memo.0.len(), 1);
-        assert_eq!(fp(&r, &p, body), first);
-        assert_eq!(r.memo.0.len(), 1, "answered from the memo");
         // What the memo answered is what canonicalizing computes.
         assert_eq!(fp(&rules(&[], &["/ts"]), &p, body), first);
+        // The same bytes again are answered from the memo, not recomputed.
+        let marker = Fingerprint([0xee; 32]);
+        mark_memo(&r, marker);
+        assert_eq!(fp(&r, &p, body), marker, "answered from the memo");
         // Other bytes with the same canonical form: a miss, the same answer.
         assert_eq!(fp(&r, &p, r#"{"a":[1,2.5],"b":1,"ts":"later"}"#), first);
         assert_eq!(r.memo.0.len(), 2);
@@ -852,9 +902,32 @@ mod tests {
         let reordered = format!(r#"{{"b":1,"pad":"{}"}}"#, "x".repeat(MEMO_EXACT_MAX));
         let large_fp = fp(&r, &p, &large);
         assert_eq!(r.memo.0.len(), 5);
-        assert_eq!(fp(&r, &p, &large), large_fp);
-        assert_eq!(r.memo.0.len(), 5, "answered from the memo");
         assert_eq!(fp(&rules(&[], &["/ts"]), &p, &reordered), large_fp);
+        mark_memo(&r, marker);
+        assert_eq!(fp(&r, &p, &large), marker, "answered from the memo");
+    }
+
+    /// Makes every entry of `r`'s memo answer `marker`, which only a call
+    /// answered from the memo returns.
+    fn mark_memo(r: &FingerprintRules, marker: Fingerprint) {
+        let keys: Vec<MemoKey> = r.memo.0.iter().map(|(key, _)| key).collect();
+        for key in keys {
+            r.memo.0.insert(key, marker);
+        }
+    }
+
+    #[test]
+    fn borrowed_bytes_find_the_entry_kept_for_them() {
+        let memo = CanonicalMemo::default();
+        let bytes = b"fields, then a body".to_vec();
+        memo.0
+            .insert(MemoKey::Exact(bytes.clone().into()), Fingerprint([1; 32]));
+        memo.0
+            .insert(MemoKey::Digest(Fingerprint([2; 32])), Fingerprint([3; 32]));
+        assert_eq!(memo.0.get(&ExactBytes(&bytes)), Some(Fingerprint([1; 32])));
+        assert_eq!(memo.0.get(&ExactBytes(b"fields, then a bod")), None);
+        // A digest's bytes are not a request's bytes.
+        assert_eq!(memo.0.get(&ExactBytes(&[2; 32])), None);
     }
 
     #[test]
