@@ -564,12 +564,8 @@ mod tests {
 
     fn lines(plain: bool) -> String {
         let out = Captured::default();
-        let writer = {
-            let out = out.clone();
-            move || out.clone()
-        };
         let builder = tracing_subscriber::fmt()
-            .with_writer(writer)
+            .with_writer(out.make_writer())
             .with_ansi(false)
             .with_timer(SecondCachedTime);
         let run = || {
@@ -626,11 +622,9 @@ mod tests {
 
     fn json_lines(ours: bool) -> String {
         let out = Captured::default();
-        let writer = {
-            let out = out.clone();
-            move || out.clone()
-        };
-        let builder = tracing_subscriber::fmt().with_writer(writer).json();
+        let builder = tracing_subscriber::fmt()
+            .with_writer(out.make_writer())
+            .json();
         let run = || {
             events();
             tracing::info!(
@@ -708,12 +702,8 @@ mod tests {
     fn only_events_with_more_than_a_request_line_are_delegated() {
         for line in [plain_line, json_line] {
             let out = Captured::default();
-            let writer = {
-                let out = out.clone();
-                move || out.clone()
-            };
             let subscriber = tracing_subscriber::fmt()
-                .with_writer(writer)
+                .with_writer(out.make_writer())
                 .fmt_fields(PlainFields)
                 .event_format(DirectLines {
                     full: Delegated,

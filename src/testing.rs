@@ -19,6 +19,12 @@ impl std::io::Write for Captured {
 }
 
 impl Captured {
+    /// A `MakeWriter` for a log subscriber that writes here.
+    pub fn make_writer(&self) -> impl Fn() -> Captured + Send + Sync + 'static {
+        let out = self.clone();
+        move || out.clone()
+    }
+
     pub fn text(&self) -> String {
         String::from_utf8(self.0.lock().expect("capture").clone()).expect("UTF-8")
     }
