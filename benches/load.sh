@@ -33,15 +33,8 @@ CONNS=${CONNS:-32}
 FIXED_SECONDS=${FIXED_SECONDS:-6}
 SOAK_SECONDS=${SOAK_SECONDS:-60}
 
-for tool in nginx wrk redis-server; do
-  if ! command -v "$tool" >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk redis-server >/dev/null
-    else
-      echo "benches/load.sh needs $tool" >&2; exit 1
-    fi
-  fi
-done
+. benches/lib.sh
+need_tools nginx wrk redis-server
 
 cargo build --release --locked --quiet --bin idemproxy --example loadgen
 BIN=target/release/idemproxy
@@ -49,52 +42,15 @@ LOADGEN=target/release/examples/loadgen
 
 WORK=$(mktemp -d)
 PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  [ -f "$WORK/upstream.pid" ] && kill "$(cat "$WORK/upstream.pid")" 2>/dev/null || true
-  [ -f "$WORK/control.pid" ] && kill "$(cat "$WORK/control.pid")" 2>/dev/null || true
-  sleep 0.3
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+trap stop_rig EXIT
 
 UP=$(free_port); NG=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); RP=$(free_port)
 
-nginx_conf() { # name listen body
-  cat >"$WORK/$1.conf" <<EOF
-worker_processes auto;
-pid $WORK/$1.pid;
-error_log $WORK/$1.error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log $WORK/$1.access.log;
-  client_body_temp_path $WORK/$1.body;
-  proxy_temp_path $WORK/$1.proxy;
-  upstream backend { server 127.0.0.1:$UP; keepalive 64; }
-  server {
-    listen 127.0.0.1:$2;
-    $3
-  }
-}
-EOF
-  nginx -c "$WORK/$1.conf" -p "$WORK"
-  wait_port "$2"
-}
-nginx_conf upstream "$UP" 'location / { default_type application/json; return 201 "{\"id\":\"pay_1\",\"status\":\"succeeded\"}"; }'
+start_upstream
 nginx_conf control "$NG" 'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
 
-redis-server --port "$RP" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync everysec --dir "$WORK" --daemonize no >"$WORK/redis.log" 2>&1 &
-PIDS+=($!); echo $! >"$WORK/redis-server.pid"; wait_port "$RP"
+start_redis "$RP"
 
-start_proxy() { # name port kind [VAR=value...]
-  local name=$1 port=$2 kind=$3; shift 3
-  env IDEMPROXY_LOG__LEVEL=info "$@" "$BIN" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
-    --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "redis://127.0.0.1:$RP" >"$WORK/$name.log" 2>&1 &
-  PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
-}
 start_proxy memory "$IM" memory
 # The same with one traffic worker instead of one per CPU: on two cores that
 # the load generator and the upstream also use, fewer threads can mean
@@ -226,6 +182,7 @@ targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemp
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
 print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis")
 nginx_unique = None
+ratio = {}
 for scenario in ["unique", "passthrough", "replay"]:
     # nginx ignores the key, so its unique-key run is the passthrough's base.
     base = nginx_unique if scenario == "passthrough" else None
@@ -238,6 +195,7 @@ for scenario in ["unique", "passthrough", "replay"]:
         base = base or rps
         if scenario == "unique" and t == "nginx":
             nginx_unique = rps
+        ratio[scenario, t] = rps / base
         cpu = {part: statistics.median(float(field(r, "cpu_" + part) or "nan") for r in rs)
                for part in ("proxy", "upstream", "redis")}
         redis = f"{cpu['redis']:6.1f}" if "redis" in t else f"{'-':>6}"
@@ -245,15 +203,34 @@ for scenario in ["unique", "passthrough", "replay"]:
               f"   {cpu['proxy']:20.1f} {cpu['upstream']:8.1f} {redis}")
 print()
 fixed = [r for r in rows if r[0] == "fixed"]
+over_nginx = {}
 if fixed:
     print(f"fixed rate {field(fixed[0], 'rate')} req/s, unique keys (passthrough: the same without a key, memory proxy), latency from the scheduled send time:")
     base = None
     for r in fixed:
         p99 = float(field(r, "p99_ms"))
         base = p99 if base is None else base
+        over_nginx[r[1]] = p99 - base
         print(f"  {r[1]:<17} p50 {float(field(r, 'p50_ms')):7.3f} ms  p99 {p99:7.3f} ms  (nginx p99 + {p99 - base:6.3f} ms)  p99.9 {float(field(r, 'p999_ms')):7.3f} ms  errors {field(r, 'errors')}")
 print()
 print(f"peak RSS over the runs above: idemproxy-memory {int(rss_mem) / 1024:.1f} MiB (records kept 24 h), idemproxy-redis {int(rss_redis) / 1024:.1f} MiB")
+print()
+print("targets (the performance issue's, on the medians above):")
+def verdict(name, ok, shown):
+    print(f"  {name:<46} {shown:>12}  {'met' if ok else 'NOT met'}")
+for t, goal in (("idemproxy-redis", 0.8), ("idemproxy-memory", 1.0)):
+    v = ratio[("unique", t)]
+    verdict(f"unique keys, {t} >= {goal}x nginx", v >= goal, f"{v:.3f}x")
+for t in ("idemproxy-memory", "idemproxy-redis", "idemproxy-redis-cache"):
+    v = ratio[("replay", t)]
+    verdict(f"replays, {t} >= 1.5x nginx", v >= 1.5, f"{v:.3f}x")
+for t in ("idemproxy-memory", "idemproxy-redis"):
+    if t in over_nginx:
+        v = over_nginx[t]
+        verdict(f"fixed-rate p99, {t} <= nginx + 1 ms", v <= 1.0, f"+{v:.2f} ms")
+for t, kib in (("idemproxy-memory", rss_mem), ("idemproxy-redis", rss_redis)):
+    v = int(kib) / 1024
+    verdict(f"peak RSS, {t} < 100 MB", v * 1.048576 < 100, f"{v:.1f} MiB")
 soak = [r for r in rows if r[0] == "soak"]
 if soak:
     print()

@@ -1,0 +1,84 @@
+# Shared by benches/load.sh and benches/profile.sh (sourced, not run): the
+# tools, ports, nginx instances and idemproxy processes of the load rig.
+# Everything binds 127.0.0.1; callers set WORK (a scratch directory) and
+# PIDS (an array of what to stop at exit) before using these.
+
+# Installs what the rig needs from Debian's packages when running as root:
+# `need_tools nginx wrk redis-server`.
+need_tools() {
+  local tool missing=()
+  for tool in "$@"; do command -v "$tool" >/dev/null 2>&1 || missing+=("$tool"); done
+  [ ${#missing[@]} = 0 ] && return 0
+  if [ "$(id -u)" != 0 ]; then
+    echo "${0##*/} needs: ${missing[*]}" >&2; exit 1
+  fi
+  local packages=()
+  for tool in "${missing[@]}"; do
+    case $tool in
+      nginx) packages+=(nginx-light) ;;
+      perf) packages+=(linux-perf) ;;
+      *) packages+=("$tool") ;;
+    esac
+  done
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
+}
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+
+# nginx_conf NAME PORT SERVER-BODY: an nginx (worker_processes auto) whose
+# one server listens on PORT; its master's pid in $WORK/NAME.pid. The
+# `backend` upstream is the `return 201` upstream on $UP, kept alive.
+nginx_conf() {
+  cat >"$WORK/$1.conf" <<CONF
+worker_processes auto;
+pid $WORK/$1.pid;
+error_log $WORK/$1.error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log $WORK/$1.access.log;
+  client_body_temp_path $WORK/$1.body;
+  proxy_temp_path $WORK/$1.proxy;
+  upstream backend { server 127.0.0.1:$UP; keepalive 64; }
+  server {
+    listen 127.0.0.1:$2;
+    $3
+  }
+}
+CONF
+  nginx -c "$WORK/$1.conf" -p "$WORK"
+  wait_port "$2"
+}
+
+# The upstream every target proxies to: nginx answering 201 with a small
+# JSON body, as fast an upstream as this machine has.
+start_upstream() {
+  nginx_conf upstream "$UP" 'location / { default_type application/json; return 201 "{\"id\":\"pay_1\",\"status\":\"succeeded\"}"; }'
+}
+
+# start_redis PORT: a private Redis as an operator would run it for
+# idempotency records (AOF, fsync every second); pid in $WORK/redis-server.pid.
+start_redis() {
+  redis-server --port "$1" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync everysec --dir "$WORK" --daemonize no >"$WORK/redis.log" 2>&1 &
+  PIDS+=($!); echo $! >"$WORK/redis-server.pid"; wait_port "$1"
+}
+
+# start_proxy NAME PORT STORE [VAR=value...]: the release binary in front of
+# the upstream, logging at info as in production; pid in $WORK/NAME.pid.
+start_proxy() {
+  local name=$1 port=$2 kind=$3; shift 3
+  env IDEMPROXY_LOG__LEVEL=info "$@" "$BIN" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
+    --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "redis://127.0.0.1:${RP:-6379}" >"$WORK/$name.log" 2>&1 &
+  PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
+}
+
+# Stops what the rig started: $PIDS, and the nginx masters by pid file.
+stop_rig() {
+  local pid f
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for f in "$WORK"/upstream.pid "$WORK"/control.pid; do
+    [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
+  done
+  sleep 0.3
+  rm -rf "$WORK"
+}
