@@ -223,10 +223,16 @@ impl FingerprintRules {
             put_field(bytes, name.as_str().as_bytes());
             put_values(bytes, parts.headers.get_all(name));
         }
-        let mut h = Sha256::new();
-        h.update(&bytes[..]);
+        // The fields hashed, once the memo has not answered: a retry the
+        // memo knows never starts SHA-256 at all.
+        let fields = bytes.len();
+        let hashed = |bytes: &[u8]| {
+            let mut h = Sha256::new();
+            h.update(bytes.get(..fields).unwrap_or_default());
+            h
+        };
         if !declares_json(parts.headers.get_all(CONTENT_TYPE)) {
-            return raw_fingerprint(h, body);
+            return raw_fingerprint(hashed(bytes), body);
         }
         // The fields are framed, so they and the body that follows them
         // read back one way only: equal keys are equal requests.
@@ -237,12 +243,13 @@ impl FingerprintRules {
             }
             None
         } else {
-            let raw = raw_fingerprint(h.clone(), body);
+            let raw = raw_fingerprint(hashed(bytes), body);
             if let Some(canonical) = self.memo.0.get(&MemoKey::Digest(raw)) {
                 return canonical;
             }
             Some(raw)
         };
+        let mut h = hashed(bytes);
         let Some(doc) = parse_ijson(body, &self.ignore) else {
             return digest.unwrap_or_else(|| raw_fingerprint(h, body));
         };

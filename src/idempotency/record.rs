@@ -134,7 +134,7 @@ pub fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum Record {
     Pending(PendingRecord),
     Completed(CompletedRecord),
@@ -259,7 +259,60 @@ impl Record {
         }
     }
 
+    /// Decodes `bytes`, copying the stored headers and body out of it: for
+    /// a buffer the caller does not own (a store's read transaction).
     pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
+        Ok(RecordView::read(bytes)?.into_record(Bytes::copy_from_slice))
+    }
+
+    /// Decodes `bytes` without copying: the stored header values and body
+    /// are slices of `bytes`, which they keep alive. A replay then hands the
+    /// stored body to the client as it is, whatever its size (and clones of
+    /// it, as the response takes them, count references instead of
+    /// allocating).
+    pub fn decode_shared(bytes: &Bytes) -> Result<Record, DecodeError> {
+        Ok(RecordView::read(bytes)?.into_record(|part| bytes.slice_ref(part)))
+    }
+}
+
+/// A record as postcard reads it, borrowing every string and byte string
+/// from the encoding: the owned types' layout, field for field and variant
+/// for variant (the round-trip tests hold the two together), so that
+/// [`Record::decode`] and [`Record::decode_shared`] differ only in how the
+/// borrowed bytes become `Bytes`.
+#[derive(Deserialize)]
+enum RecordView<'a> {
+    Pending(PendingRecord),
+    Completed(#[serde(borrow)] CompletedView<'a>),
+}
+
+#[derive(Deserialize)]
+struct CompletedView<'a> {
+    fingerprint: Fingerprint,
+    created_at: UnixMillis,
+    completed_at: UnixMillis,
+    expires_at: UnixMillis,
+    #[serde(borrow)]
+    outcome: OutcomeView<'a>,
+}
+
+#[derive(Deserialize)]
+enum OutcomeView<'a> {
+    Response(#[serde(borrow)] ResponseView<'a>),
+    NotStored { status: u16 },
+    Unknown { cause: UnknownCause },
+}
+
+#[derive(Deserialize)]
+struct ResponseView<'a> {
+    status: u16,
+    #[serde(borrow)]
+    headers: Vec<(&'a str, &'a [u8])>,
+    body: &'a [u8],
+}
+
+impl<'a> RecordView<'a> {
+    fn read(bytes: &'a [u8]) -> Result<Self, DecodeError> {
         match bytes.split_first() {
             None => Err(DecodeError::Empty),
             Some((&FORMAT_VERSION, rest)) => {
@@ -267,6 +320,34 @@ impl Record {
             }
             Some((&v, _)) => Err(DecodeError::UnknownVersion(v)),
         }
+    }
+
+    /// The owned record, with `bytes` making each stored byte string.
+    fn into_record(self, bytes: impl Fn(&[u8]) -> Bytes) -> Record {
+        let completed = match self {
+            RecordView::Pending(claim) => return Record::Pending(claim),
+            RecordView::Completed(completed) => completed,
+        };
+        let outcome = match completed.outcome {
+            OutcomeView::Response(response) => Outcome::Response(StoredResponse {
+                status: response.status,
+                headers: response
+                    .headers
+                    .into_iter()
+                    .map(|(name, value)| (name.to_owned(), bytes(value)))
+                    .collect(),
+                body: bytes(response.body),
+            }),
+            OutcomeView::NotStored { status } => Outcome::NotStored { status },
+            OutcomeView::Unknown { cause } => Outcome::Unknown { cause },
+        };
+        Record::Completed(CompletedRecord {
+            fingerprint: completed.fingerprint,
+            created_at: completed.created_at,
+            completed_at: completed.completed_at,
+            expires_at: completed.expires_at,
+            outcome,
+        })
     }
 }
 
@@ -309,7 +390,7 @@ pub struct PendingRecord {
 }
 
 /// The settled outcome of a key: every retry is answered from it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct CompletedRecord {
     pub fingerprint: Fingerprint,
     pub created_at: UnixMillis,
@@ -318,7 +399,7 @@ pub struct CompletedRecord {
     pub outcome: Outcome,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum Outcome {
     /// The upstream's response, stored whole.
     Response(StoredResponse),
@@ -359,7 +440,7 @@ impl UnknownCause {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct StoredResponse {
     pub status: u16,
     /// End-to-end headers only, in upstream order (names lower-case).
@@ -477,6 +558,65 @@ mod tests {
                 Record::Pending(p) => assert_eq!(p.encode(), owned),
             }
         }
+    }
+
+    #[test]
+    fn shared_decoding_reads_the_same_records_and_copies_no_stored_bytes() {
+        let pending = Record::Pending(PendingRecord {
+            fingerprint: Fingerprint([1; 32]),
+            token: FencingToken(7),
+            created_at: 10,
+            lease_expires_at: 20,
+            expires_at: 30,
+        });
+        let large = Record::Completed(CompletedRecord {
+            fingerprint: Fingerprint([4; 32]),
+            created_at: 1,
+            completed_at: 2,
+            expires_at: 3,
+            outcome: Outcome::Response(StoredResponse {
+                status: 200,
+                headers: vec![
+                    ("content-type".into(), Bytes::from_static(b"text/plain")),
+                    ("x-empty".into(), Bytes::new()),
+                ],
+                body: Bytes::from(vec![b'x'; 70_000]),
+            }),
+        });
+        for record in [pending, completed(), large] {
+            let encoded = Bytes::from(record.encode());
+            let shared = Record::decode_shared(&encoded).expect("decodes");
+            assert_eq!(shared, record);
+            let Record::Completed(CompletedRecord {
+                outcome: Outcome::Response(response),
+                ..
+            }) = &shared
+            else {
+                continue;
+            };
+            let within = |part: &Bytes| {
+                let range = encoded.as_ptr_range();
+                part.is_empty()
+                    || (range.start <= part.as_ptr() && part.as_ptr_range().end <= range.end)
+            };
+            assert!(within(&response.body), "the body was copied");
+            for (name, value) in &response.headers {
+                assert!(within(value), "{name} was copied");
+            }
+            // The copying decoder's parts own their bytes.
+            let Ok(Record::Completed(CompletedRecord {
+                outcome: Outcome::Response(copied),
+                ..
+            })) = Record::decode(&encoded)
+            else {
+                panic!("decodes");
+            };
+            assert!(!within(&copied.body));
+        }
+        assert_eq!(
+            Record::decode_shared(&Bytes::from_static(&[99, 0])),
+            Err(DecodeError::UnknownVersion(99))
+        );
     }
 
     #[test]

@@ -27,7 +27,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::future::{BoxFuture, Fuse, FusedFuture};
 use futures_util::FutureExt;
-use http::{HeaderValue, Method, Request, Response};
+use http::{HeaderName, HeaderValue, Method, Request, Response};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
@@ -50,10 +50,13 @@ use crate::metrics::{Metrics, RouteMetrics};
 use crate::store::{Begin, BeginOutcome, SharedStore, StoreError};
 use crate::upstream::UpstreamError;
 
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
-pub const X_REQUEST_ID: &str = "x-request-id";
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
-pub const IDEMPOTENCY_ORIGINAL_DATE: &str = "idempotency-original-date";
+// Names, not strings: inserting a header by a `&str` name that is not one
+// of HTTP's standard ones copies the name into a new allocation each time.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub const IDEMPOTENCY_ORIGINAL_DATE: HeaderName =
+    HeaderName::from_static("idempotency-original-date");
 
 /// The default of `max_in_flight` (see `Config`).
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
@@ -954,7 +957,7 @@ fn replay(record: &CompletedRecord, policy: &Policy) -> Response<Body> {
             headers.reserve(stored.headers.len() + 2);
             for (name, value) in &stored.headers {
                 if let (Ok(name), Ok(value)) = (
-                    http::HeaderName::from_bytes(name.as_bytes()),
+                    HeaderName::from_bytes(name.as_bytes()),
                     HeaderValue::from_maybe_shared(value.clone()),
                 ) {
                     headers.append(name, value);
@@ -974,7 +977,8 @@ fn replay(record: &CompletedRecord, policy: &Policy) -> Response<Body> {
     let headers = response.headers_mut();
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     let date = httpdate::fmt_http_date(from_millis(record.completed_at));
-    if let Ok(date) = HeaderValue::from_str(&date) {
+    // The formatted text becomes the value as it is, not a copy of it.
+    if let Ok(date) = HeaderValue::from_maybe_shared(Bytes::from(date)) {
         headers.insert(IDEMPOTENCY_ORIGINAL_DATE, date);
     }
     response

@@ -89,6 +89,7 @@ use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
@@ -593,6 +594,7 @@ impl Store for RedisStore {
                     took_over: false,
                 });
             };
+            let current = Bytes::from(current);
             let existing = read_stored(&current)?;
             // Expired by this proxy's clock: absent, whenever Redis reclaims it.
             let live = (existing.expires_at() > now).then_some(existing);
@@ -603,7 +605,7 @@ impl Store for RedisStore {
             let swapped: i64 = SCRIPTS
                 .swap
                 .key(&key)
-                .arg(&current)
+                .arg(&current[..])
                 .arg(stored(&replacement))
                 .arg(pexpire_ms(replacement.expires_at(), now))
                 .invoke_async(&mut conn)
@@ -641,7 +643,7 @@ impl Store for RedisStore {
         let Some(value) = value else {
             return Ok(None);
         };
-        let record = read_stored(&value)?;
+        let record = read_stored(&Bytes::from(value))?;
         // Expired by this proxy's clock, whether or not Redis reclaimed it.
         Ok((record.expires_at() > now).then_some(record))
     }
@@ -729,13 +731,14 @@ fn stored_expires_at(value: &[u8]) -> Option<UnixMillis> {
 
 /// The record in a stored value, checked against its header: the scripts
 /// trust the header, so a value whose header says something else than its
-/// record is corrupt.
-fn read_stored(value: &[u8]) -> Result<Record, StoreError> {
-    let (Some(expires_at), Some(record)) = (stored_expires_at(value), value.get(HEADER_LEN..))
-    else {
+/// record is corrupt. The record shares `value` (`Record::decode_shared`):
+/// a replay's body is a slice of the reply Redis sent, not a copy of it.
+fn read_stored(value: &Bytes) -> Result<Record, StoreError> {
+    let (Some(expires_at), true) = (stored_expires_at(value), value.len() >= HEADER_LEN) else {
         return Err(corrupt("the value is not a record"));
     };
-    let record = decode(record)?;
+    let record = Record::decode_shared(&value.slice(HEADER_LEN..))
+        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
     let id = match &record {
         Record::Pending(claim) => claim_id(b'p', claim.token.0),
         Record::Completed(_) => claim_id(b'c', 0),
@@ -778,10 +781,6 @@ impl Reply {
         let why = self.bytes().unwrap_or_default();
         corrupt(&String::from_utf8_lossy(&why))
     }
-}
-
-fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
-    Record::decode(bytes).map_err(|e| StoreError::Corrupt(e.to_string()))
 }
 
 /// The relative expiry of a key that should live until `expires_at`. At
@@ -1013,7 +1012,10 @@ mod tests {
         assert_eq!(value[HEADER_LEN..], claim.encode());
         assert_eq!(stored_expires_at(&value), Some(claim.expires_at));
         let pending = Record::Pending(claim);
-        assert_eq!(read_stored(&value).ok(), Some(pending.clone()));
+        assert_eq!(
+            read_stored(&value.clone().into()).ok(),
+            Some(pending.clone())
+        );
         assert_eq!(stored(&pending), value);
 
         let done = CompletedRecord {
@@ -1028,7 +1030,10 @@ mod tests {
             value[..17],
             [b'c', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         );
-        assert_eq!(read_stored(&value).ok(), Some(Record::Completed(done)));
+        assert_eq!(
+            read_stored(&value.clone().into()).ok(),
+            Some(Record::Completed(done))
+        );
 
         // A header that says something else than its record is corrupt, as
         // are values too short to hold one and garbage after a valid one.
@@ -1045,7 +1050,10 @@ mod tests {
             b"hello",
             &garbage,
         ] {
-            assert!(matches!(read_stored(bad), Err(StoreError::Corrupt(_))));
+            assert!(matches!(
+                read_stored(&Bytes::copy_from_slice(bad)),
+                Err(StoreError::Corrupt(_))
+            ));
         }
         assert_eq!(stored_expires_at(b"hello"), None);
         assert_eq!(stored_expires_at(&garbage), Some(99));
