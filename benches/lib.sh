@@ -1,7 +1,7 @@
 # Shared by benches/load.sh and benches/profile.sh (sourced, not run): the
 # tools, ports, nginx instances and idemproxy processes of the load rig.
-# Everything binds 127.0.0.1; callers set WORK (a scratch directory) and
-# PIDS (an array of what to stop at exit) before using these.
+# Everything binds 127.0.0.1; `start_rig` sets up the scratch directory
+# (WORK) and what to stop at exit (PIDS) that the others use.
 
 # Installs what the rig needs from Debian's packages when running as root:
 # `need_tools nginx wrk redis-server`.
@@ -21,6 +21,18 @@ need_tools() {
     esac
   done
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
+}
+
+# Builds the release binary and the fixed-rate load generator, makes the
+# scratch directory and stops everything in it at exit: the start of every
+# script of the rig. Sets BIN, LOADGEN, WORK and PIDS.
+start_rig() {
+  cargo build --release --locked --quiet --bin idemproxy --example loadgen
+  BIN=target/release/idemproxy
+  LOADGEN=target/release/examples/loadgen
+  WORK=$(mktemp -d)
+  PIDS=()
+  trap stop_rig EXIT
 }
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -54,6 +66,12 @@ CONF
 # JSON body, as fast an upstream as this machine has.
 start_upstream() {
   nginx_conf upstream "$UP" 'location / { default_type application/json; return 201 "{\"id\":\"pay_1\",\"status\":\"succeeded\"}"; }'
+}
+
+# start_control PORT: the control, nginx as a plain reverse proxy in front
+# of the upstream (HTTP/1.1 with keep-alive to it, as a tuned setup has).
+start_control() {
+  nginx_conf control "$1" 'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
 }
 
 # start_redis PORT: a private Redis as an operator would run it for

@@ -36,18 +36,12 @@ SOAK_SECONDS=${SOAK_SECONDS:-60}
 . benches/lib.sh
 need_tools nginx wrk redis-server
 
-cargo build --release --locked --quiet --bin idemproxy --example loadgen
-BIN=target/release/idemproxy
-LOADGEN=target/release/examples/loadgen
-
-WORK=$(mktemp -d)
-PIDS=()
-trap stop_rig EXIT
+start_rig
 
 UP=$(free_port); NG=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); RP=$(free_port)
 
 start_upstream
-nginx_conf control "$NG" 'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
+start_control "$NG"
 
 start_redis "$RP"
 

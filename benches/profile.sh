@@ -30,19 +30,13 @@ MODES=("$@")
 need_tools perf nginx wrk
 [ "$STORE" = redis ] && need_tools redis-server
 
-cargo build --release --locked --quiet --bin idemproxy --example loadgen
-BIN=target/release/idemproxy
-LOADGEN=target/release/examples/loadgen
-
-WORK=$(mktemp -d)
-PIDS=()
-trap stop_rig EXIT
+start_rig
 
 UP=$(free_port); PX=$(free_port); RP=$(free_port); NG=$(free_port)
 start_upstream
 # The control of benches/load.sh, for the `nginx` mode: its workers are
 # sampled under the keyless traffic (nginx ignores the key anyway).
-nginx_conf control "$NG" 'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
+start_control "$NG"
 [ "$STORE" = redis ] && start_redis "$RP"
 extra=()
 [ -n "${WORKERS:-}" ] && extra+=(IDEMPROXY_WORKERS="$WORKERS")

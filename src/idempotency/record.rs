@@ -505,31 +505,39 @@ mod tests {
     }
 
     fn completed() -> Record {
+        with_response(StoredResponse {
+            status: 201,
+            headers: vec![(
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            )],
+            body: Bytes::from_static(b"{\"id\":1}"),
+        })
+    }
+
+    fn with_response(response: StoredResponse) -> Record {
         Record::Completed(CompletedRecord {
             fingerprint: Fingerprint([7; 32]),
             created_at: 1,
             completed_at: 2,
             expires_at: 3,
-            outcome: Outcome::Response(StoredResponse {
-                status: 201,
-                headers: vec![(
-                    "content-type".into(),
-                    Bytes::from_static(b"application/json"),
-                )],
-                body: Bytes::from_static(b"{\"id\":1}"),
-            }),
+            outcome: Outcome::Response(response),
+        })
+    }
+
+    fn pending(token: u128) -> Record {
+        Record::Pending(PendingRecord {
+            fingerprint: Fingerprint([1; 32]),
+            token: FencingToken(token),
+            created_at: 10,
+            lease_expires_at: 20,
+            expires_at: 30,
         })
     }
 
     #[test]
     fn encoding_round_trips_every_variant() {
-        let pending = Record::Pending(PendingRecord {
-            fingerprint: Fingerprint([1; 32]),
-            token: FencingToken(u128::MAX - 5),
-            created_at: 10,
-            lease_expires_at: 20,
-            expires_at: 30,
-        });
+        let pending = pending(u128::MAX - 5);
         let unknown = Record::Completed(CompletedRecord {
             fingerprint: Fingerprint([2; 32]),
             created_at: 1,
@@ -562,28 +570,15 @@ mod tests {
 
     #[test]
     fn shared_decoding_reads_the_same_records_and_copies_no_stored_bytes() {
-        let pending = Record::Pending(PendingRecord {
-            fingerprint: Fingerprint([1; 32]),
-            token: FencingToken(7),
-            created_at: 10,
-            lease_expires_at: 20,
-            expires_at: 30,
+        let large = with_response(StoredResponse {
+            status: 200,
+            headers: vec![
+                ("content-type".into(), Bytes::from_static(b"text/plain")),
+                ("x-empty".into(), Bytes::new()),
+            ],
+            body: Bytes::from(vec![b'x'; 70_000]),
         });
-        let large = Record::Completed(CompletedRecord {
-            fingerprint: Fingerprint([4; 32]),
-            created_at: 1,
-            completed_at: 2,
-            expires_at: 3,
-            outcome: Outcome::Response(StoredResponse {
-                status: 200,
-                headers: vec![
-                    ("content-type".into(), Bytes::from_static(b"text/plain")),
-                    ("x-empty".into(), Bytes::new()),
-                ],
-                body: Bytes::from(vec![b'x'; 70_000]),
-            }),
-        });
-        for record in [pending, completed(), large] {
+        for record in [pending(7), completed(), large] {
             let encoded = Bytes::from(record.encode());
             let shared = Record::decode_shared(&encoded).expect("decodes");
             assert_eq!(shared, record);
