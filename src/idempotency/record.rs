@@ -614,6 +614,35 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(5000))]
+
+        /// Whatever a store hands back, corrupt or cut short, both decoders
+        /// read it alike, and neither panics.
+        #[test]
+        fn both_decoders_agree_on_any_bytes(
+            which in 0usize..3,
+            cut in proptest::prelude::any::<proptest::sample::Index>(),
+            flips in proptest::collection::vec(
+                (proptest::prelude::any::<proptest::sample::Index>(), 1u8..=255),
+                0..4,
+            ),
+        ) {
+            let mut bytes = [pending(3), completed(), with_response(StoredResponse {
+                status: 200,
+                headers: vec![("x-a".into(), Bytes::from_static(b"1")), ("x-b".into(), Bytes::new())],
+                body: Bytes::from_static(b"body"),
+            })][which].encode();
+            for (at, mask) in flips {
+                let i = at.index(bytes.len());
+                bytes[i] ^= mask;
+            }
+            bytes.truncate(cut.index(bytes.len() + 1));
+            let copied = Record::decode(&bytes);
+            proptest::prop_assert_eq!(copied, Record::decode_shared(&Bytes::from(bytes)));
+        }
+    }
+
     #[test]
     fn encoding_starts_with_the_version_and_keeps_the_body_raw() {
         let bytes = completed().encode();
