@@ -130,6 +130,12 @@ fn records(c: &mut Criterion) {
     group.bench_function("decode 1KB", |b| {
         b.iter(|| Record::decode(black_box(&encoded)))
     });
+    // How the Redis store reads a reply: the body and header values become
+    // slices of the buffer instead of copies.
+    let shared = Bytes::from(encoded.clone());
+    group.bench_function("decode_shared 1KB", |b| {
+        b.iter(|| Record::decode_shared(black_box(&shared)))
+    });
     group.finish();
 }
 
