@@ -277,15 +277,9 @@ async fn the_binary_logs_one_line_per_request_in_either_format() {
         assert_eq!(client.post_json(&url, key, "{}").await.status, 201);
         assert!(client.post_json(&url, key, "{}").await.replayed());
 
-        // Lines reach the file in batches (every 100 ms at the latest).
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let logs = loop {
-            let logs = proxy.logs();
-            if logs.matches("idemproxy::request").count() >= 2 || Instant::now() > deadline {
-                break logs;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let logs = proxy
+            .logs_when(|logs| logs.matches("idemproxy::request").count() >= 2)
+            .await;
         assert!(!logs.contains(key), "{format:?}: {logs}");
         assert!(!logs.contains('\x1b'), "{format:?}: {logs}");
         let requests: Vec<&str> = logs

@@ -331,13 +331,9 @@ async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
     assert_eq!(retry.status, 201, "{retry:?}\n{}", proxy.logs());
     assert!(!retry.replayed());
     assert_eq!(upstream.executions("/v1/late"), 1);
-    assert!(
-        proxy
-            .logs()
-            .contains("released a claim whose begin answered after store.timeout"),
-        "{}",
-        proxy.logs()
-    );
+    let released = "released a claim whose begin answered after store.timeout";
+    let logs = proxy.logs_when(|logs| logs.contains(released)).await;
+    assert!(logs.contains(released), "{logs}");
     // And the key now replays.
     let again = client
         .post_json(&proxy.url("/v1/late"), "late-1", BODY)
@@ -366,10 +362,12 @@ async fn a_proxy_started_before_its_redis_waits_for_it() {
     );
     redis.restart();
     let proxy = starting.await.expect("the proxy starts once Redis is up");
+    let logs = proxy
+        .logs_when(|logs| logs.contains("redis is not up yet"))
+        .await;
     assert!(
-        proxy.logs().contains("redis is not up yet"),
-        "the wait is logged:\n{}",
-        proxy.logs()
+        logs.contains("redis is not up yet"),
+        "the wait is logged:\n{logs}"
     );
     let client = TestClient::new();
     let first = client

@@ -146,6 +146,21 @@ impl ProxyProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The process's output once `ready` says it holds what the caller
+    /// waits for, or as it is after 5 s. Lines reach the file in batches
+    /// (every 100 ms at the latest), so a line logged just before a
+    /// response may not be there yet when the response arrives.
+    pub async fn logs_when(&self, ready: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let logs = self.logs();
+            if ready(&logs) || Instant::now() > deadline {
+                return logs;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The exit status if the process has exited (reaping it).
     pub fn try_exit(&mut self) -> Option<ExitStatus> {
         if self.exit.is_none() {
