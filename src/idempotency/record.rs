@@ -259,10 +259,26 @@ impl Record {
         }
     }
 
-    /// Decodes `bytes`, copying the stored headers and body out of it: for
-    /// a buffer the caller does not own (a store's read transaction).
+    /// Decodes `bytes`, for a buffer the caller keeps (the memory store's
+    /// map, a store's read transaction): a completion's stored header
+    /// values and body are copied out of it in one piece, a copy of the
+    /// whole encoding that they share, rather than one allocation per value
+    /// (and one more per clone a replay takes). A claim carries no stored
+    /// bytes and costs no copy.
     pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
-        Ok(RecordView::read(bytes)?.into_record(Bytes::copy_from_slice))
+        let view = RecordView::read(bytes)?;
+        if let RecordView::Pending(claim) = view {
+            return Ok(Record::Pending(claim));
+        }
+        let copy = Bytes::copy_from_slice(bytes);
+        Ok(view.into_record(|part| {
+            // `part` lies within `bytes`: the same range of the copy.
+            let start = (part.as_ptr() as usize).wrapping_sub(bytes.as_ptr() as usize);
+            match copy.get(start..start.saturating_add(part.len())) {
+                Some(same) => copy.slice_ref(same),
+                None => Bytes::copy_from_slice(part),
+            }
+        }))
     }
 
     /// Decodes `bytes` without copying: the stored header values and body
@@ -598,7 +614,9 @@ mod tests {
             for (name, value) in &response.headers {
                 assert!(within(value), "{name} was copied");
             }
-            // The copying decoder's parts own their bytes.
+            // The copying decoder's parts are not in `encoded`, but all in
+            // one copy of it: they span no more than its length, in the
+            // order they are encoded (headers, then the body).
             let Ok(Record::Completed(CompletedRecord {
                 outcome: Outcome::Response(copied),
                 ..
@@ -607,6 +625,17 @@ mod tests {
                 panic!("decodes");
             };
             assert!(!within(&copied.body));
+            let starts = copied
+                .headers
+                .iter()
+                .map(|(_, value)| value)
+                .chain([&copied.body])
+                .filter(|part| !part.is_empty())
+                .map(|part| part.as_ptr() as usize)
+                .collect::<Vec<_>>();
+            assert!(starts.is_sorted(), "{starts:?}");
+            let span = copied.body.as_ptr_range().end as usize - starts[0];
+            assert!(span <= encoded.len(), "{span} > {}", encoded.len());
         }
         assert_eq!(
             Record::decode_shared(&Bytes::from_static(&[99, 0])),

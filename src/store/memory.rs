@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 
 use super::{check_owner, decide_begin, Begin, BeginOutcome, Store, StoreError};
 use crate::idempotency::record::{
@@ -39,8 +38,8 @@ type Shard = HashMap<RecordKey, Stored>;
 struct Stored {
     expires_at: UnixMillis,
     /// A `Box`, not `Bytes`: 16 bytes less in every slot of the map, which
-    /// holds every record. So a read copies the encoding once, into a buffer
-    /// the decoded record then shares (see `record`).
+    /// holds every record. A read copies a completion's encoding once
+    /// (`Record::decode`).
     bytes: Box<[u8]>,
 }
 
@@ -60,12 +59,8 @@ impl Stored {
         }
     }
 
-    /// The record, decoded from one copy of the encoding that its header
-    /// values and body are slices of: one allocation per read, however many
-    /// headers the response has, and none more when a replay clones them.
     fn record(&self) -> Result<Record, StoreError> {
-        Record::decode_shared(&Bytes::copy_from_slice(&self.bytes))
-            .map_err(|e| StoreError::Corrupt(e.to_string()))
+        Record::decode(&self.bytes).map_err(|e| StoreError::Corrupt(e.to_string()))
     }
 }
 

@@ -734,10 +734,11 @@ fn stored_expires_at(value: &[u8]) -> Option<UnixMillis> {
 /// record is corrupt. The record shares `value` (`Record::decode_shared`):
 /// a replay's body is a slice of the reply Redis sent, not a copy of it.
 fn read_stored(value: &Bytes) -> Result<Record, StoreError> {
-    let (Some(expires_at), true) = (stored_expires_at(value), value.len() >= HEADER_LEN) else {
+    let (Some(expires_at), Some(record)) = (stored_expires_at(value), value.get(HEADER_LEN..))
+    else {
         return Err(corrupt("the value is not a record"));
     };
-    let record = Record::decode_shared(&value.slice(HEADER_LEN..))
+    let record = Record::decode_shared(&value.slice_ref(record))
         .map_err(|e| StoreError::Corrupt(e.to_string()))?;
     let id = match &record {
         Record::Pending(claim) => claim_id(b'p', claim.token.0),
