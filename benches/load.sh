@@ -2,7 +2,8 @@
 # Side-by-side load comparison, one run, one machine:
 #   nginx as a plain reverse proxy (the control)  vs
 #   idemproxy on the memory store  vs  idemproxy on a private Redis (each
-#   also with `workers = 1`),
+#   also with `workers = 1`)  vs  idemproxy on the embedded store (the
+#   default: an fsync'd redb file, here in a scratch directory),
 # all in front of the same fast upstream (nginx `return 201`). Replays also
 # run against a second Redis-backed proxy with the local replay cache
 # (`local_cache_entries = 10000`; off by default).
@@ -38,7 +39,7 @@ need_tools nginx wrk redis-server
 
 start_rig
 
-UP=$(free_port); NG=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); RP=$(free_port)
+UP=$(free_port); NG=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); IE=$(free_port); RP=$(free_port)
 
 start_upstream
 start_control "$NG"
@@ -53,15 +54,18 @@ start_proxy memory-1w "$I1" memory IDEMPROXY_WORKERS=1
 start_proxy redis "$IR" redis
 start_proxy redis-1w "$IR1" redis IDEMPROXY_WORKERS=1
 start_proxy redis-cache "$IC" redis IDEMPROXY_STORE__LOCAL_CACHE_ENTRIES=10000
+# The default store: durable, so every claim and completion waits for an
+# fsync (grouped with the others in flight) on this machine's disk.
+start_proxy embedded "$IE" embedded IDEMPROXY_STORE__PATH="$WORK/embedded-data"
 
-declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-cache]="http://127.0.0.1:$IC")
-TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w)
-REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-cache)
+declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-cache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE")
+TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-embedded)
+REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-cache idemproxy-embedded)
 FIXED_TARGETS=(nginx idemproxy-memory idemproxy-redis)
 RESULTS="$WORK/results.txt"; : >"$RESULTS"
 
 # Warm 1,000 keys on each proxy for the replay runs.
-for t in idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-cache; do
+for t in idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-cache idemproxy-embedded; do
   "$LOADGEN" "${URL[$t]}/v1/payments" 2000 0.5 replay >/dev/null
 done
 
@@ -86,6 +90,7 @@ proxy_pids() {
     idemproxy-redis) cat "$WORK/redis.pid" ;;
     idemproxy-redis-1w) cat "$WORK/redis-1w.pid" ;;
     idemproxy-redis-cache) cat "$WORK/redis-cache.pid" ;;
+    idemproxy-embedded) cat "$WORK/embedded.pid" ;;
   esac
 }
 upstream_pids() { cat "$WORK/upstream.pid"; pgrep -P "$(cat "$WORK/upstream.pid")"; }
@@ -116,7 +121,7 @@ for round in $(seq "$ROUNDS"); do
   if (( round % 2 )); then
     order=("${TARGETS[@]}"); replay_order=("${REPLAY_TARGETS[@]}")
   else
-    order=(idemproxy-redis-1w idemproxy-redis idemproxy-memory-1w idemproxy-memory nginx); replay_order=(idemproxy-redis-cache idemproxy-redis-1w idemproxy-redis idemproxy-memory-1w idemproxy-memory nginx)
+    order=(idemproxy-embedded idemproxy-redis-1w idemproxy-redis idemproxy-memory-1w idemproxy-memory nginx); replay_order=(idemproxy-embedded idemproxy-redis-cache idemproxy-redis-1w idemproxy-redis idemproxy-memory-1w idemproxy-memory nginx)
   fi
   for t in "${order[@]}"; do run_wrk unique "$t" "$round"; done
   # The same POSTs without a key: forwarded unprotected, so this is the
@@ -139,6 +144,7 @@ echo "fixed passthrough 1 $line" >>"$RESULTS"
 
 RSS_MEMORY=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/memory.pid")/status")
 RSS_REDIS=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/redis.pid")/status")
+RSS_EMBEDDED=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/embedded.pid")/status")
 
 # Soak: does memory stay flat under sustained load? Redis-backed, the proxy
 # keeps no records; on the memory store they live 10 s (purged every 2 s).
@@ -157,9 +163,9 @@ wait "$SOAK_WRK1" "$SOAK_WRK2"
 echo "soak idemproxy-redis 1 rps=$(awk '/Requests\/sec:/ {print $2}' "$WORK/soak-redis.txt") rss_kib=${SOAK_REDIS// /,}" >>"$RESULTS"
 echo "soak idemproxy-memory-ttl10s 1 rps=$(awk '/Requests\/sec:/ {print $2}' "$WORK/soak-memory.txt") rss_kib=${SOAK_MEMORY// /,}" >>"$RESULTS"
 
-python3 - "$RESULTS" "$RSS_MEMORY" "$RSS_REDIS" "$CONNS" "$DURATION" "$ROUNDS" <<'PY'
+python3 - "$RESULTS" "$RSS_MEMORY" "$RSS_REDIS" "$RSS_EMBEDDED" "$CONNS" "$DURATION" "$ROUNDS" <<'PY'
 import statistics, sys, re
-path, rss_mem, rss_redis, conns, duration, rounds = sys.argv[1:]
+path, rss_mem, rss_redis, rss_embedded, conns, duration, rounds = sys.argv[1:]
 rows = [l.split() for l in open(path)]
 def ms(v):
     m = re.match(r"([\d.]+)(us|ms|s)$", v)
@@ -170,9 +176,9 @@ def field(r, name):
     for f in r[3:]:
         if f.startswith(name + "="): return f.split("=", 1)[1]
     return None
-targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w"],
+targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w", "idemproxy-embedded"],
            "passthrough": ["idemproxy-memory"],
-           "replay": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w", "idemproxy-redis-cache"]}
+           "replay": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w", "idemproxy-redis-cache", "idemproxy-embedded"]}
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
 print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis")
 nginx_unique = None
@@ -207,7 +213,7 @@ if fixed:
         over_nginx[r[1]] = p99 - base
         print(f"  {r[1]:<17} p50 {float(field(r, 'p50_ms')):7.3f} ms  p99 {p99:7.3f} ms  (nginx p99 + {p99 - base:6.3f} ms)  p99.9 {float(field(r, 'p999_ms')):7.3f} ms  errors {field(r, 'errors')}")
 print()
-print(f"peak RSS over the runs above: idemproxy-memory {int(rss_mem) / 1024:.1f} MiB (records kept 24 h), idemproxy-redis {int(rss_redis) / 1024:.1f} MiB")
+print(f"peak RSS over the runs above: idemproxy-memory {int(rss_mem) / 1024:.1f} MiB (records kept 24 h), idemproxy-redis {int(rss_redis) / 1024:.1f} MiB, idemproxy-embedded {int(rss_embedded) / 1024:.1f} MiB (records on disk)")
 print()
 print("targets (the performance issue's, on the medians above):")
 def verdict(name, ok, shown):
@@ -222,7 +228,7 @@ for t in ("idemproxy-memory", "idemproxy-redis"):
     if t in over_nginx:
         v = over_nginx[t]
         verdict(f"fixed-rate p99, {t} <= nginx + 1 ms", v <= 1.0, f"+{v:.2f} ms")
-for t, kib in (("idemproxy-memory", rss_mem), ("idemproxy-redis", rss_redis)):
+for t, kib in (("idemproxy-memory", rss_mem), ("idemproxy-redis", rss_redis), ("idemproxy-embedded", rss_embedded)):
     v = int(kib) / 1024
     verdict(f"peak RSS, {t} < 100 MB", v * 1.048576 < 100, f"{v:.1f} MiB")
 soak = [r for r in rows if r[0] == "soak"]

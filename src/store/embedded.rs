@@ -1,7 +1,25 @@
 //! Durable store on local disk (the default): one redb database file, one
-//! process. Records survive restarts and crashes, because every change is a
-//! redb transaction committed with immediate durability (fsync before the
-//! call returns).
+//! process. Records survive restarts and crashes, because every change is
+//! committed with immediate durability (fsync) before its call returns.
+//!
+//! # Group commit
+//!
+//! An fsync takes a fraction of a millisecond to several, and redb has one
+//! writer at a time: a transaction per change capped the store at one
+//! change per fsync (about 1,600 first executions/s here, each a claim and
+//! a completion, at 20 ms p50 under 32 concurrent requests). So every
+//! change goes to one writer thread, which takes all the changes queued
+//! while it was busy (up to [`MAX_GROUP`]), applies them in order in one
+//! write transaction and commits it with one fsync; only then does it
+//! answer their callers. Each change still sees every change queued before
+//! it, and is answered only once it is durable, so the contract is the one
+//! a transaction per change gave. A change refused on its own merits (a
+//! fencing token that does not own the key, a record that does not decode)
+//! writes nothing and leaves the rest of its group to commit; a failure of
+//! redb itself aborts the group, and every change in it gets the error.
+//!
+//! Reads (replays, duplicates, `get`) never wait for the writer: they run
+//! on read snapshots on Tokio's blocking pool.
 //!
 //! Layout, two tables written together in every transaction:
 //!
@@ -10,12 +28,17 @@
 //!   so purging reads only the records that are due instead of scanning (and
 //!   decoding) every record kept for the whole TTL.
 //!
-//! redb is a blocking library; every call runs on Tokio's blocking pool.
+//! redb is a blocking library: reads run on Tokio's blocking pool, writes
+//! on the writer thread.
 
 use std::borrow::Borrow;
+use std::collections::VecDeque;
 use std::fs;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle as ThreadHandle;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -23,7 +46,7 @@ use redb::{
     Database, DatabaseError, ReadableDatabase, ReadableTable, ReadableTableMetadata, Table,
     TableDefinition,
 };
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
@@ -52,6 +75,11 @@ const CACHE_BYTES: usize = 64 * 1024 * 1024;
 /// lock, so it works in short batches that let `begin` calls interleave.
 const PURGE_BATCH: usize = 1024;
 
+/// Most changes one write transaction takes (see "Group commit" above):
+/// enough to make one fsync serve every request a busy proxy has in flight,
+/// few enough that a group's transaction stays small.
+pub const MAX_GROUP: usize = 256;
+
 /// A [`Store`] on local disk, backed by redb.
 ///
 /// Share it as `Arc<EmbeddedStore>` (it coerces to a [`super::SharedStore`]).
@@ -60,6 +88,11 @@ const PURGE_BATCH: usize = 1024;
 pub struct EmbeddedStore {
     db: Arc<Database>,
     path: PathBuf,
+    /// Every change goes through here. Dropping it closes the queue and
+    /// joins the writer thread (which holds a clone of `db`), so the file
+    /// is closed by the time the store is gone and a restart can open it
+    /// again at once.
+    writer: Writer,
     /// Never sent on: dropping the store drops it, which ends the purger at
     /// once instead of at its next tick.
     purger_stop: watch::Sender<()>,
@@ -102,11 +135,19 @@ impl EmbeddedStore {
         txn.open_table(EXPIRY).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         let (purger_stop, _) = watch::channel(());
+        let db = Arc::new(db);
         Ok(EmbeddedStore {
-            db: Arc::new(db),
+            writer: Writer::start(Arc::clone(&db))?,
+            db,
             path,
             purger_stop,
         })
+    }
+
+    /// Write transactions the writer has committed since the store opened.
+    /// Under concurrent load, fewer than the changes they carried.
+    pub fn commit_count(&self) -> u64 {
+        self.writer.commits.load(Ordering::Relaxed)
     }
 
     /// The database file.
@@ -189,6 +230,212 @@ impl EmbeddedStore {
             .await
             .map_err(|e| StoreError::Unavailable(format!("embedded store task failed: {e}")))?
     }
+
+    /// Queues `op` for the writer and waits until its group is committed.
+    /// A caller that stops waiting (timeout) does not withdraw it: the
+    /// change commits or aborts with its group, as a whole.
+    async fn write<T, F>(&self, op: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: for<'t> FnOnce(&mut Tables<'t>) -> Result<T, WriteError> + Send + 'static,
+    {
+        let (answer, answered) = oneshot::channel();
+        let job: Job = Box::new(move |tables| {
+            let result = op(tables);
+            let aborts = match &result {
+                Err(WriteError::Storage(e)) => Some(e.clone()),
+                _ => None,
+            };
+            Ran {
+                aborts,
+                answer: Box::new(move |group| {
+                    let _ = answer.send(match (group, result) {
+                        // Nothing of the group was written.
+                        (Err(e), _) => Err(e.clone()),
+                        (Ok(()), Ok(value)) => Ok(value),
+                        (Ok(()), Err(WriteError::Refused(e) | WriteError::Storage(e))) => Err(e),
+                    });
+                }),
+            }
+        });
+        self.writer.submit(job)?;
+        answered.await.map_err(|_| {
+            StoreError::Unavailable(
+                "the embedded store's writer dropped the change (see its log)".into(),
+            )
+        })?
+    }
+}
+
+/// The tables a change works on, opened once per group.
+struct Tables<'t> {
+    records: RecordsTable<'t>,
+    expiry: ExpiryTable<'t>,
+}
+
+/// Why a change did not go through.
+enum WriteError {
+    /// This change alone, which wrote nothing: the rest of its group
+    /// commits.
+    Refused(StoreError),
+    /// redb failed in the middle of the transaction: the group is aborted.
+    Storage(StoreError),
+}
+
+/// A redb failure: aborts the group.
+fn storage(e: impl Into<redb::Error>) -> WriteError {
+    WriteError::Storage(db_error(e))
+}
+
+/// A change queued for the writer: it runs inside its group's transaction
+/// and leaves the answer to send once the group's fate is known.
+type Job = Box<dyn for<'t> FnOnce(&mut Tables<'t>) -> Ran + Send>;
+
+struct Ran {
+    /// A redb failure: the transaction can no longer be trusted.
+    aborts: Option<StoreError>,
+    answer: Answer,
+}
+
+/// Sends a change's caller its answer, given how its group ended.
+type Answer = Box<dyn FnOnce(Result<(), &StoreError>) + Send>;
+
+/// The writer thread and the queue to it.
+struct Writer {
+    /// `None` only while dropping: closing the queue is what stops the
+    /// thread, after it has answered everything queued.
+    queue: Option<mpsc::Sender<Job>>,
+    thread: Option<ThreadHandle<()>>,
+    /// Groups committed, by the writer thread ([`EmbeddedStore::commit_count`]).
+    commits: Arc<AtomicU64>,
+    /// Changes queued since the store opened: lets a test know that the
+    /// changes it started are waiting for the writer.
+    submitted: AtomicU64,
+}
+
+impl Writer {
+    fn start(db: Arc<Database>) -> Result<Self, StoreError> {
+        let (queue, jobs) = mpsc::channel();
+        let commits = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&commits);
+        let thread = std::thread::Builder::new()
+            .name("idemproxy-store".into())
+            .spawn(move || write_groups(&db, &jobs, &counter))
+            .map_err(|e| {
+                StoreError::Unavailable(format!("cannot start the embedded store's writer: {e}"))
+            })?;
+        Ok(Self {
+            queue: Some(queue),
+            thread: Some(thread),
+            commits,
+            submitted: AtomicU64::new(0),
+        })
+    }
+
+    fn submit(&self, job: Job) -> Result<(), StoreError> {
+        let sent = self
+            .queue
+            .as_ref()
+            .is_some_and(|queue| queue.send(job).is_ok());
+        if !sent {
+            return Err(StoreError::Unavailable(
+                "the embedded store is closed".into(),
+            ));
+        }
+        self.submitted.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.queue = None;
+        if let Some(thread) = self.thread.take() {
+            // At most the group in progress: one transaction and its fsync.
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The writer thread: waits for a change, takes everything queued behind
+/// it, commits them as one group, answers them; until the queue closes.
+fn write_groups(db: &Database, jobs: &mpsc::Receiver<Job>, commits: &AtomicU64) {
+    let mut queued = VecDeque::new();
+    loop {
+        if queued.is_empty() {
+            match jobs.recv() {
+                Ok(job) => queued.push_back(job),
+                Err(_) => return,
+            }
+        }
+        while queued.len() < MAX_GROUP {
+            match jobs.try_recv() {
+                Ok(job) => queued.push_back(job),
+                Err(_) => break,
+            }
+        }
+        // A panic would be a bug in a change; it costs that group (its
+        // callers see the change dropped), not the store.
+        let group = catch_unwind(AssertUnwindSafe(|| commit_group(db, &mut queued, commits)));
+        match group {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::error!(%error, "embedded store: a group of changes failed"),
+            Err(_) => {
+                tracing::error!("embedded store: a change panicked; its group was dropped");
+                queued.clear();
+            }
+        }
+    }
+}
+
+/// Runs queued changes in one write transaction, in order, commits it and
+/// answers them. Changes not run (after one that aborted the group) stay
+/// queued for the next group. If the transaction cannot even start, the
+/// whole queue is dropped (its callers see that), rather than retried in a
+/// loop.
+fn commit_group(
+    db: &Database,
+    queued: &mut VecDeque<Job>,
+    commits: &AtomicU64,
+) -> Result<(), StoreError> {
+    let mut answers = Vec::with_capacity(queued.len());
+    let result = run_group(db, queued, &mut answers);
+    match result {
+        // Counted before anyone is answered, so a caller that got its
+        // answer sees its commit counted.
+        Ok(()) => {
+            commits.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(_) if answers.is_empty() => queued.clear(),
+        Err(_) => {}
+    }
+    for answer in answers {
+        answer(result.as_ref().map(|_| ()));
+    }
+    result
+}
+
+fn run_group(
+    db: &Database,
+    queued: &mut VecDeque<Job>,
+    answers: &mut Vec<Answer>,
+) -> Result<(), StoreError> {
+    let txn = db.begin_write().map_err(db_error)?;
+    {
+        let mut tables = Tables {
+            records: txn.open_table(RECORDS).map_err(db_error)?,
+            expiry: txn.open_table(EXPIRY).map_err(db_error)?,
+        };
+        while let Some(job) = queued.pop_front() {
+            let ran = job(&mut tables);
+            answers.push(ran.answer);
+            if let Some(error) = ran.aborts {
+                // Dropping the transaction aborts it.
+                return Err(error);
+            }
+        }
+    }
+    txn.commit().map_err(db_error)
 }
 
 type RecordsTable<'txn> = Table<'txn, &'static [u8; 32], &'static [u8]>;
@@ -224,39 +471,57 @@ fn live<R: Borrow<Record>>(record: Option<R>, now: UnixMillis) -> Option<R> {
     record.filter(|r| r.borrow().expires_at() > now)
 }
 
-/// Replaces what is stored under `key` (`old`, as read in this transaction)
-/// with `new`, keeping the expiry index in step.
-fn write(
-    records: &mut RecordsTable<'_>,
-    expiry: &mut ExpiryTable<'_>,
+/// [`read`], inside a group: a record that does not decode refuses this
+/// change alone; a redb failure aborts the group.
+fn read_for_write(
+    records: &RecordsTable<'_>,
+    key: &RecordKey,
+) -> Result<Option<Record>, WriteError> {
+    match records.get(key.as_bytes()).map_err(storage)? {
+        Some(value) => decode(key, value.value())
+            .map(Some)
+            .map_err(WriteError::Refused),
+        None => Ok(None),
+    }
+}
+
+/// Replaces what is stored under `key` (`old`, as read in this group) with
+/// `new`, keeping the expiry index in step.
+fn replace(
+    tables: &mut Tables<'_>,
     key: &RecordKey,
     old: Option<&Record>,
     new: (&[u8], UnixMillis),
-) -> Result<(), StoreError> {
+) -> Result<(), WriteError> {
     if let Some(old) = old {
-        expiry
+        tables
+            .expiry
             .remove((old.expires_at(), key.as_bytes()))
-            .map_err(db_error)?;
+            .map_err(storage)?;
     }
-    records.insert(key.as_bytes(), new.0).map_err(db_error)?;
-    expiry
+    tables
+        .records
+        .insert(key.as_bytes(), new.0)
+        .map_err(storage)?;
+    tables
+        .expiry
         .insert((new.1, key.as_bytes()), ())
-        .map_err(db_error)?;
+        .map_err(storage)?;
     Ok(())
 }
 
 fn delete(
-    records: &mut RecordsTable<'_>,
-    expiry: &mut ExpiryTable<'_>,
+    tables: &mut Tables<'_>,
     key: &RecordKey,
     old: Option<&Record>,
-) -> Result<(), StoreError> {
+) -> Result<(), WriteError> {
     if let Some(old) = old {
-        expiry
+        tables
+            .expiry
             .remove((old.expires_at(), key.as_bytes()))
-            .map_err(db_error)?;
+            .map_err(storage)?;
     }
-    records.remove(key.as_bytes()).map_err(db_error)?;
+    tables.records.remove(key.as_bytes()).map_err(storage)?;
     Ok(())
 }
 
@@ -304,46 +569,38 @@ fn purge_batch(db: &Database, now: UnixMillis) -> Result<(usize, bool), StoreErr
 #[async_trait]
 impl Store for EmbeddedStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
-        let begin = begin.clone();
-        self.blocking(move |db| {
-            // Replays and duplicates change nothing: decide them on a read
-            // snapshot, without the writer lock or an fsync. Anything that
-            // writes is decided again inside the write transaction, on the
-            // state it will change.
-            let now = now_millis();
-            {
+        // Replays and duplicates change nothing: decide them on a read
+        // snapshot, without the writer or an fsync. Anything that writes is
+        // decided again by the writer, on the state it will change.
+        let read_begin = begin.clone();
+        let decided = self
+            .blocking(move |db| {
                 let txn = db.begin_read().map_err(db_error)?;
                 let records = txn.open_table(RECORDS).map_err(db_error)?;
-                let stored = read(&records, &begin.key)?;
-                let (outcome, write) = decide_begin(&begin, live(stored, now), now);
-                if write.is_none() {
-                    return Ok(outcome);
-                }
-            }
-
-            let txn = db.begin_write().map_err(db_error)?;
+                let now = now_millis();
+                let stored = read(&records, &read_begin.key)?;
+                let (outcome, write) = decide_begin(&read_begin, live(stored, now), now);
+                Ok(write.is_none().then_some(outcome))
+            })
+            .await?;
+        if let Some(outcome) = decided {
+            return Ok(outcome);
+        }
+        let begin = begin.clone();
+        self.write(move |tables| {
             let now = now_millis();
-            let outcome = {
-                let mut records = txn.open_table(RECORDS).map_err(db_error)?;
-                let mut expiry = txn.open_table(EXPIRY).map_err(db_error)?;
-                let stored = read(&records, &begin.key)?;
-                // Cloned only on this write path, and only when it replaces
-                // a live record (a stale claim): `write` needs the old one.
-                let (outcome, new) = decide_begin(&begin, live(stored.as_ref(), now).cloned(), now);
-                match new {
-                    // Dropping the transaction aborts it: nothing to write.
-                    None => return Ok(outcome),
-                    Some(new) => write(
-                        &mut records,
-                        &mut expiry,
-                        &begin.key,
-                        stored.as_ref(),
-                        (&new.encode(), new.expires_at()),
-                    )?,
-                }
-                outcome
-            };
-            txn.commit().map_err(db_error)?;
+            let stored = read_for_write(&tables.records, &begin.key)?;
+            // Cloned only on this write path, and only when it replaces a
+            // live record (a stale claim): `replace` needs the old one.
+            let (outcome, new) = decide_begin(&begin, live(stored.as_ref(), now).cloned(), now);
+            if let Some(new) = new {
+                replace(
+                    tables,
+                    &begin.key,
+                    stored.as_ref(),
+                    (&new.encode(), new.expires_at()),
+                )?;
+            }
             Ok(outcome)
         })
         .await
@@ -358,38 +615,20 @@ impl Store for EmbeddedStore {
         let key = *key;
         let expires_at = record.expires_at;
         let bytes = record.encode();
-        self.blocking(move |db| {
-            let txn = db.begin_write().map_err(db_error)?;
-            {
-                let mut records = txn.open_table(RECORDS).map_err(db_error)?;
-                let mut expiry = txn.open_table(EXPIRY).map_err(db_error)?;
-                let stored = read(&records, &key)?;
-                check_owner(live(stored.as_ref(), now_millis()), token)?;
-                write(
-                    &mut records,
-                    &mut expiry,
-                    &key,
-                    stored.as_ref(),
-                    (&bytes, expires_at),
-                )?;
-            }
-            txn.commit().map_err(db_error)
+        self.write(move |tables| {
+            let stored = read_for_write(&tables.records, &key)?;
+            check_owner(live(stored.as_ref(), now_millis()), token).map_err(WriteError::Refused)?;
+            replace(tables, &key, stored.as_ref(), (&bytes, expires_at))
         })
         .await
     }
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
         let key = *key;
-        self.blocking(move |db| {
-            let txn = db.begin_write().map_err(db_error)?;
-            {
-                let mut records = txn.open_table(RECORDS).map_err(db_error)?;
-                let mut expiry = txn.open_table(EXPIRY).map_err(db_error)?;
-                let stored = read(&records, &key)?;
-                check_owner(live(stored.as_ref(), now_millis()), token)?;
-                delete(&mut records, &mut expiry, &key, stored.as_ref())?;
-            }
-            txn.commit().map_err(db_error)
+        self.write(move |tables| {
+            let stored = read_for_write(&tables.records, &key)?;
+            check_owner(live(stored.as_ref(), now_millis()), token).map_err(WriteError::Refused)?;
+            delete(tables, &key, stored.as_ref())
         })
         .await
     }
@@ -407,24 +646,17 @@ impl Store for EmbeddedStore {
 
     async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let key = *key;
-        self.blocking(move |db| {
-            let txn = db.begin_write().map_err(db_error)?;
-            let existed = {
-                let mut records = txn.open_table(RECORDS).map_err(db_error)?;
-                let mut expiry = txn.open_table(EXPIRY).map_err(db_error)?;
-                let Some(value) = records.get(key.as_bytes()).map_err(db_error)? else {
-                    return Ok(false);
-                };
-                // Removing is how an operator clears a record that no longer
-                // decodes, so it must not need to decode it. Its index entry,
-                // if any, is then left for the purger, which skips it.
-                let stored = Record::decode(value.value()).ok();
-                drop(value);
-                delete(&mut records, &mut expiry, &key, stored.as_ref())?;
-                stored.is_none_or(|r| r.expires_at() > now_millis())
+        self.write(move |tables| {
+            let Some(value) = tables.records.get(key.as_bytes()).map_err(storage)? else {
+                return Ok(false);
             };
-            txn.commit().map_err(db_error)?;
-            Ok(existed)
+            // Removing is how an operator clears a record that no longer
+            // decodes, so it must not need to decode it. Its index entry, if
+            // any, is then left for the purger, which skips it.
+            let stored = Record::decode(value.value()).ok();
+            drop(value);
+            delete(tables, &key, stored.as_ref())?;
+            Ok(stored.is_none_or(|r| r.expires_at() > now_millis()))
         })
         .await
     }
@@ -492,6 +724,142 @@ mod tests {
             BeginOutcome::Acquired { token, .. } => token,
             other => panic!("expected Acquired, got {other:?}"),
         }
+    }
+
+    /// Holds the writer inside a change until the returned sender is used
+    /// (or dropped), so that the changes queued meanwhile form one group.
+    async fn hold_writer(store: &Arc<EmbeddedStore>) -> std::sync::mpsc::Sender<()> {
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (running, started) = oneshot::channel();
+        let holder = Arc::clone(store);
+        tokio::spawn(async move {
+            holder
+                .write(move |_| {
+                    let _ = running.send(());
+                    let _ = held.recv();
+                    Ok(())
+                })
+                .await
+        });
+        started.await.expect("the writer runs the holding change");
+        release
+    }
+
+    /// Waits until `changes` changes in all have been queued for the writer.
+    async fn until_queued(store: &EmbeddedStore, changes: u64) {
+        for _ in 0..500 {
+            if store.writer.submitted.load(Ordering::Relaxed) >= changes {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!("{changes} changes never reached the writer's queue");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn changes_queued_together_commit_as_one_group_and_one_refusal_spares_the_rest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
+        let held = RecordKey::from_bytes([9; 32]);
+        let token_held = token(
+            store
+                .begin(&begin(held, 60_000, OnStale::Store))
+                .await
+                .expect("claim"),
+        );
+
+        let commits_before = store.commit_count();
+        let release = hold_writer(&store).await;
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
+        // Queued behind the holder, in this order: 15 claims, a completion
+        // with a token that does not own `held`, a release by its rightful
+        // holder, 15 more claims.
+        let claim = |i: u8| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                store
+                    .begin(&begin(
+                        RecordKey::from_bytes([i; 32]),
+                        60_000,
+                        OnStale::Store,
+                    ))
+                    .await
+            })
+        };
+        let mut claims: Vec<_> = (100..115u8).map(claim).collect();
+        until_queued(&store, queued_before + 15).await;
+        let wrong = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let now = now_millis();
+                let done = CompletedRecord {
+                    fingerprint: Fingerprint([1; 32]),
+                    created_at: now,
+                    completed_at: now,
+                    expires_at: now + 60_000,
+                    outcome: crate::idempotency::record::Outcome::NotStored { status: 200 },
+                };
+                store.complete(&held, FencingToken::random(), &done).await
+            })
+        };
+        until_queued(&store, queued_before + 16).await;
+        let rightful = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move { store.release(&held, token_held).await })
+        };
+        until_queued(&store, queued_before + 17).await;
+        claims.extend((115..130u8).map(claim));
+        until_queued(&store, queued_before + 32).await;
+        drop(release);
+
+        assert!(
+            matches!(wrong.await.expect("task"), Err(StoreError::Fenced)),
+            "a completion without the key's token is refused"
+        );
+        rightful
+            .await
+            .expect("task")
+            .expect("the holder releases its key");
+        for claim in claims {
+            token(claim.await.expect("task").expect("claim"));
+        }
+        // The holder's group, then one group for the 32 queued behind it.
+        assert_eq!(store.commit_count(), commits_before + 2);
+
+        // Everything acknowledged is on disk: a new process sees it.
+        drop(store);
+        let reopened = EmbeddedStore::open(dir.path()).expect("reopen at once");
+        assert_eq!(reopened.record_count().await.expect("count"), 30);
+        assert_eq!(reopened.get(&held).await.expect("get"), None);
+        assert_index_matches(&reopened.db);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_claims_of_one_key_leave_one_holder() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
+        let key = RecordKey::from_bytes([7; 32]);
+        let release = hold_writer(&store).await;
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
+        let claims: Vec<_> = (0..16)
+            .map(|_| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move { store.begin(&begin(key, 60_000, OnStale::Store)).await })
+            })
+            .collect();
+        // Each saw the key free on its read snapshot, so all of them reach
+        // the writer, and the same group.
+        until_queued(&store, queued_before + 16).await;
+        drop(release);
+        let mut acquired = 0;
+        for claim in claims {
+            match claim.await.expect("task").expect("begin") {
+                BeginOutcome::Acquired { .. } => acquired += 1,
+                BeginOutcome::InFlight { .. } => {}
+                other => panic!("expected Acquired or InFlight, got {other:?}"),
+            }
+        }
+        assert_eq!(acquired, 1);
     }
 
     #[tokio::test]

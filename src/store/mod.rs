@@ -79,7 +79,7 @@ pub enum BeginOutcome {
     Mismatch { state: KeyState },
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The store could not be reached or did not answer in time.
     #[error("store unavailable: {0}")]
