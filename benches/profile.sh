@@ -10,6 +10,7 @@
 #   benches/profile.sh                         # memory store: unique passthrough replay
 #   benches/profile.sh nginx passthrough       # the nginx control, then idemproxy, same traffic
 #   STORE=redis benches/profile.sh unique      # on a private Redis
+#   STORE=embedded benches/profile.sh unique   # on the default store, in a scratch directory
 #   WORKERS=1 SECONDS_SAMPLED=5 benches/profile.sh replay
 #
 # Needs perf, nginx, wrk (and redis-server for STORE=redis), installed from
@@ -40,6 +41,7 @@ start_control "$NG"
 [ "$STORE" = redis ] && start_redis "$RP"
 extra=()
 [ -n "${WORKERS:-}" ] && extra+=(IDEMPROXY_WORKERS="$WORKERS")
+[ "$STORE" = embedded ] && extra+=(IDEMPROXY_STORE__PATH="$WORK/embedded-data")
 start_proxy proxy "$PX" "$STORE" "${extra[@]}"
 URL="http://127.0.0.1:$PX/v1/payments"
 "$LOADGEN" "$URL" 2000 0.5 replay >/dev/null

@@ -22,7 +22,7 @@ PARTS = [
     ("fingerprint: JSON parse", r"canonical::Document::parse|serde_json::de|serde_json::read|NameSeed|EntrySeed"),
     ("fingerprint: canonical form", r"canonical::write|Document::write_node|utf16_cmp|smallsort"),
     ("fingerprint: memo and rest", r"fingerprint::|quick_cache|foldhash"),
-    ("store", r"idemproxy::store::"),
+    ("store", r"idemproxy::store::|redb::"),
     ("record encode/decode", r"idempotency::record::|postcard::"),
     ("log line", r"log_format|log_writer|RequestLog|tracing_core|tracing_subscriber"),
     ("metrics", r"idemproxy::metrics|prometheus_client"),
