@@ -723,6 +723,18 @@ mod tests {
         }
     }
 
+    /// A completion made now, kept for `ttl_ms`.
+    fn completed(ttl_ms: u64) -> CompletedRecord {
+        let now = now_millis();
+        CompletedRecord {
+            fingerprint: Fingerprint([1; 32]),
+            created_at: now,
+            completed_at: now,
+            expires_at: now + ttl_ms,
+            outcome: crate::idempotency::record::Outcome::NotStored { status: 200 },
+        }
+    }
+
     fn token(outcome: BeginOutcome) -> FencingToken {
         match outcome {
             BeginOutcome::Acquired { token, .. } => token,
@@ -795,15 +807,9 @@ mod tests {
         let wrong = {
             let store = Arc::clone(&store);
             tokio::spawn(async move {
-                let now = now_millis();
-                let done = CompletedRecord {
-                    fingerprint: Fingerprint([1; 32]),
-                    created_at: now,
-                    completed_at: now,
-                    expires_at: now + 60_000,
-                    outcome: crate::idempotency::record::Outcome::NotStored { status: 200 },
-                };
-                store.complete(&held, FencingToken::random(), &done).await
+                store
+                    .complete(&held, FencingToken::random(), &completed(60_000))
+                    .await
             })
         };
         until_queued(&store, queued_before + 16).await;
@@ -885,14 +891,7 @@ mod tests {
         }
         assert_index_matches(&store.db);
 
-        let now = now_millis();
-        let done = CompletedRecord {
-            fingerprint: Fingerprint([1; 32]),
-            created_at: now,
-            completed_at: now,
-            expires_at: now + 3_600_000,
-            outcome: crate::idempotency::record::Outcome::NotStored { status: 200 },
-        };
+        let done = completed(3_600_000);
         store
             .complete(&keys[0], tokens[0], &done)
             .await
