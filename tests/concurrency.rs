@@ -1,17 +1,57 @@
-//! Keys are never executed twice, however many duplicates arrive at once.
+//! Keys are never executed twice, however many duplicates arrive at once:
+//! on the memory store, and on the embedded store, which commits the
+//! changes in flight together in groups.
 
 mod support;
 
 use std::time::Duration;
 
+use idemproxy::config::{Config, StoreKind};
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::upstream::TestUpstream;
+use tempfile::TempDir;
 use tokio::task::JoinSet;
 
+/// The proxy in front of `upstream` on `store`, opened as the binary opens
+/// it; an embedded store lives in `dir`.
+async fn proxy_on(store: StoreKind, upstream: &TestUpstream, dir: &TempDir) -> TestProxy {
+    let mut c: Config = config(&upstream.url());
+    c.store.kind = store;
+    c.store.path = dir.path().to_path_buf();
+    let opened = idemproxy::open_store(&c).await.expect("the store opens");
+    TestProxy::start_with_store(c, opened).await
+}
+
+/// Whether the proxy really ran on the embedded store in `dir`.
+fn assert_store(store: StoreKind, dir: &TempDir) {
+    let file = dir.path().join(idemproxy::store::embedded::FILE_NAME);
+    assert_eq!(file.exists(), store == StoreKind::Embedded, "{file:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifty_simultaneous_duplicates_execute_once() {
+async fn fifty_simultaneous_duplicates_execute_once_on_memory() {
+    fifty_simultaneous_duplicates_execute_once(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_simultaneous_duplicates_execute_once_on_embedded() {
+    fifty_simultaneous_duplicates_execute_once(StoreKind::Embedded).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_keys_with_ten_duplicates_each_execute_twenty_times_on_memory() {
+    twenty_keys_with_ten_duplicates_each_execute_twenty_times(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_keys_with_ten_duplicates_each_execute_twenty_times_on_embedded() {
+    twenty_keys_with_ten_duplicates_each_execute_twenty_times(StoreKind::Embedded).await;
+}
+
+async fn fifty_simultaneous_duplicates_execute_once(store: StoreKind) {
     let upstream = TestUpstream::start().await;
-    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let proxy = proxy_on(store, &upstream, &dir).await;
     let client = TestClient::new();
     let url = proxy.url("/v1/orders?delay_ms=200");
 
@@ -60,12 +100,13 @@ async fn fifty_simultaneous_duplicates_execute_once() {
     let after = client.post_json(&url, "one-key", r#"{"amount":5}"#).await;
     assert!(after.replayed(), "{after:?}");
     assert_eq!(upstream.executions("/v1/orders"), 1);
+    assert_store(store, &dir);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn twenty_keys_with_ten_duplicates_each_execute_twenty_times() {
+async fn twenty_keys_with_ten_duplicates_each_execute_twenty_times(store: StoreKind) {
     let upstream = TestUpstream::start().await;
-    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let proxy = proxy_on(store, &upstream, &dir).await;
     let client = TestClient::new();
     let url = proxy.url("/v1/orders?delay_ms=100");
 
@@ -109,4 +150,5 @@ async fn twenty_keys_with_ten_duplicates_each_execute_twenty_times() {
         assert!(reply.replayed(), "{key}: {reply:?}");
     }
     assert_eq!(upstream.executions("/v1/orders"), 20);
+    assert_store(store, &dir);
 }
