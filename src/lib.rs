@@ -126,8 +126,10 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
 }
 
 /// Opens the store `config.store` names, behind the local replay cache when
-/// `store.local_cache_entries` is set.
+/// `store.local_cache_entries` is set (the embedded store always has one:
+/// see [`store::cache`]).
 pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
+    let mut cache_entries = config.store.local_cache_entries;
     let store: SharedStore = match config.store.kind {
         StoreKind::Memory => {
             let store = MemoryStore::new();
@@ -137,11 +139,12 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
         StoreKind::Embedded => {
             let store = Arc::new(EmbeddedStore::open(&config.store.path)?);
             store.spawn_purger(config.store.purge_interval);
+            cache_entries = cache_entries.max(store::cache::EMBEDDED_ENTRIES);
             store
         }
         StoreKind::Redis | StoreKind::RedisCluster => store::redis::open(&config.store).await?,
     };
-    Ok(store::cache::wrap(store, config.store.local_cache_entries))
+    Ok(store::cache::wrap(store, cache_entries))
 }
 
 /// Binds the traffic and admin listeners and serves until `shutdown`.

@@ -58,6 +58,27 @@ async fn memory_cached_backend() -> Backend {
     }
 }
 
+/// The embedded store as the binary opens it (`open_store`): behind the
+/// replay cache it always has.
+async fn embedded_opened_backend() -> Backend {
+    let dir = tempfile::tempdir().expect("create a temporary directory");
+    let mut config = idemproxy::config::Config::default();
+    config.store.kind = idemproxy::config::StoreKind::Embedded;
+    config.store.path = dir.path().to_path_buf();
+    config.store.local_cache_entries = 0;
+    let store = idemproxy::open_store(&config)
+        .await
+        .expect("open the embedded store");
+    assert!(
+        store.local_cache_hits().is_some(),
+        "the embedded store is opened behind a replay cache"
+    );
+    Backend {
+        store,
+        _guard: Some(dir),
+    }
+}
+
 /// One private redis-server per test binary; each test writes under a key
 /// prefix of its own.
 async fn redis_backend() -> Backend {
@@ -120,6 +141,7 @@ macro_rules! contract {
 contract! {
     memory => crate::memory_backend,
     embedded => crate::embedded_backend,
+    embedded_opened => crate::embedded_opened_backend,
     memory_cached => crate::memory_cached_backend,
     redis => crate::redis_backend,
     redis_cluster => crate::redis_cluster_backend,
