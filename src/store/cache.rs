@@ -323,6 +323,13 @@ mod tests {
         (inner.clone(), CachedStore::new(inner, entries))
     }
 
+    /// Claims a new key and completes it with `record`.
+    async fn complete_new_key(store: &dyn Store, record: &CompletedRecord) {
+        let k = key();
+        let token = claim(store, k, 1).await;
+        store.complete(&k, token, record).await.expect("complete");
+    }
+
     async fn claim(store: &dyn Store, key: RecordKey, fingerprint: u8) -> FencingToken {
         match store.begin(&begin(key, fingerprint)).await {
             Ok(BeginOutcome::Acquired { token, .. }) => token,
@@ -371,16 +378,14 @@ mod tests {
     async fn large_responses_count_once_per_started_4_kib() {
         let (_, store) = cached(100);
         // 40 KiB bodies: 11 entries' worth each.
+        let mut large = completed(1, TTL);
+        large.outcome = Outcome::Response(StoredResponse {
+            status: 200,
+            headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+            body: Bytes::from(vec![b'x'; 40 * 1024]),
+        });
         for _ in 0..50 {
-            let k = key();
-            let token = claim(&store, k, 1).await;
-            let mut record = completed(1, TTL);
-            record.outcome = Outcome::Response(StoredResponse {
-                status: 200,
-                headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
-                body: Bytes::from(vec![b'x'; 40 * 1024]),
-            });
-            store.complete(&k, token, &record).await.expect("complete");
+            complete_new_key(&store, &large).await;
         }
         assert!(store.cache.weight() <= 100, "{}", store.cache.weight());
         assert!(
@@ -391,12 +396,7 @@ mod tests {
 
         // Small ones count one each.
         for _ in 0..50 {
-            let k = key();
-            let token = claim(&store, k, 1).await;
-            store
-                .complete(&k, token, &completed(1, TTL))
-                .await
-                .expect("complete");
+            complete_new_key(&store, &completed(1, TTL)).await;
         }
         assert!(store.len() > 9, "{} small records held", store.len());
     }
@@ -496,12 +496,7 @@ mod tests {
     async fn the_cache_is_bounded() {
         let (_inner, store) = cached(8);
         for _ in 0..100 {
-            let k = key();
-            let token = claim(&store, k, 1).await;
-            store
-                .complete(&k, token, &completed(1, TTL))
-                .await
-                .expect("complete");
+            complete_new_key(&store, &completed(1, TTL)).await;
         }
         assert!(store.len() <= 8, "{} entries", store.len());
         assert!(!store.is_empty());
