@@ -736,6 +736,16 @@ mod tests {
         }
     }
 
+    /// Claims the free `key` with a lease of a minute.
+    async fn claim(store: &EmbeddedStore, key: RecordKey) -> FencingToken {
+        token(
+            store
+                .begin(&begin(key, 60_000, OnStale::Store))
+                .await
+                .expect("claim"),
+        )
+    }
+
     /// A completion made now, kept for `ttl_ms`.
     fn completed(ttl_ms: u64) -> CompletedRecord {
         let now = now_millis();
@@ -790,12 +800,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
         let held = RecordKey::from_bytes([9; 32]);
-        let token_held = token(
-            store
-                .begin(&begin(held, 60_000, OnStale::Store))
-                .await
-                .expect("claim"),
-        );
+        let token_held = claim(&store, held).await;
 
         let commits_before = store.commit_count();
         let release = hold_writer(&store).await;
@@ -890,23 +895,13 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
         let done = RecordKey::from_bytes([1; 32]);
-        let t = token(
-            store
-                .begin(&begin(done, 60_000, OnStale::Store))
-                .await
-                .expect("claim"),
-        );
+        let t = claim(&store, done).await;
         store
             .complete(&done, t, &completed(60_000))
             .await
             .expect("complete");
         let busy = RecordKey::from_bytes([2; 32]);
-        token(
-            store
-                .begin(&begin(busy, 60_000, OnStale::Store))
-                .await
-                .expect("claim"),
-        );
+        claim(&store, busy).await;
         let commits = store.commit_count();
 
         // Replays, duplicates in flight and removing an absent key decide
