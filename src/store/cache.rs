@@ -97,7 +97,7 @@ impl quick_cache::Weighter<RecordKey, Entry> for EntryWeight {
             Outcome::NotStored { .. } | Outcome::Unknown { .. } => 0,
         };
         // usize is at most 64 bits on every supported target.
-        (bytes / ENTRY_BYTES + 1) as u64
+        bytes.div_ceil(ENTRY_BYTES).max(1) as u64
     }
 }
 
@@ -372,6 +372,28 @@ mod tests {
             "replays hit the cache"
         );
         assert_eq!(store.kind(), "counting");
+    }
+
+    #[test]
+    fn an_entry_weighs_one_per_started_4_kib_of_response() {
+        let weight = |body: usize| {
+            let mut record = completed(1, TTL);
+            record.outcome = Outcome::Response(StoredResponse {
+                status: 200,
+                headers: vec![("a".into(), Bytes::from_static(b"b"))],
+                body: Bytes::from(vec![b'x'; body]),
+            });
+            let entry = Entry {
+                record: Arc::new(record),
+                cached_at: Instant::now(),
+            };
+            quick_cache::Weighter::weight(&EntryWeight, &key(), &entry)
+        };
+        // The header's name and value count too: 2 bytes.
+        assert_eq!(weight(0), 1);
+        assert_eq!(weight(ENTRY_BYTES - 2), 1);
+        assert_eq!(weight(ENTRY_BYTES - 1), 2);
+        assert_eq!(weight(10 * ENTRY_BYTES - 2), 10);
     }
 
     #[tokio::test]

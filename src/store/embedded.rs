@@ -322,6 +322,7 @@ struct Writer {
     commits: Arc<AtomicU64>,
     /// Changes queued since the store opened: lets a test know that the
     /// changes it started are waiting for the writer.
+    #[cfg(test)]
     submitted: AtomicU64,
 }
 
@@ -340,6 +341,7 @@ impl Writer {
             queue: Some(queue),
             thread: Some(thread),
             commits,
+            #[cfg(test)]
             submitted: AtomicU64::new(0),
         })
     }
@@ -354,6 +356,7 @@ impl Writer {
                 "the embedded store is closed".into(),
             ));
         }
+        #[cfg(test)]
         self.submitted.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -424,7 +427,7 @@ fn commit_group(
     }
     let result = result.map(|_| ());
     for answer in answers {
-        answer(result.as_ref().map(|_| ()));
+        answer(result.as_ref().copied());
     }
     result
 }
@@ -507,19 +510,19 @@ fn read_for_write(
     }
 }
 
-/// Replaces what is stored under `key` (`old`, as read in this group) with
-/// `new`, keeping the expiry index in step.
+/// Replaces what is stored under `key` (expiring at `old_expiry`, as read
+/// in this group) with `new`, keeping the expiry index in step.
 fn replace(
     tables: &mut Tables<'_>,
     key: &RecordKey,
-    old: Option<&Record>,
+    old_expiry: Option<UnixMillis>,
     new: (&[u8], UnixMillis),
 ) -> Result<(), WriteError> {
     tables.wrote = true;
-    if let Some(old) = old {
+    if let Some(old_expiry) = old_expiry {
         tables
             .expiry
-            .remove((old.expires_at(), key.as_bytes()))
+            .remove((old_expiry, key.as_bytes()))
             .map_err(storage)?;
     }
     tables
@@ -533,16 +536,18 @@ fn replace(
     Ok(())
 }
 
+/// Deletes what is stored under `key` (expiring at `old_expiry`, when it
+/// decodes) and its index entry.
 fn delete(
     tables: &mut Tables<'_>,
     key: &RecordKey,
-    old: Option<&Record>,
+    old_expiry: Option<UnixMillis>,
 ) -> Result<(), WriteError> {
     tables.wrote = true;
-    if let Some(old) = old {
+    if let Some(old_expiry) = old_expiry {
         tables
             .expiry
-            .remove((old.expires_at(), key.as_bytes()))
+            .remove((old_expiry, key.as_bytes()))
             .map_err(storage)?;
     }
     tables.records.remove(key.as_bytes()).map_err(storage)?;
@@ -607,14 +612,15 @@ impl Store for EmbeddedStore {
         self.write(move |tables| {
             let now = now_millis();
             let stored = read_for_write(&tables.records, &begin.key)?;
-            // Cloned only on this write path, and only when it replaces a
-            // live record (a stale claim): `replace` needs the old one.
-            let (outcome, new) = decide_begin(&begin, live(stored.as_ref(), now).cloned(), now);
+            // An expired record is absent to the decision, but its index
+            // entry is still there to replace.
+            let old_expiry = stored.as_ref().map(Record::expires_at);
+            let (outcome, new) = decide_begin(&begin, live(stored, now), now);
             if let Some(new) = new {
                 replace(
                     tables,
                     &begin.key,
-                    stored.as_ref(),
+                    old_expiry,
                     (&new.encode(), new.expires_at()),
                 )?;
             }
@@ -635,7 +641,8 @@ impl Store for EmbeddedStore {
         self.write(move |tables| {
             let stored = read_for_write(&tables.records, &key)?;
             check_owner(live(stored.as_ref(), now_millis()), token).map_err(WriteError::Refused)?;
-            replace(tables, &key, stored.as_ref(), (&bytes, expires_at))
+            let old_expiry = stored.as_ref().map(Record::expires_at);
+            replace(tables, &key, old_expiry, (&bytes, expires_at))
         })
         .await
     }
@@ -645,7 +652,7 @@ impl Store for EmbeddedStore {
         self.write(move |tables| {
             let stored = read_for_write(&tables.records, &key)?;
             check_owner(live(stored.as_ref(), now_millis()), token).map_err(WriteError::Refused)?;
-            delete(tables, &key, stored.as_ref())
+            delete(tables, &key, stored.as_ref().map(Record::expires_at))
         })
         .await
     }
@@ -670,10 +677,10 @@ impl Store for EmbeddedStore {
             // Removing is how an operator clears a record that no longer
             // decodes, so it must not need to decode it. Its index entry, if
             // any, is then left for the purger, which skips it.
-            let stored = Record::decode(value.value()).ok();
+            let old_expiry = Record::decode(value.value()).ok().map(|r| r.expires_at());
             drop(value);
-            delete(tables, &key, stored.as_ref())?;
-            Ok(stored.is_none_or(|r| r.expires_at() > now_millis()))
+            delete(tables, &key, old_expiry)?;
+            Ok(old_expiry.is_none_or(|expires_at| expires_at > now_millis()))
         })
         .await
     }
