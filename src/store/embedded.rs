@@ -518,13 +518,7 @@ fn replace(
     old_expiry: Option<UnixMillis>,
     new: (&[u8], UnixMillis),
 ) -> Result<(), WriteError> {
-    tables.wrote = true;
-    if let Some(old_expiry) = old_expiry {
-        tables
-            .expiry
-            .remove((old_expiry, key.as_bytes()))
-            .map_err(storage)?;
-    }
+    unindex(tables, key, old_expiry)?;
     tables
         .records
         .insert(key.as_bytes(), new.0)
@@ -543,6 +537,18 @@ fn delete(
     key: &RecordKey,
     old_expiry: Option<UnixMillis>,
 ) -> Result<(), WriteError> {
+    unindex(tables, key, old_expiry)?;
+    tables.records.remove(key.as_bytes()).map_err(storage)?;
+    Ok(())
+}
+
+/// The start of every write: marks the group as written and drops the
+/// index entry of the record `key` held (expiring at `old_expiry`).
+fn unindex(
+    tables: &mut Tables<'_>,
+    key: &RecordKey,
+    old_expiry: Option<UnixMillis>,
+) -> Result<(), WriteError> {
     tables.wrote = true;
     if let Some(old_expiry) = old_expiry {
         tables
@@ -550,7 +556,6 @@ fn delete(
             .remove((old_expiry, key.as_bytes()))
             .map_err(storage)?;
     }
-    tables.records.remove(key.as_bytes()).map_err(storage)?;
     Ok(())
 }
 
