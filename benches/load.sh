@@ -101,7 +101,12 @@ run_wrk() { # scenario target round
   local -a pp up
   mapfile -t pp < <(proxy_pids "$2"); mapfile -t up < <(upstream_pids)
   proxy=$(ticks "${pp[@]}"); upstream=$(ticks "${up[@]}"); store=$(ticks "$(cat "$WORK/redis-server.pid")")
-  out=$(MODE="$1" RUN="r$3-$2" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s benches/load/post.lua "${URL[$2]}/v1/payments")
+  # The load generator's own CPU (user + system, from bash's `time`): it
+  # shares the two cores with the target, so what it spends is not
+  # available to the target.
+  local TIMEFORMAT='%U %S' loadgen_s
+  loadgen_s=$( { time MODE="$1" RUN="r$3-$2" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s benches/load/post.lua "${URL[$2]}/v1/payments" >"$WORK/wrk.out"; } 2>&1 )
+  out=$(cat "$WORK/wrk.out")
   proxy=$(( $(ticks "${pp[@]}") - proxy )); upstream=$(( $(ticks "${up[@]}") - upstream ))
   store=$(( $(ticks "$(cat "$WORK/redis-server.pid")") - store ))
   local rps p50 p99 non2xx requests
@@ -112,7 +117,7 @@ run_wrk() { # scenario target round
   requests=$(awk '/requests in/ {print $1}' <<<"$out")
   # CPU per request, in µs: where each request's time goes, in this run.
   cpu() { python3 -c "print(f'{$1 * 1e6 / $HZ / max(1, $requests):.1f}')"; }
-  echo "$1 $2 $3 rps=$rps p50=$p50 p99=$p99 non2xx=${non2xx:-0} cpu_proxy=$(cpu "$proxy") cpu_upstream=$(cpu "$upstream") cpu_redis=$(cpu "$store")" >>"$RESULTS"
+  echo "$1 $2 $3 rps=$rps p50=$p50 p99=$p99 non2xx=${non2xx:-0} cpu_proxy=$(cpu "$proxy") cpu_upstream=$(cpu "$upstream") cpu_redis=$(cpu "$store") cpu_loadgen=$(awk -v r="$requests" '{printf "%.1f", ($1 + $2) * 1e6 / (r > 0 ? r : 1)}' <<<"$loadgen_s")" >>"$RESULTS"
 }
 
 for round in $(seq "$ROUNDS"); do
@@ -180,7 +185,7 @@ targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemp
            "passthrough": ["idemproxy-memory"],
            "replay": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w", "idemproxy-redis-cache", "idemproxy-embedded"]}
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
-print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis")
+print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis  wrk")
 nginx_unique = None
 ratio = {}
 for scenario in ["unique", "passthrough", "replay"]:
@@ -197,10 +202,10 @@ for scenario in ["unique", "passthrough", "replay"]:
             nginx_unique = rps
         ratio[scenario, t] = rps / base
         cpu = {part: statistics.median(float(field(r, "cpu_" + part) or "nan") for r in rs)
-               for part in ("proxy", "upstream", "redis")}
+               for part in ("proxy", "upstream", "redis", "loadgen")}
         redis = f"{cpu['redis']:6.1f}" if "redis" in t else f"{'-':>6}"
         print(f"{scenario:<11} {t:<21} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}"
-              f"   {cpu['proxy']:20.1f} {cpu['upstream']:8.1f} {redis}")
+              f"   {cpu['proxy']:20.1f} {cpu['upstream']:8.1f} {redis} {cpu['loadgen']:5.1f}")
 print()
 fixed = [r for r in rows if r[0] == "fixed"]
 over_nginx = {}
