@@ -226,7 +226,7 @@ def verdict(name, ok, shown):
 for t, goal in (("idemproxy-redis", 0.8), ("idemproxy-memory", 1.0)):
     v = ratio[("unique", t)]
     verdict(f"unique keys, {t} >= {goal}x nginx", v >= goal, f"{v:.3f}x")
-for t in ("idemproxy-memory", "idemproxy-redis", "idemproxy-redis-cache"):
+for t in ("idemproxy-memory", "idemproxy-redis", "idemproxy-redis-cache", "idemproxy-embedded"):
     v = ratio[("replay", t)]
     verdict(f"replays, {t} >= 1.5x nginx", v >= 1.5, f"{v:.3f}x")
 for t in ("idemproxy-memory", "idemproxy-redis"):
