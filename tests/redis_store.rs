@@ -142,7 +142,7 @@ async fn a_holder_whose_lease_expired_is_fenced_out_by_the_new_owner() {
         a.begin(&begin(key, 1, LEASE, OnStale::Retry))
             .await
             .expect("begin"),
-        BeginOutcome::Completed(record)
+        BeginOutcome::Completed(record.into())
     );
 }
 
@@ -303,7 +303,7 @@ async fn records_are_strings_under_prefix_and_hash_tag_with_their_expiry() {
     assert_about("settled", pttl(&server.url(), &stale_name).await, TTL);
     assert_eq!(
         store.get(&stale).await.expect("get"),
-        Some(Record::Completed(settled))
+        Some(Record::Completed((*settled).clone()))
     );
 }
 
@@ -543,7 +543,7 @@ async fn a_dead_redis_is_unavailable_quickly_and_the_store_recovers() {
             .begin(&begin(key, 1, LEASE, OnStale::Store))
             .await
             .expect("begin"),
-        BeginOutcome::Completed(record)
+        BeginOutcome::Completed(record.into())
     );
 }
 
@@ -631,7 +631,7 @@ async fn measure_round_trips(label: &str, store: &RedisStore, servers: &[&RedisS
             .begin(&begin(key, 1, LEASE, OnStale::Store))
             .await
             .expect("begin"),
-        BeginOutcome::Completed(record)
+        BeginOutcome::Completed(record.into())
     );
     let after = commandstats(servers);
 
@@ -691,7 +691,7 @@ async fn one_round_trip_per_state_change() {
                 .begin(&begin(key, 1, LEASE, OnStale::Store))
                 .await
                 .expect("begin"),
-            BeginOutcome::Completed(record.clone())
+            BeginOutcome::Completed(record.clone().into())
         );
     }
     let ran = delta(&before, &commandstats(&[&server]));

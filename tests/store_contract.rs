@@ -244,7 +244,7 @@ mod cases {
                 .begin(&begin(key, 1, LONG_LEASE, OnStale::Store))
                 .await
                 .expect("begin");
-            assert_eq!(replay, BeginOutcome::Completed(record.clone()));
+            assert_eq!(replay, BeginOutcome::Completed(record.clone().into()));
         }
         assert_eq!(
             store.get(&key).await.expect("get"),
@@ -371,7 +371,7 @@ mod cases {
                 .begin(&begin(key, 1, LONG_LEASE, OnStale::Retry))
                 .await
                 .expect("begin"),
-            BeginOutcome::Completed(record)
+            BeginOutcome::Completed(record.into())
         );
     }
 
@@ -428,7 +428,7 @@ mod cases {
         }
         assert_eq!(
             store.get(&key).await.expect("get"),
-            Some(Record::Completed(settled.clone()))
+            Some(Record::Completed((*settled).clone()))
         );
 
         assert_fenced(
@@ -438,7 +438,7 @@ mod cases {
         assert_fenced(store.release(&key, a).await, "the dead holder releases");
         assert_eq!(
             store.get(&key).await.expect("get"),
-            Some(Record::Completed(settled))
+            Some(Record::Completed((*settled).clone()))
         );
     }
 
@@ -698,7 +698,7 @@ mod embedded_only {
                 .begin(&begin(done_key, 1, LONG_LEASE, OnStale::Store))
                 .await
                 .expect("begin"),
-            BeginOutcome::Completed(record)
+            BeginOutcome::Completed(record.into())
         );
         let Some(Record::Pending(p)) = pending else {
             panic!("the claim was pending");

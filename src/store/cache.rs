@@ -156,12 +156,12 @@ impl<S: Store + ?Sized> CachedStore<S> {
         }
     }
 
-    fn insert(&self, key: RecordKey, record: CompletedRecord) {
+    fn insert(&self, key: RecordKey, record: Arc<CompletedRecord>) {
         if record.expires_at > now_millis() {
             self.cache.insert(
                 key,
                 Entry {
-                    record: Arc::new(record),
+                    record,
                     cached_at: Instant::now(),
                 },
             );
@@ -175,7 +175,7 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         if let Some(record) = self.lookup(&begin.key) {
             self.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(if record.fingerprint == begin.fingerprint {
-                BeginOutcome::Completed((*record).clone())
+                BeginOutcome::Completed(record)
             } else {
                 BeginOutcome::Mismatch {
                     state: KeyState::Completed,
@@ -197,7 +197,7 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
     ) -> Result<(), StoreError> {
         let result = self.inner.complete(key, token, record).await;
         match &result {
-            Ok(()) => self.insert(*key, record.clone()),
+            Ok(()) => self.insert(*key, Arc::new(record.clone())),
             Err(_) => {
                 self.cache.remove(key);
             }
@@ -357,7 +357,7 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(
                 store.begin(&begin(k, 1)).await.ok(),
-                Some(BeginOutcome::Completed(record.clone()))
+                Some(BeginOutcome::Completed(Arc::new(record.clone())))
             );
         }
         assert_eq!(
@@ -372,6 +372,28 @@ mod tests {
             "replays hit the cache"
         );
         assert_eq!(store.kind(), "counting");
+    }
+
+    #[tokio::test]
+    async fn a_cached_replay_shares_the_record_instead_of_copying_it() {
+        let (_, store) = cached(16);
+        let k = key();
+        let token = claim(&store, k, 1).await;
+        store
+            .complete(&k, token, &completed(1, TTL))
+            .await
+            .expect("complete");
+        let replay = || async {
+            match store.begin(&begin(k, 1)).await {
+                Ok(BeginOutcome::Completed(record)) => record,
+                other => panic!("expected Completed, got {other:?}"),
+            }
+        };
+        let (first, second) = (replay().await, replay().await);
+        assert!(
+            Arc::ptr_eq(&first, &second),
+            "both replays hold the cache's one copy of the record"
+        );
     }
 
     #[test]
@@ -437,7 +459,7 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(
                 reader.begin(&begin(k, 1)).await.ok(),
-                Some(BeginOutcome::Completed(record.clone()))
+                Some(BeginOutcome::Completed(Arc::new(record.clone())))
             );
         }
         assert_eq!(inner.begins.load(Ordering::SeqCst), before + 1);

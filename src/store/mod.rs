@@ -65,14 +65,16 @@ pub enum BeginOutcome {
         /// True when a stale claim was taken over (`on_stale = "retry"`).
         took_over: bool,
     },
-    /// The key has a settled outcome for this same request.
-    Completed(CompletedRecord),
+    /// The key has a settled outcome for this same request. Shared: a
+    /// replay cache hands out the record it holds without copying its
+    /// headers and body (a replay only reads it).
+    Completed(Arc<CompletedRecord>),
     /// This call found the key's claim past its lease (its holder died
     /// mid-call) and settled it fail-closed as an abandoned
     /// `outcome-unknown` (`on_stale = "store"`). Later calls get
     /// `Completed` with the same record; only this one says it happened now,
     /// which is what `idemproxy_expired_leases_total` counts.
-    Settled(CompletedRecord),
+    Settled(Arc<CompletedRecord>),
     /// Another request with the same fingerprint holds the key.
     InFlight { lease_expires_at: UnixMillis },
     /// The key belongs to a different request.
@@ -172,7 +174,7 @@ pub fn decide_begin(
             },
             None,
         ),
-        Some(Record::Completed(done)) => (BeginOutcome::Completed(done), None),
+        Some(Record::Completed(done)) => (BeginOutcome::Completed(Arc::new(done)), None),
         Some(Record::Pending(p)) if p.lease_expires_at > now => (
             BeginOutcome::InFlight {
                 lease_expires_at: p.lease_expires_at,
@@ -192,7 +194,7 @@ pub fn decide_begin(
                     },
                 };
                 (
-                    BeginOutcome::Settled(done.clone()),
+                    BeginOutcome::Settled(Arc::new(done.clone())),
                     Some(Record::Completed(done)),
                 )
             }
