@@ -323,11 +323,12 @@ mod tests {
         (inner.clone(), CachedStore::new(inner, entries))
     }
 
-    /// Claims a new key and completes it with `record`.
-    async fn complete_new_key(store: &dyn Store, record: &CompletedRecord) {
+    /// Claims a new key and completes it with `record`; returns the key.
+    async fn complete_new_key(store: &dyn Store, record: &CompletedRecord) -> RecordKey {
         let k = key();
         let token = claim(store, k, 1).await;
         store.complete(&k, token, record).await.expect("complete");
+        k
     }
 
     async fn claim(store: &dyn Store, key: RecordKey, fingerprint: u8) -> FencingToken {
@@ -377,12 +378,7 @@ mod tests {
     #[tokio::test]
     async fn a_cached_replay_shares_the_record_instead_of_copying_it() {
         let (_, store) = cached(16);
-        let k = key();
-        let token = claim(&store, k, 1).await;
-        store
-            .complete(&k, token, &completed(1, TTL))
-            .await
-            .expect("complete");
+        let k = complete_new_key(&store, &completed(1, TTL)).await;
         let replay = || async {
             match store.begin(&begin(k, 1)).await {
                 Ok(BeginOutcome::Completed(record)) => record,
@@ -489,12 +485,7 @@ mod tests {
     async fn entries_older_than_max_age_are_asked_again() {
         let inner = Arc::new(Counting::default());
         let store = CachedStore::new(inner.clone(), 16).max_age(Duration::from_millis(50));
-        let k = key();
-        let token = claim(&store, k, 1).await;
-        store
-            .complete(&k, token, &completed(1, TTL))
-            .await
-            .expect("complete");
+        let k = complete_new_key(&store, &completed(1, TTL)).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let before = inner.begins.load(Ordering::SeqCst);
         assert!(matches!(
@@ -507,12 +498,7 @@ mod tests {
     #[tokio::test]
     async fn remove_invalidates() {
         let (inner, store) = cached(16);
-        let k = key();
-        let token = claim(&store, k, 1).await;
-        store
-            .complete(&k, token, &completed(1, TTL))
-            .await
-            .expect("complete");
+        let k = complete_new_key(&store, &completed(1, TTL)).await;
         assert!(store.remove(&k).await.expect("remove"));
         assert_eq!(inner.removes.load(Ordering::SeqCst), 1);
         assert!(store.is_empty());
