@@ -1,16 +1,12 @@
 //! `max_in_flight`: past the limit a request is shed with 503 `overloaded`
 //! before its body is read or its key claimed, so memory stays bounded and
 //! nothing executes; an execution whose client went away keeps counting.
-//! Worker threads' blocking pools are bounded too.
 
 mod support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
-use idemproxy::config::StoreKind;
-use support::binary::ProxyProcess;
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::raw;
 use support::upstream::TestUpstream;
@@ -208,51 +204,4 @@ async fn a_streaming_passthrough_holds_its_permit_until_its_body_ends() {
     let reply = post_until_admitted(&client, &proxy, "after-stream").await;
     assert_eq!(reply.status, 201, "{reply:?}");
     assert_eq!(upstream.executions("/v1/orders"), 1);
-}
-
-/// Threads of the process `pid` right now.
-fn threads(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .expect("the proxy's /proc entry")
-        .count()
-}
-
-/// The embedded store reads on each worker's blocking pool, which is
-/// bounded: bursts of concurrent replays reuse a few threads instead of
-/// starting one per request in flight (tokio's default allows 512 per
-/// worker, and each thread keeps an allocator heap of its own).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replay_bursts_on_the_embedded_store_start_a_bounded_number_of_threads() {
-    let upstream = TestUpstream::start().await;
-    let data = tempfile::tempdir().expect("tempdir");
-    let mut c = config(&upstream.url());
-    c.store.kind = StoreKind::Embedded;
-    c.store.path = data.path().to_path_buf();
-    c.workers = 2;
-    let proxy = ProxyProcess::start(c).await;
-    let client = Arc::new(TestClient::new());
-    let url = proxy.url("/v1/orders");
-    let first = client.post_json(&url, "burst-1", "{}").await;
-    assert!(first.status.is_success(), "{first:?}");
-
-    let idle = threads(proxy.pid());
-    let mut most = idle;
-    for _ in 0..20 {
-        let mut burst = tokio::task::JoinSet::new();
-        for _ in 0..64 {
-            let (client, url) = (Arc::clone(&client), url.clone());
-            burst.spawn(async move { client.post_json(&url, "burst-1", "{}").await });
-        }
-        while let Some(reply) = burst.join_next().await {
-            let reply = reply.expect("task");
-            assert!(reply.replayed(), "{reply:?}");
-        }
-        // Idle blocking threads linger for seconds, so counting after each
-        // burst sees every thread it started.
-        most = most.max(threads(proxy.pid()));
-    }
-    assert!(
-        most - idle <= 2 * 8,
-        "{idle} threads idle, {most} after bursts of 64 concurrent replays"
-    );
 }
