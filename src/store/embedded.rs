@@ -902,6 +902,111 @@ mod tests {
         assert_eq!(acquired, 1);
     }
 
+    /// Queues, behind a held writer, a claim of `[1; 32]`, then `failing`
+    /// (a change that fails the group), then a claim of `[3; 32]`, and
+    /// returns their answers once the writer is let go.
+    async fn group_with_failing_change(
+        store: &Arc<EmbeddedStore>,
+        failing: impl for<'t> FnOnce(&mut Tables<'t>) -> Result<(), WriteError> + Send + 'static,
+    ) -> (
+        Result<BeginOutcome, StoreError>,
+        Result<(), StoreError>,
+        Result<BeginOutcome, StoreError>,
+    ) {
+        let release = hold_writer(store).await;
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
+        let claim = |i: u8| {
+            let store = Arc::clone(store);
+            tokio::spawn(async move {
+                store
+                    .begin(&begin(
+                        RecordKey::from_bytes([i; 32]),
+                        60_000,
+                        OnStale::Store,
+                    ))
+                    .await
+            })
+        };
+        let first = claim(1);
+        until_queued(store, queued_before + 1).await;
+        let failed = {
+            let store = Arc::clone(store);
+            tokio::spawn(async move { store.write(failing).await })
+        };
+        until_queued(store, queued_before + 2).await;
+        let last = claim(3);
+        until_queued(store, queued_before + 3).await;
+        drop(release);
+        (
+            first.await.expect("task"),
+            failed.await.expect("task"),
+            last.await.expect("task"),
+        )
+    }
+
+    /// A redb failure in the middle of a group: nothing of the group is
+    /// written, every change already run in it is answered with the error
+    /// (none is told it is durable), and the changes queued after it run
+    /// in the next group.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_storage_failure_fails_its_group_and_the_changes_after_it_run_next() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
+        let (first, failed, last) = group_with_failing_change(&store, |tables| {
+            // As if redb failed after this change had written.
+            tables.wrote = true;
+            Err(WriteError::Storage(StoreError::Unavailable(
+                "injected".into(),
+            )))
+        })
+        .await;
+        assert!(
+            matches!(&first, Err(StoreError::Unavailable(e)) if e == "injected"),
+            "{first:?}"
+        );
+        assert!(matches!(failed, Err(StoreError::Unavailable(_))));
+        assert!(
+            matches!(last, Ok(BeginOutcome::Acquired { .. })),
+            "{last:?}"
+        );
+        assert_eq!(
+            store
+                .get(&RecordKey::from_bytes([1; 32]))
+                .await
+                .expect("get"),
+            None
+        );
+        assert!(store
+            .get(&RecordKey::from_bytes([3; 32]))
+            .await
+            .expect("get")
+            .is_some());
+        assert_index_matches(&store.db);
+    }
+
+    /// A change that panics costs its group, not the store: the changes of
+    /// the group are dropped unwritten (their callers see that), and the
+    /// writer goes on serving.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_change_drops_its_group_and_the_writer_goes_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
+        let (first, failed, last) =
+            group_with_failing_change(&store, |_| panic!("a bug in a change")).await;
+        assert!(
+            matches!(first, Err(StoreError::Unavailable(_))),
+            "{first:?}"
+        );
+        assert!(matches!(failed, Err(StoreError::Unavailable(_))));
+        assert!(matches!(last, Err(StoreError::Unavailable(_))), "{last:?}");
+        for i in [1, 3] {
+            let key = RecordKey::from_bytes([i; 32]);
+            assert_eq!(store.get(&key).await.expect("get"), None);
+            claim(&store, key).await;
+        }
+        assert_index_matches(&store.db);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn begins_that_only_decide_commit_nothing() {
         let dir = tempfile::tempdir().expect("tempdir");
