@@ -796,6 +796,24 @@ mod tests {
         release
     }
 
+    /// Claims `[i; 32]` in a task of its own, so that it can wait for the
+    /// writer while the test goes on.
+    fn spawn_claim(
+        store: &Arc<EmbeddedStore>,
+        i: u8,
+    ) -> JoinHandle<Result<BeginOutcome, StoreError>> {
+        let store = Arc::clone(store);
+        tokio::spawn(async move {
+            store
+                .begin(&begin(
+                    RecordKey::from_bytes([i; 32]),
+                    60_000,
+                    OnStale::Store,
+                ))
+                .await
+        })
+    }
+
     /// Waits until `changes` changes in all have been queued for the writer.
     async fn until_queued(store: &EmbeddedStore, changes: u64) {
         for _ in 0..500 {
@@ -820,18 +838,7 @@ mod tests {
         // Queued behind the holder, in this order: 15 claims, a completion
         // with a token that does not own `held`, a release by its rightful
         // holder, 15 more claims.
-        let claim = |i: u8| {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move {
-                store
-                    .begin(&begin(
-                        RecordKey::from_bytes([i; 32]),
-                        60_000,
-                        OnStale::Store,
-                    ))
-                    .await
-            })
-        };
+        let claim = |i: u8| spawn_claim(&store, i);
         let mut claims: Vec<_> = (100..115u8).map(claim).collect();
         until_queued(&store, queued_before + 15).await;
         let wrong = {
@@ -879,15 +886,9 @@ mod tests {
     async fn concurrent_claims_of_one_key_leave_one_holder() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
-        let key = RecordKey::from_bytes([7; 32]);
         let release = hold_writer(&store).await;
         let queued_before = store.writer.submitted.load(Ordering::Relaxed);
-        let claims: Vec<_> = (0..16)
-            .map(|_| {
-                let store = Arc::clone(&store);
-                tokio::spawn(async move { store.begin(&begin(key, 60_000, OnStale::Store)).await })
-            })
-            .collect();
+        let claims: Vec<_> = (0..16).map(|_| spawn_claim(&store, 7)).collect();
         // All of them wait for the writer, and land in the same group.
         until_queued(&store, queued_before + 16).await;
         drop(release);
@@ -915,18 +916,7 @@ mod tests {
     ) {
         let release = hold_writer(store).await;
         let queued_before = store.writer.submitted.load(Ordering::Relaxed);
-        let claim = |i: u8| {
-            let store = Arc::clone(store);
-            tokio::spawn(async move {
-                store
-                    .begin(&begin(
-                        RecordKey::from_bytes([i; 32]),
-                        60_000,
-                        OnStale::Store,
-                    ))
-                    .await
-            })
-        };
+        let claim = |i: u8| spawn_claim(store, i);
         let first = claim(1);
         until_queued(store, queued_before + 1).await;
         let failed = {
