@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Side-by-side load comparison, one run, one machine:
 #   nginx as a plain reverse proxy (the control)  vs
-#   idemproxy on the memory store  vs  idemproxy on a private Redis (each
-#   also with `workers = 1`)  vs  idemproxy on the embedded store (the
-#   default: an fsync'd redb file, here in a scratch directory),
-# all in front of the same fast upstream (nginx `return 201`). Replays also
-# run against a second Redis-backed proxy with the local replay cache
-# (`local_cache_entries = 10000`; off by default).
+#   idemproxy on the memory store  vs  idemproxy on a private Redis  vs
+#   idemproxy on the embedded store (the default: an fsync'd redb file,
+#   here in a scratch directory),
+# all in front of the same fast upstream (nginx `return 201`), each proxy
+# with the default configuration. Replays also run against a Redis-backed
+# proxy without the local replay cache (`local_cache_entries = 0`), which
+# asks Redis for every replay. WORKERS1=1 adds the memory and Redis proxies
+# with `workers = 1` (one traffic thread instead of one per CPU).
 #
 # Load: POST, ~1 KB JSON body, a unique Idempotency-Key per request (wrk +
 # benches/load/post.lua, MODE=unique), and the same without a key against
@@ -20,7 +22,7 @@
 # keys against idemproxy-redis and a memory-store proxy whose records live
 # 10 s, both at once, with their RSS sampled every 5 s.
 #
-#   benches/load.sh                 # ROUNDS=3 DURATION=4 CONNS=32, about 4 minutes
+#   benches/load.sh                 # ROUNDS=3 DURATION=3 CONNS=32, about 3 minutes
 #   FIXED_RATE=5000 benches/load.sh # fixed-rate run at a chosen rate instead
 #
 # Needs nginx, wrk and redis-server (installed from Debian's packages when
@@ -29,9 +31,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ROUNDS=${ROUNDS:-3}
-DURATION=${DURATION:-4}
+DURATION=${DURATION:-3}
 CONNS=${CONNS:-32}
-FIXED_SECONDS=${FIXED_SECONDS:-6}
+FIXED_SECONDS=${FIXED_SECONDS:-5}
+WORKERS1=${WORKERS1:-0}
 SOAK_SECONDS=${SOAK_SECONDS:-60}
 
 . benches/lib.sh
@@ -47,25 +50,33 @@ start_control "$NG"
 start_redis "$RP"
 
 start_proxy memory "$IM" memory
-# The same with one traffic worker instead of one per CPU: on two cores that
-# the load generator and the upstream also use, fewer threads can mean
-# fewer wake-ups and context switches (a sidecar shares its cores too).
-start_proxy memory-1w "$I1" memory IDEMPROXY_WORKERS=1
 start_proxy redis "$IR" redis
-start_proxy redis-1w "$IR1" redis IDEMPROXY_WORKERS=1
-start_proxy redis-cache "$IC" redis IDEMPROXY_STORE__LOCAL_CACHE_ENTRIES=10000
+# Every replay a round trip to Redis: what the local replay cache saves.
+start_proxy redis-nocache "$IC" redis IDEMPROXY_STORE__LOCAL_CACHE_ENTRIES=0
+if [ "$WORKERS1" = 1 ]; then
+  # One traffic worker instead of one per CPU: on two cores that the load
+  # generator and the upstream also use, fewer threads can mean fewer
+  # wake-ups and context switches (a sidecar shares its cores too).
+  start_proxy memory-1w "$I1" memory IDEMPROXY_WORKERS=1
+  start_proxy redis-1w "$IR1" redis IDEMPROXY_WORKERS=1
+fi
 # The default store: durable, so every claim and completion waits for an
 # fsync (grouped with the others in flight) on this machine's disk.
 start_proxy embedded "$IE" embedded IDEMPROXY_STORE__PATH="$WORK/embedded-data"
 
-declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-cache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE")
-TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-embedded)
-REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-cache idemproxy-embedded)
+declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-nocache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE")
+if [ "$WORKERS1" = 1 ]; then
+  TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-embedded)
+  REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-nocache idemproxy-embedded)
+else
+  TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-embedded)
+  REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-redis-nocache idemproxy-embedded)
+fi
 FIXED_TARGETS=(nginx idemproxy-memory idemproxy-redis)
 RESULTS="$WORK/results.txt"; : >"$RESULTS"
 
 # Warm 1,000 keys on each proxy for the replay runs.
-for t in idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-cache idemproxy-embedded; do
+for t in "${REPLAY_TARGETS[@]:1}"; do
   "$LOADGEN" "${URL[$t]}/v1/payments" 2000 0.5 replay >/dev/null
 done
 
@@ -89,7 +100,7 @@ proxy_pids() {
     idemproxy-memory-1w) cat "$WORK/memory-1w.pid" ;;
     idemproxy-redis) cat "$WORK/redis.pid" ;;
     idemproxy-redis-1w) cat "$WORK/redis-1w.pid" ;;
-    idemproxy-redis-cache) cat "$WORK/redis-cache.pid" ;;
+    idemproxy-redis-nocache) cat "$WORK/redis-nocache.pid" ;;
     idemproxy-embedded) cat "$WORK/embedded.pid" ;;
   esac
 }
@@ -123,10 +134,10 @@ run_wrk() { # scenario target round
 for round in $(seq "$ROUNDS"); do
   # Alternate the order so no target always runs first (or last) on a
   # machine that warms up or gets busier.
-  if (( round % 2 )); then
-    order=("${TARGETS[@]}"); replay_order=("${REPLAY_TARGETS[@]}")
-  else
-    order=(idemproxy-embedded idemproxy-redis-1w idemproxy-redis idemproxy-memory-1w idemproxy-memory nginx); replay_order=(idemproxy-embedded idemproxy-redis-cache idemproxy-redis-1w idemproxy-redis idemproxy-memory-1w idemproxy-memory nginx)
+  order=("${TARGETS[@]}"); replay_order=("${REPLAY_TARGETS[@]}")
+  if (( round % 2 == 0 )); then
+    mapfile -t order < <(printf '%s\n' "${order[@]}" | tac)
+    mapfile -t replay_order < <(printf '%s\n' "${replay_order[@]}" | tac)
   fi
   for t in "${order[@]}"; do run_wrk unique "$t" "$round"; done
   # The same POSTs without a key: forwarded unprotected, so this is the
@@ -168,9 +179,9 @@ wait "$SOAK_WRK1" "$SOAK_WRK2"
 echo "soak idemproxy-redis 1 rps=$(awk '/Requests\/sec:/ {print $2}' "$WORK/soak-redis.txt") rss_kib=${SOAK_REDIS// /,}" >>"$RESULTS"
 echo "soak idemproxy-memory-ttl10s 1 rps=$(awk '/Requests\/sec:/ {print $2}' "$WORK/soak-memory.txt") rss_kib=${SOAK_MEMORY// /,}" >>"$RESULTS"
 
-python3 - "$RESULTS" "$RSS_MEMORY" "$RSS_REDIS" "$RSS_EMBEDDED" "$CONNS" "$DURATION" "$ROUNDS" <<'PY'
+python3 - "$RESULTS" "$RSS_MEMORY" "$RSS_REDIS" "$RSS_EMBEDDED" "$CONNS" "$DURATION" "$ROUNDS" "${TARGETS[*]}" "${REPLAY_TARGETS[*]}" <<'PY'
 import statistics, sys, re
-path, rss_mem, rss_redis, rss_embedded, conns, duration, rounds = sys.argv[1:]
+path, rss_mem, rss_redis, rss_embedded, conns, duration, rounds, unique, replay = sys.argv[1:]
 rows = [l.split() for l in open(path)]
 def ms(v):
     m = re.match(r"([\d.]+)(us|ms|s)$", v)
@@ -181,11 +192,9 @@ def field(r, name):
     for f in r[3:]:
         if f.startswith(name + "="): return f.split("=", 1)[1]
     return None
-targets = {"unique": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w", "idemproxy-embedded"],
-           "passthrough": ["idemproxy-memory"],
-           "replay": ["nginx", "idemproxy-memory", "idemproxy-memory-1w", "idemproxy-redis", "idemproxy-redis-1w", "idemproxy-redis-cache", "idemproxy-embedded"]}
+targets = {"unique": unique.split(), "passthrough": ["idemproxy-memory"], "replay": replay.split()}
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
-print(f"{'scenario':<11} {'target':<21} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis  wrk")
+print(f"{'scenario':<11} {'target':<23} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis  wrk")
 nginx_unique = None
 ratio = {}
 for scenario in ["unique", "passthrough", "replay"]:
@@ -204,7 +213,7 @@ for scenario in ["unique", "passthrough", "replay"]:
         cpu = {part: statistics.median(float(field(r, "cpu_" + part) or "nan") for r in rs)
                for part in ("proxy", "upstream", "redis", "loadgen")}
         redis = f"{cpu['redis']:6.1f}" if "redis" in t else f"{'-':>6}"
-        print(f"{scenario:<11} {t:<21} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}"
+        print(f"{scenario:<11} {t:<23} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}"
               f"   {cpu['proxy']:20.1f} {cpu['upstream']:8.1f} {redis} {cpu['loadgen']:5.1f}")
 print()
 fixed = [r for r in rows if r[0] == "fixed"]
@@ -226,7 +235,7 @@ def verdict(name, ok, shown):
 for t, goal in (("idemproxy-redis", 0.8), ("idemproxy-memory", 1.0)):
     v = ratio[("unique", t)]
     verdict(f"unique keys, {t} >= {goal}x nginx", v >= goal, f"{v:.3f}x")
-for t in ("idemproxy-memory", "idemproxy-redis", "idemproxy-redis-cache", "idemproxy-embedded"):
+for t in ("idemproxy-memory", "idemproxy-redis", "idemproxy-embedded"):
     v = ratio[("replay", t)]
     verdict(f"replays, {t} >= 1.5x nginx", v >= 1.5, f"{v:.3f}x")
 for t in ("idemproxy-memory", "idemproxy-redis"):

@@ -3,17 +3,21 @@
 //! one counting upstream. A key claimed or completed through one replica is
 //! seen by the other: replays, in-flight answers, waits and mismatches work
 //! across replicas, with and without the local replay cache, and the
-//! upstream executes each key once.
+//! upstream executes each key once. A key an operator removes through one
+//! replica is dropped from the others' caches, and a replica that cannot
+//! hear removals answers nothing from its cache.
 
 mod support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemproxy::config::{Config, OnInFlight, StoreKind};
-use idemproxy::store::{cache, RedisStore, SharedStore};
+use http::Method;
+use idemproxy::config::{Config, OnInFlight, StoreConfig, StoreKind};
+use idemproxy::store::{cache, CachedStore, RedisStore, SharedStore, Store};
+use support::keys;
 use support::proxy::{config, redis_config, Reply, TestClient, TestProxy};
-use support::redis_server;
+use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::time::Instant;
 
@@ -31,7 +35,23 @@ fn cluster_config(upstream: &TestUpstream, urls: Vec<String>, prefix: &str) -> C
 /// A replica with a Redis connection of its own (behind the local replay
 /// cache when `store.local_cache_entries` is set), as `idemproxy` builds it.
 async fn replica(c: Config) -> TestProxy {
-    let store: SharedStore = match c.store.kind {
+    let entries = c.store.local_cache_entries;
+    let store = cache::wrap(redis_store(&c).await, entries);
+    TestProxy::start_with_store(c, store).await
+}
+
+/// A replica behind a local replay cache the test can watch, with the admin
+/// API open to [`ADMIN_TOKEN`].
+async fn cached_replica(mut c: Config) -> (TestProxy, Arc<CachedStore>) {
+    c.admin_token = Some(ADMIN_TOKEN.into());
+    let cache = cache::cached(redis_store(&c).await, 1000);
+    (TestProxy::start_with_store(c, cache.clone()).await, cache)
+}
+
+const ADMIN_TOKEN: &str = "replicas-admin-token-7d1e";
+
+async fn redis_store(c: &Config) -> SharedStore {
+    match c.store.kind {
         StoreKind::Redis => Arc::new(RedisStore::connect(&c.store).await.expect("redis")),
         StoreKind::RedisCluster => Arc::new(
             RedisStore::connect_cluster(&c.store)
@@ -39,9 +59,7 @@ async fn replica(c: Config) -> TestProxy {
                 .expect("redis cluster"),
         ),
         other => panic!("not a Redis store: {other:?}"),
-    };
-    let store = cache::wrap(store, c.store.local_cache_entries);
-    TestProxy::start_with_store(c, store).await
+    }
 }
 
 /// Two replicas on the shared private Redis of this test binary.
@@ -340,4 +358,151 @@ async fn with_the_local_cache_replays_on_b_stay_correct() {
         "replicas/local-cache: operations=2 duplicates=9 executions={}",
         upstream.total()
     );
+}
+
+/// Waits until `condition` holds, for up to [`ARRIVAL`].
+async fn eventually(what: &str, condition: impl Fn() -> bool) {
+    let deadline = Instant::now() + ARRIVAL;
+    while !condition() {
+        assert!(Instant::now() < deadline, "not within {ARRIVAL:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Removes `key` (sent by `post_json` to `path`) through `replica`'s admin
+/// API, as an operator does.
+async fn admin_delete(client: &TestClient, replica: &TestProxy, path: &str, key: &str) {
+    let hash = keys::record_key(&keys::json_post(path), key).to_hex();
+    let reply = client
+        .send(
+            Method::DELETE,
+            &replica.admin_url(&format!("/v1/keys/{hash}")),
+            &[("authorization", &format!("Bearer {ADMIN_TOKEN}"))],
+            "",
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+}
+
+/// Executes `key` through `a`, then replays it through `b` until `b`
+/// answers from its cache. Returns the first answer.
+async fn executed_on_a_cached_on_b(
+    client: &TestClient,
+    (a, b): (&TestProxy, &TestProxy),
+    b_cache: &CachedStore,
+    path: &str,
+    key: &str,
+) -> Reply {
+    eventually("b's cache hears removals", || b_cache.is_live()).await;
+    let first = client.post_json(&a.url(path), key, BODY).await;
+    assert_executed(&first);
+    for _ in 0..2 {
+        assert_replays(&client.post_json(&b.url(path), key, BODY).await, &first);
+    }
+    assert_eq!(b_cache.len(), 1, "b caches the record it replayed");
+    first
+}
+
+/// What a removal through A must do to B's cache, on a standalone Redis or
+/// a cluster: B drops the key when it hears of it, and executes the key
+/// afresh instead of replaying the removed record.
+async fn removal_reaches_the_other_cache(a: StoreConfig, b: StoreConfig, path: &str) {
+    let upstream = TestUpstream::start().await;
+    let with_store = |store: StoreConfig| Config {
+        store,
+        ..config(&upstream.url())
+    };
+    let a = cached_replica(with_store(a)).await.0;
+    let (b, b_cache) = cached_replica(with_store(b)).await;
+    let client = TestClient::new();
+    executed_on_a_cached_on_b(&client, (&a, &b), &b_cache, path, "r-1").await;
+    let hits = b_cache.local_cache_hits();
+
+    admin_delete(&client, &a, path, "r-1").await;
+    eventually("b drops the key a removed", || b_cache.is_empty()).await;
+    let again = client.post_json(&b.url(path), "r-1", BODY).await;
+    assert_executed(&again);
+    assert_eq!(
+        upstream.executions(path),
+        2,
+        "executed afresh after removal"
+    );
+    assert_eq!(
+        b_cache.local_cache_hits(),
+        hits,
+        "not answered from b's cache"
+    );
+    println!("replicas/removal-heard: executions={}", upstream.total());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_through_one_replica_is_dropped_from_the_others_cache() {
+    let server = redis_server::shared();
+    let prefix = redis_server::unique_prefix("removal");
+    let store = redis_config("", &server.url(), &prefix).store;
+    removal_reaches_the_other_cache(store.clone(), store, "/v1/orders").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_redis_cluster_a_removal_is_dropped_from_the_others_cache() {
+    let cluster = redis_server::shared_cluster();
+    let prefix = redis_server::unique_prefix("cluster-removal");
+    let a = StoreConfig {
+        kind: StoreKind::RedisCluster,
+        urls: cluster.urls(),
+        key_prefix: prefix,
+        ..StoreConfig::default()
+    };
+    // B follows removals on another seed node than the first, A's.
+    let mut b = a.clone();
+    b.urls.rotate_left(1);
+    removal_reaches_the_other_cache(a, b, "/v1/orders").await;
+}
+
+/// A replica that cannot subscribe (here: Redis refuses the channel to its
+/// user, as an ACL without it does) answers replays from Redis, so a
+/// removal it cannot hear of is never replayed from its cache; once it
+/// hears removals again it caches again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_cannot_hear_removals_answers_nothing_from_its_cache() {
+    let upstream = TestUpstream::start().await;
+    // A Redis of its own: the test takes the channel away from its user.
+    let server = RedisServer::start();
+    let c = redis_config(&upstream.url(), &server.url(), "deaf:");
+    let a = cached_replica(c.clone()).await.0;
+    let (b, b_cache) = cached_replica(c).await;
+    let client = TestClient::new();
+    let path = "/v1/orders";
+    let first = executed_on_a_cached_on_b(&client, (&a, &b), &b_cache, path, "d-1").await;
+
+    // Redis drops subscribers that lose the channel, and refuses them again.
+    server.cli(&["ACL", "SETUSER", "default", "resetchannels"]);
+    eventually("b's cache stops answering", || !b_cache.is_live()).await;
+    let hits = b_cache.local_cache_hits();
+    assert_replays(&client.post_json(&b.url(path), "d-1", BODY).await, &first);
+    assert_eq!(b_cache.local_cache_hits(), hits, "replayed from Redis");
+
+    // A's announcement cannot reach B (PUBLISH is refused too)...
+    admin_delete(&client, &a, path, "d-1").await;
+    // ...and B, which still holds the record, does not replay it.
+    let again = client.post_json(&b.url(path), "d-1", BODY).await;
+    assert_executed(&again);
+    assert_eq!(upstream.executions(path), 2);
+
+    server.cli(&["ACL", "SETUSER", "default", "allchannels"]);
+    eventually("b's cache answers again", || b_cache.is_live()).await;
+    assert!(
+        b_cache.is_empty(),
+        "b starts over: it cannot know what it missed"
+    );
+    for _ in 0..2 {
+        assert_replays(&client.post_json(&b.url(path), "d-1", BODY).await, &again);
+    }
+    assert_eq!(
+        b_cache.local_cache_hits(),
+        hits.map(|h| h + 1),
+        "cached again"
+    );
+    assert_eq!(upstream.executions(path), 2);
+    println!("replicas/removal-unheard: executions={}", upstream.total());
 }

@@ -18,10 +18,28 @@
 //! - `release` and `remove` drop the key's entry; `get` always asks the store
 //!   (it is the operator's view).
 //! - An entry is used only while its record's `expires_at` is in the future
-//!   and it is younger than the cache's `max_age` ([`DEFAULT_MAX_AGE`]). The
-//!   age bound exists for `remove`: it drops only this proxy's entry, so other
-//!   replicas may go on replaying a removed record from their caches for up
-//!   to `max_age`.
+//!   and it is younger than the cache's `max_age` ([`DEFAULT_MAX_AGE`]).
+//!
+//! # Removals through other processes
+//!
+//! `remove` (an operator's `DELETE`) is the one change a completed record
+//! can go through before it expires, and on a shared store another replica
+//! may make it. [`wrap`] therefore hands the store an [`Invalidator`]
+//! ([`Store::watch_removals`]), through which the store reports what other
+//! processes removed. A Redis store follows a pub/sub channel that every
+//! replica's `remove` publishes to; the memory and embedded stores have no
+//! other writer and ignore it. While a feed is not connected (at startup,
+//! after Redis restarts, while the subscription is down) the cache answers
+//! nothing and stores nothing: it cannot know what it missed. When the feed
+//! (re)connects, the cache starts over empty.
+//!
+//! An answer read from the store while a removal was being reported could
+//! put the removed record back after the report dropped it. Every report
+//! bumps an epoch; an answer is cached only if the epoch did not move
+//! between asking the store and caching, checked again after the insert
+//! (the report drops the key after bumping, so one of the two sees the
+//! other). `max_age` stays as a backstop for a feed that is silently
+//! broken between two of its heartbeats.
 //!
 //! The cache is bounded by entries of up to [`ENTRY_BYTES`] (quick_cache's
 //! S3-FIFO-like eviction: rarely hit entries go first). A larger response
@@ -34,8 +52,8 @@
 //! disagree with the store, and a replay is answered on the worker's
 //! thread instead of a round trip to the blocking pool.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -48,7 +66,8 @@ use crate::idempotency::record::{
 
 /// How long a cached record may be answered from before the store is asked
 /// again, whatever its own expiry: the bound on how long another replica's
-/// `remove` can go unnoticed here.
+/// `remove` can go unnoticed here if the removal feed broke without this
+/// proxy noticing (see the module docs).
 pub const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);
 
 /// What one entry of `local_cache_entries` holds at most: a response's body
@@ -63,14 +82,23 @@ pub const ENTRY_BYTES: usize = 4096;
 /// 1,000 keys, same run).
 pub const EMBEDDED_ENTRIES: usize = 4096;
 
-/// Wraps `store` in a [`CachedStore`] of `entries` entries; with 0 entries
-/// (the cache is off) returns `store` itself.
+/// Wraps `store` in a [`CachedStore`] of `entries` entries, told about
+/// removals through other processes by the store itself
+/// ([`Store::watch_removals`]); with 0 entries (the cache is off) returns
+/// `store` itself.
 pub fn wrap(store: SharedStore, entries: usize) -> SharedStore {
     if entries == 0 {
-        store
-    } else {
-        Arc::new(CachedStore::new(store, entries))
+        return store;
     }
+    cached(store, entries)
+}
+
+/// [`wrap`] with a cache of at least one entry, as its own type: for a
+/// caller that watches the cache (tests, tooling).
+pub fn cached(store: SharedStore, entries: usize) -> Arc<CachedStore> {
+    let cached = Arc::new(CachedStore::new(store.clone(), entries));
+    store.watch_removals(cached.invalidator());
+    cached
 }
 
 #[derive(Clone)]
@@ -105,11 +133,86 @@ impl quick_cache::Weighter<RecordKey, Entry> for EntryWeight {
 /// cache and delegates everything else to `S` (see the module docs).
 pub struct CachedStore<S: ?Sized = dyn Store> {
     inner: Arc<S>,
-    cache: Cache<RecordKey, Entry, EntryWeight>,
+    /// Shared with the store's removal feed, through an [`Invalidator`].
+    shared: Arc<Shared>,
     max_age: Duration,
+}
+
+/// What a [`CachedStore`] and its removal feed share.
+struct Shared {
+    cache: Cache<RecordKey, Entry, EntryWeight>,
+    /// Bumped by every report of the feed, before it drops anything: an
+    /// answer read from the store while the epoch moved may be a record
+    /// that was just removed, and is not cached.
+    epoch: AtomicU64,
+    /// False while a removal feed is not connected: entries are neither
+    /// answered from nor added, since removals may go unheard. True from
+    /// the start for a store without other writers.
+    live: AtomicBool,
     /// Begins answered from the cache, read by `/metrics` (see
     /// [`Store::local_cache_hits`]).
     hits: AtomicU64,
+}
+
+impl Shared {
+    fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    fn bump(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// The handle through which a store reports removals made by other
+/// processes to the cache in front of it ([`Store::watch_removals`]). It
+/// does not keep the cache alive: every method returns false once the cache
+/// is gone, which is the feed's cue to stop.
+#[derive(Clone)]
+pub struct Invalidator(Weak<Shared>);
+
+impl Invalidator {
+    /// `key`'s record was removed: drops it from the cache.
+    pub fn removed(&self, key: &RecordKey) -> bool {
+        self.with(|shared| {
+            shared.bump();
+            shared.cache.remove(key);
+        })
+    }
+
+    /// Removals may go unheard from now on (the feed is connecting, or lost
+    /// its connection): stop answering from the cache.
+    pub fn suspend(&self) -> bool {
+        self.with(|shared| {
+            shared.live.store(false, Ordering::SeqCst);
+            shared.bump();
+        })
+    }
+
+    /// The feed is connected and every removal from now on will be heard:
+    /// start over from an empty cache, since what was missed is unknown.
+    pub fn resume(&self) -> bool {
+        self.with(|shared| {
+            shared.bump();
+            shared.cache.clear();
+            shared.live.store(true, Ordering::SeqCst);
+        })
+    }
+
+    /// Whether the cache is still there to be told anything.
+    pub fn is_open(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+
+    fn with(&self, report: impl FnOnce(&Shared)) -> bool {
+        match self.0.upgrade() {
+            Some(shared) => {
+                report(&shared);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl<S: Store + ?Sized> CachedStore<S> {
@@ -118,10 +221,19 @@ impl<S: Store + ?Sized> CachedStore<S> {
     pub fn new(inner: Arc<S>, entries: usize) -> Self {
         Self {
             inner,
-            cache: Cache::with_weighter(entries.max(1), entries.max(1) as u64, EntryWeight),
+            shared: Arc::new(Shared {
+                cache: Cache::with_weighter(entries.max(1), entries.max(1) as u64, EntryWeight),
+                epoch: AtomicU64::new(0),
+                live: AtomicBool::new(true),
+                hits: AtomicU64::new(0),
+            }),
             max_age: DEFAULT_MAX_AGE,
-            hits: AtomicU64::new(0),
         }
+    }
+
+    /// The handle for the store's removal feed (see [`Invalidator`]).
+    pub fn invalidator(&self) -> Invalidator {
+        Invalidator(Arc::downgrade(&self.shared))
     }
 
     /// Sets how long an entry may be answered from (default
@@ -138,33 +250,52 @@ impl<S: Store + ?Sized> CachedStore<S> {
 
     /// Records cached now (live or not yet found expired).
     pub fn len(&self) -> usize {
-        self.cache.len()
+        self.shared.cache.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.cache.is_empty()
+        self.shared.cache.is_empty()
+    }
+
+    /// Whether the cache answers now: false while a removal feed is not
+    /// connected.
+    pub fn is_live(&self) -> bool {
+        self.shared.live.load(Ordering::SeqCst)
     }
 
     /// The live cached record of `key`, dropping it if it is due.
     fn lookup(&self, key: &RecordKey) -> Option<Arc<CompletedRecord>> {
-        let entry = self.cache.get(key)?;
+        if !self.is_live() {
+            return None;
+        }
+        let entry = self.shared.cache.get(key)?;
         if entry.record.expires_at > now_millis() && entry.cached_at.elapsed() < self.max_age {
             Some(entry.record)
         } else {
-            self.cache.remove(key);
+            self.shared.cache.remove(key);
             None
         }
     }
 
-    fn insert(&self, key: RecordKey, record: Arc<CompletedRecord>) {
-        if record.expires_at > now_millis() {
-            self.cache.insert(
-                key,
-                Entry {
-                    record,
-                    cached_at: Instant::now(),
-                },
-            );
+    /// Caches `record`, read from or written to the store when the epoch
+    /// was `epoch`, unless a removal was reported since (see the module
+    /// docs).
+    fn insert(&self, key: RecordKey, record: Arc<CompletedRecord>, epoch: u64) {
+        let shared = &self.shared;
+        if record.expires_at <= now_millis() || !self.is_live() || shared.epoch() != epoch {
+            return;
+        }
+        shared.cache.insert(
+            key,
+            Entry {
+                record,
+                cached_at: Instant::now(),
+            },
+        );
+        // A report that bumped the epoch after the check above may have
+        // dropped the key before the insert.
+        if shared.epoch() != epoch {
+            shared.cache.remove(&key);
         }
     }
 }
@@ -173,7 +304,7 @@ impl<S: Store + ?Sized> CachedStore<S> {
 impl<S: Store + ?Sized> Store for CachedStore<S> {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         if let Some(record) = self.lookup(&begin.key) {
-            self.hits.fetch_add(1, Ordering::Relaxed);
+            self.shared.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(if record.fingerprint == begin.fingerprint {
                 BeginOutcome::Completed(record)
             } else {
@@ -182,9 +313,10 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
                 }
             });
         }
+        let epoch = self.shared.epoch();
         let outcome = self.inner.begin(begin).await?;
         if let BeginOutcome::Completed(record) | BeginOutcome::Settled(record) = &outcome {
-            self.insert(begin.key, record.clone());
+            self.insert(begin.key, record.clone(), epoch);
         }
         Ok(outcome)
     }
@@ -195,18 +327,19 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         token: FencingToken,
         record: &CompletedRecord,
     ) -> Result<(), StoreError> {
+        let epoch = self.shared.epoch();
         let result = self.inner.complete(key, token, record).await;
         match &result {
-            Ok(()) => self.insert(*key, Arc::new(record.clone())),
+            Ok(()) => self.insert(*key, Arc::new(record.clone()), epoch),
             Err(_) => {
-                self.cache.remove(key);
+                self.shared.cache.remove(key);
             }
         }
         result
     }
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
-        self.cache.remove(key);
+        self.shared.cache.remove(key);
         self.inner.release(key, token).await
     }
 
@@ -217,9 +350,9 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
     async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
         // Dropped before and after: a `begin` that read the record from the
         // store while it was being removed may have cached it in between.
-        self.cache.remove(key);
+        self.shared.cache.remove(key);
         let removed = self.inner.remove(key).await;
-        self.cache.remove(key);
+        self.shared.cache.remove(key);
         removed
     }
 
@@ -232,7 +365,13 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
     }
 
     fn local_cache_hits(&self) -> Option<u64> {
-        Some(self.hits.load(Ordering::Relaxed))
+        Some(self.shared.hits.load(Ordering::Relaxed))
+    }
+
+    /// A cache in front of this one hears what the store behind both
+    /// reports; removals through this one reach it as they pass.
+    fn watch_removals(&self, invalidator: Invalidator) {
+        self.inner.watch_removals(invalidator);
     }
 }
 
@@ -427,7 +566,11 @@ mod tests {
         for _ in 0..50 {
             complete_new_key(&store, &large).await;
         }
-        assert!(store.cache.weight() <= 100, "{}", store.cache.weight());
+        assert!(
+            store.shared.cache.weight() <= 100,
+            "{}",
+            store.shared.cache.weight()
+        );
         assert!(
             store.len() <= 100 / 11,
             "{} large records held",
@@ -530,6 +673,144 @@ mod tests {
         }
         assert!(store.len() <= 8, "{} entries", store.len());
         assert!(!store.is_empty());
+    }
+
+    /// A store that reports `key`'s removal while it answers a `begin`, as a
+    /// removal feed may while the round trip is under way.
+    struct RemovedMeanwhile {
+        inner: MemoryStore,
+        invalidator: std::sync::Mutex<Option<Invalidator>>,
+    }
+
+    #[async_trait]
+    impl Store for RemovedMeanwhile {
+        async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+            let outcome = self.inner.begin(begin).await;
+            if let Some(invalidator) = &*self.invalidator.lock().expect("lock") {
+                invalidator.removed(&begin.key);
+            }
+            outcome
+        }
+        async fn complete(
+            &self,
+            key: &RecordKey,
+            token: FencingToken,
+            record: &CompletedRecord,
+        ) -> Result<(), StoreError> {
+            self.inner.complete(key, token, record).await
+        }
+        async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
+            self.inner.release(key, token).await
+        }
+        async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+            self.inner.remove(key).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn kind(&self) -> &'static str {
+            "removed-meanwhile"
+        }
+        fn watch_removals(&self, invalidator: Invalidator) {
+            *self.invalidator.lock().expect("lock") = Some(invalidator);
+        }
+    }
+
+    #[tokio::test]
+    async fn an_answer_read_while_a_removal_was_reported_is_not_cached() {
+        let inner = Arc::new(RemovedMeanwhile {
+            inner: MemoryStore::new(),
+            invalidator: std::sync::Mutex::new(None),
+        });
+        let k = complete_new_key(&*inner, &completed(1, TTL)).await;
+        let store = CachedStore::new(inner.clone(), 16);
+        inner.watch_removals(store.invalidator());
+        assert!(matches!(
+            store.begin(&begin(k, 1)).await,
+            Ok(BeginOutcome::Completed(_))
+        ));
+        assert!(
+            store.is_empty(),
+            "a record that may have been removed meanwhile is not cached"
+        );
+        // Without a report under way, the same answer is cached.
+        *inner.invalidator.lock().expect("lock") = None;
+        store.begin(&begin(k, 1)).await.expect("begin");
+        assert_eq!(store.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_reported_removal_drops_the_entry() {
+        let (inner, store) = cached(16);
+        let k = complete_new_key(&store, &completed(1, TTL)).await;
+        let other = complete_new_key(&store, &completed(1, TTL)).await;
+        let invalidator = store.invalidator();
+        assert!(invalidator.removed(&k));
+        assert_eq!(store.len(), 1, "only the removed key is dropped");
+        let before = inner.begins.load(Ordering::SeqCst);
+        store.begin(&begin(k, 1)).await.expect("begin");
+        assert_eq!(
+            inner.begins.load(Ordering::SeqCst),
+            before + 1,
+            "asked again"
+        );
+        store.begin(&begin(other, 1)).await.expect("begin");
+        assert_eq!(
+            inner.begins.load(Ordering::SeqCst),
+            before + 1,
+            "still cached"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_suspended_cache_answers_nothing_and_resumes_empty() {
+        let (inner, store) = cached(16);
+        let k = complete_new_key(&store, &completed(1, TTL)).await;
+        let invalidator = store.invalidator();
+        assert!(invalidator.suspend());
+        assert!(!store.is_live());
+        let before = inner.begins.load(Ordering::SeqCst);
+        for _ in 0..2 {
+            assert!(matches!(
+                store.begin(&begin(k, 1)).await,
+                Ok(BeginOutcome::Completed(_))
+            ));
+        }
+        assert_eq!(
+            inner.begins.load(Ordering::SeqCst),
+            before + 2,
+            "every replay asks the store"
+        );
+        // Nothing is added while removals may go unheard, either.
+        let fresh = complete_new_key(&store, &completed(1, TTL)).await;
+        assert_eq!(store.len(), 1, "only the entry from before");
+
+        assert!(invalidator.resume());
+        assert!(store.is_live());
+        assert!(store.is_empty(), "what was missed is unknown: start over");
+        let before = inner.begins.load(Ordering::SeqCst);
+        store.begin(&begin(fresh, 1)).await.expect("begin");
+        store.begin(&begin(fresh, 1)).await.expect("begin");
+        assert_eq!(
+            inner.begins.load(Ordering::SeqCst),
+            before + 1,
+            "cached again once resumed"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_invalidator_outliving_its_cache_says_so() {
+        let (_inner, store) = cached(16);
+        let invalidator = store.invalidator();
+        assert!(invalidator.is_open());
+        drop(store);
+        assert!(!invalidator.is_open());
+        assert!(!invalidator.removed(&key()));
+        assert!(!invalidator.suspend());
+        assert!(!invalidator.resume());
     }
 
     #[tokio::test]

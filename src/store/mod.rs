@@ -130,6 +130,15 @@ pub trait Store: Send + Sync + 'static {
     fn local_cache_hits(&self) -> Option<u64> {
         None
     }
+
+    /// Reports removals made through other processes to `invalidator`, for
+    /// as long as the cache behind it lives (see [`cache`]'s docs). The
+    /// default reports nothing, which is right for a store this process
+    /// alone writes (memory, embedded): every removal passes through the
+    /// cache in front of it.
+    fn watch_removals(&self, invalidator: cache::Invalidator) {
+        drop(invalidator);
+    }
 }
 
 pub type SharedStore = Arc<dyn Store>;

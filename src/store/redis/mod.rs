@@ -84,6 +84,8 @@
 //! A value that is not a record this build can read surfaces as
 //! [`StoreError::Corrupt`].
 
+mod removals;
+
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
@@ -102,6 +104,8 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 use tokio::runtime::{Handle, RuntimeFlavor};
 
+use self::removals::RemovalChannel;
+use super::cache::Invalidator;
 use super::{decide_begin, new_claim, Begin, BeginOutcome, SharedStore, Store, StoreError};
 use crate::config::{StoreConfig, StoreKind};
 use crate::idempotency::record::{
@@ -350,6 +354,8 @@ pub struct RedisStore {
     /// by a worker until its own connection is open.
     shared: Conn,
     loops: Arc<LoopConnections>,
+    /// Where `remove` tells other replicas' caches (see [`removals`]).
+    removals: Arc<RemovalChannel>,
     prefix: String,
     kind: &'static str,
 }
@@ -383,26 +389,7 @@ impl RedisStore {
             .as_str()
             .into_connection_info()
             .map_err(|e| config_error("store.url", e))?;
-        let mut settings = info.redis_settings().clone();
-        if let Some(username) = &config.username {
-            settings = settings.set_username(username);
-        }
-        if let Some(password) = password(config)? {
-            settings = settings.set_password(password);
-        }
-        if let Some(db) = config.database {
-            settings = settings.set_db(db);
-        }
-        let info = info
-            .set_redis_settings(settings)
-            .set_tcp_settings(tcp_settings());
-        let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
-        let client = match tls_certificates(config, tls)? {
-            Some(certs) => Client::build_with_tls(info, certs),
-            None => Client::open(info),
-        }
-        .map_err(|e| config_error("store.url", e))?;
-
+        let client = node_client(info, config, config.database, "store.url")?;
         let io_timeout = io_timeout(config);
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(io_timeout))
@@ -410,9 +397,10 @@ impl RedisStore {
             .set_number_of_retries(RECONNECT_RETRIES)
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(500));
+        let removals = RemovalChannel::new(vec![client.clone()], &config.key_prefix, io_timeout);
         let connector = Connector::Single(client, manager_config);
         let conn = connector.start(&redacted(&config.url), wait).await?;
-        Self::ready(conn, connector, config, "redis").await
+        Self::ready(conn, connector, removals, config, "redis").await
     }
 
     /// Connects to the Redis Cluster whose seed nodes are `config.urls`
@@ -457,6 +445,12 @@ impl RedisStore {
             .first()
             .is_some_and(|info| matches!(info.addr(), ConnectionAddr::TcpTls { .. }));
         let io_timeout = io_timeout(config);
+        // Removals are followed on one node at a time (see [`removals`]).
+        let nodes = infos
+            .iter()
+            .map(|info| node_client(info.clone(), config, None, "store.urls"))
+            .collect::<Result<Vec<_>, _>>()?;
+        let removals = RemovalChannel::new(nodes, &config.key_prefix, io_timeout);
         let mut builder = ClusterClientBuilder::new(infos)
             .connection_timeout(io_timeout)
             .response_timeout(io_timeout)
@@ -478,7 +472,7 @@ impl RedisStore {
         let client = builder.build().map_err(|e| config_error("store.urls", e))?;
         let connector = Connector::Cluster(client);
         let conn = connector.start(&redacted_list(&urls), wait).await?;
-        Self::ready(conn, connector, config, "redis-cluster").await
+        Self::ready(conn, connector, removals, config, "redis-cluster").await
     }
 
     /// Checks that Redis takes `SET ... NX GET` (7.0 or later) and can be
@@ -486,12 +480,14 @@ impl RedisStore {
     async fn ready(
         conn: Conn,
         connector: Connector,
+        removals: Arc<RemovalChannel>,
         config: &StoreConfig,
         kind: &'static str,
     ) -> Result<RedisStore, StoreError> {
         let store = RedisStore {
             shared: conn,
             loops: LoopConnections::new(connector),
+            removals,
             prefix: config.key_prefix.clone(),
             kind,
         };
@@ -523,6 +519,31 @@ impl RedisStore {
     /// [`LoopConnections`]).
     fn conn(&self) -> Conn {
         self.loops.current().unwrap_or_else(|| self.shared.clone())
+    }
+
+    /// Tells the other replicas' caches that `key` was removed. The record
+    /// is gone whatever happens here, so a failure is logged, not returned
+    /// (an operator retrying would find nothing to remove): a replica that
+    /// missed the message replays from its cache for at most the cache's
+    /// `max_age`.
+    async fn announce_removal(&self, key: &RecordKey) {
+        let published = redis::cmd("PUBLISH")
+            .arg(self.removals.name())
+            .arg(&key.as_bytes()[..])
+            .query_async::<i64>(&mut self.conn())
+            .await;
+        if let Err(e) = published {
+            tracing::warn!(
+                key = %key.hex(),
+                error = %e,
+                "removed, but other replicas were not told: their local caches may replay it for up to a minute"
+            );
+        }
+    }
+
+    /// The channel removals are announced on.
+    pub fn removal_channel(&self) -> &str {
+        self.removals.name()
     }
 
     /// The prefix of every key this store writes.
@@ -655,11 +676,14 @@ impl Store for RedisStore {
             .arg(&name)
             .query_async(&mut self.conn())
             .await;
-        match removed {
-            Ok(None) => Ok(false),
+        let removed = match removed {
+            Ok(None) => false,
             // A value without a readable expiry counts as live: removing it
             // is how an operator clears a corrupt record.
-            Ok(Some(value)) => Ok(stored_expires_at(&value).is_none_or(|exp| exp > now)),
+            Ok(Some(value)) => {
+                self.announce_removal(key).await;
+                return Ok(stored_expires_at(&value).is_none_or(|exp| exp > now));
+            }
             // Not a string (a hash of an earlier build, or anything else).
             Err(e) if e.code() == Some("WRONGTYPE") => {
                 let deleted: i64 = redis::cmd("DEL")
@@ -667,10 +691,18 @@ impl Store for RedisStore {
                     .query_async(&mut self.conn())
                     .await
                     .map_err(redis_error)?;
-                Ok(deleted == 1)
+                deleted == 1
             }
-            Err(e) => Err(redis_error(e)),
+            Err(e) => return Err(redis_error(e)),
+        };
+        if removed {
+            self.announce_removal(key).await;
         }
+        Ok(removed)
+    }
+
+    fn watch_removals(&self, invalidator: Invalidator) {
+        self.removals.follow(invalidator);
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -796,6 +828,36 @@ fn pexpire_ms(expires_at: UnixMillis, now: UnixMillis) -> u64 {
 /// connection under load one usually is. Redis sets it on its side. Unique
 /// keys on Redis, 3 alternating wrk rounds: 13.1k -> 13.8k req/s; replays
 /// 30.2k -> 31.1k.
+/// A client of one node, with `config`'s credentials, TLS CA and TCP
+/// settings (and `database`, standalone only). `field` names the setting
+/// the address came from, for errors.
+fn node_client(
+    info: ConnectionInfo,
+    config: &StoreConfig,
+    database: Option<i64>,
+    field: &str,
+) -> Result<Client, StoreError> {
+    let mut settings = info.redis_settings().clone();
+    if let Some(username) = &config.username {
+        settings = settings.set_username(username);
+    }
+    if let Some(password) = password(config)? {
+        settings = settings.set_password(password);
+    }
+    if let Some(db) = database {
+        settings = settings.set_db(db);
+    }
+    let info = info
+        .set_redis_settings(settings)
+        .set_tcp_settings(tcp_settings());
+    let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
+    match tls_certificates(config, tls)? {
+        Some(certs) => Client::build_with_tls(info, certs),
+        None => Client::open(info),
+    }
+    .map_err(|e| config_error(field, e))
+}
+
 fn tcp_settings() -> TcpSettings {
     TcpSettings::default().set_nodelay(true)
 }
