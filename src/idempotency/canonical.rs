@@ -89,7 +89,12 @@ impl<'a> Document<'a> {
             names: Vec::with_capacity(16),
             order: Vec::with_capacity(body.len() / 16),
         };
-        let mut de = serde_json::Deserializer::from_slice(body);
+        // Validated as UTF-8 once, whole: read from a `str`, serde_json
+        // takes its strings as they are, where from a slice it validates
+        // each one again (a seventh of the parse). A body that is not
+        // UTF-8 is not JSON text either (RFC 8259 section 8.1).
+        let text = std::str::from_utf8(body).map_err(de::Error::custom)?;
+        let mut de = serde_json::Deserializer::from_str(text);
         EntrySeed(&mut builder).deserialize(&mut de)?;
         // What `serde_json::from_slice` does after the value: only
         // whitespace may follow.
