@@ -388,19 +388,26 @@ mod tests {
     const LEASE: Duration = Duration::from_secs(30);
     const TTL: Duration = Duration::from_secs(3600);
 
-    /// A MemoryStore that counts the calls that reach it.
+    /// A MemoryStore that counts the calls that reach it, and that can
+    /// report each key's removal while it answers a `begin` for it, as a
+    /// removal feed may while the round trip is under way.
     #[derive(Default)]
     struct Counting {
         inner: MemoryStore,
         begins: AtomicUsize,
         removes: AtomicUsize,
+        removed_meanwhile: std::sync::Mutex<Option<Invalidator>>,
     }
 
     #[async_trait]
     impl Store for Counting {
         async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
             self.begins.fetch_add(1, Ordering::SeqCst);
-            self.inner.begin(begin).await
+            let outcome = self.inner.begin(begin).await;
+            if let Some(invalidator) = &*self.removed_meanwhile.lock().expect("lock") {
+                invalidator.removed(&begin.key);
+            }
+            outcome
         }
         async fn complete(
             &self,
@@ -675,59 +682,11 @@ mod tests {
         assert!(!store.is_empty());
     }
 
-    /// A store that reports `key`'s removal while it answers a `begin`, as a
-    /// removal feed may while the round trip is under way.
-    struct RemovedMeanwhile {
-        inner: MemoryStore,
-        invalidator: std::sync::Mutex<Option<Invalidator>>,
-    }
-
-    #[async_trait]
-    impl Store for RemovedMeanwhile {
-        async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
-            let outcome = self.inner.begin(begin).await;
-            if let Some(invalidator) = &*self.invalidator.lock().expect("lock") {
-                invalidator.removed(&begin.key);
-            }
-            outcome
-        }
-        async fn complete(
-            &self,
-            key: &RecordKey,
-            token: FencingToken,
-            record: &CompletedRecord,
-        ) -> Result<(), StoreError> {
-            self.inner.complete(key, token, record).await
-        }
-        async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
-            self.inner.release(key, token).await
-        }
-        async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-            self.inner.get(key).await
-        }
-        async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
-            self.inner.remove(key).await
-        }
-        async fn ping(&self) -> Result<(), StoreError> {
-            Ok(())
-        }
-        fn kind(&self) -> &'static str {
-            "removed-meanwhile"
-        }
-        fn watch_removals(&self, invalidator: Invalidator) {
-            *self.invalidator.lock().expect("lock") = Some(invalidator);
-        }
-    }
-
     #[tokio::test]
     async fn an_answer_read_while_a_removal_was_reported_is_not_cached() {
-        let inner = Arc::new(RemovedMeanwhile {
-            inner: MemoryStore::new(),
-            invalidator: std::sync::Mutex::new(None),
-        });
+        let (inner, store) = cached(16);
         let k = complete_new_key(&*inner, &completed(1, TTL)).await;
-        let store = CachedStore::new(inner.clone(), 16);
-        inner.watch_removals(store.invalidator());
+        *inner.removed_meanwhile.lock().expect("lock") = Some(store.invalidator());
         assert!(matches!(
             store.begin(&begin(k, 1)).await,
             Ok(BeginOutcome::Completed(_))
@@ -737,7 +696,7 @@ mod tests {
             "a record that may have been removed meanwhile is not cached"
         );
         // Without a report under way, the same answer is cached.
-        *inner.invalidator.lock().expect("lock") = None;
+        *inner.removed_meanwhile.lock().expect("lock") = None;
         store.begin(&begin(k, 1)).await.expect("begin");
         assert_eq!(store.len(), 1);
     }
