@@ -69,6 +69,9 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
     if let Some(hits) = state.store.local_cache_hits() {
         state.metrics.sync_cache_hits(hits);
     }
+    if let Some(live) = state.store.local_cache_live() {
+        state.metrics.set_cache_live(state.store.kind(), live);
+    }
     (
         [(
             header::CONTENT_TYPE,

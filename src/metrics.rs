@@ -34,6 +34,11 @@ struct OpLabels {
     op: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StoreLabels {
+    store: &'static str,
+}
+
 /// Buckets from 100 µs to 60 s: resolve both sub-millisecond store calls and
 /// upstream calls near a 30 s timeout.
 const BUCKETS: [f64; 19] = [
@@ -59,6 +64,9 @@ pub struct Metrics {
     released: Family<RouteLabels, Counter>,
     stale: Family<RouteLabels, Counter>,
     cache_hits: Counter,
+    /// One series once a scrape found a local replay cache; none without
+    /// one, so that an alert on 0 never fires for a cache turned off.
+    cache_live: Family<StoreLabels, Gauge>,
 }
 
 impl Metrics {
@@ -126,6 +134,12 @@ impl Metrics {
             "Replays answered from the in-process cache without a store round trip",
             cache_hits.clone(),
         );
+        let cache_live = Family::<StoreLabels, Gauge>::default();
+        registry.register(
+            "local_cache_live",
+            "1 while the local replay cache answers replays; 0 while it cannot know that its records are current (removals through other replicas unheard: starting, Redis away, an ACL without the removals channel), and replays go to the store",
+            cache_live.clone(),
+        );
         Arc::new(Self {
             registry,
             store_ops,
@@ -138,6 +152,7 @@ impl Metrics {
             released,
             stale,
             cache_hits,
+            cache_live,
         })
     }
 
@@ -185,6 +200,14 @@ impl Metrics {
         if total > counted {
             self.cache_hits.inc_by(total - counted);
         }
+    }
+
+    /// Sets `local_cache_live{store}` to whether the cache in front of
+    /// `store` answers replays now.
+    pub fn set_cache_live(&self, store: &'static str, live: bool) {
+        self.cache_live
+            .get_or_create(&StoreLabels { store })
+            .set(i64::from(live));
     }
 
     /// Counts an execution against the upstream until the guard drops.

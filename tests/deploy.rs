@@ -35,6 +35,7 @@ fn exported_series() -> BTreeSet<String> {
     route.key_released();
     route.lease_expired();
     m.sync_cache_hits(1);
+    m.set_cache_live("redis", true);
     drop(m.executing());
     m.render()
         .lines()

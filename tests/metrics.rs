@@ -595,6 +595,14 @@ async fn histograms_cover_requests_upstream_calls_and_each_store_op() {
         assert_eq!(s.value("idemproxy_store_errors_total", &[("op", op)]), 0.0);
     }
     assert_eq!(s.value("idemproxy_local_cache_hits_total", &[]), 0.0);
+    // No cache, no liveness series: an alert on 0 must not fire for it.
+    assert_eq!(
+        s.matching("idemproxy_local_cache_live", &[]).count(),
+        0,
+        "{:?}",
+        s.matching("idemproxy_local_cache_live", &[])
+            .collect::<Vec<_>>()
+    );
 }
 
 /// Claims `key` for `post_json(target, key, body)` directly in the store,
@@ -732,6 +740,12 @@ async fn replays_from_the_local_cache_are_counted() {
 
     let before = scrape(&client, &proxy).await;
     assert_eq!(before.value("idemproxy_local_cache_hits_total", &[]), 0.0);
+    // A cache in front of a store this process alone writes hears every
+    // removal as it passes: it answers from the start.
+    assert_eq!(
+        before.value("idemproxy_local_cache_live", &[("store", "memory")]),
+        1.0
+    );
     let first = client.post_json(&url, "cached-1", "{}").await;
     assert_eq!(first.status, 201);
     for _ in 0..2 {

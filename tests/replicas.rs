@@ -50,6 +50,22 @@ async fn cached_replica(mut c: Config) -> (TestProxy, Arc<CachedStore>) {
 
 const ADMIN_TOKEN: &str = "replicas-admin-token-7d1e";
 
+/// The value of `proxy`'s `idemproxy_local_cache_live{store="redis"}`.
+async fn cache_live_metric(client: &TestClient, proxy: &TestProxy) -> String {
+    let reply = client
+        .send(Method::GET, &proxy.admin_url("/metrics"), &[], "")
+        .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let text = String::from_utf8(reply.body.to_vec()).expect("metrics are UTF-8");
+    let series = r#"idemproxy_local_cache_live{store="redis"} "#;
+    let mut values = text.lines().filter_map(|line| line.strip_prefix(series));
+    let value = values
+        .next()
+        .unwrap_or_else(|| panic!("no {series}in:\n{text}"));
+    assert!(values.next().is_none(), "one series: {text}");
+    value.to_owned()
+}
+
 async fn redis_store(c: &Config) -> SharedStore {
     match c.store.kind {
         StoreKind::Redis => Arc::new(RedisStore::connect(&c.store).await.expect("redis")),
@@ -478,6 +494,11 @@ async fn a_replica_that_cannot_hear_removals_answers_nothing_from_its_cache() {
     // Redis drops subscribers that lose the channel, and refuses them again.
     server.cli(&["ACL", "SETUSER", "default", "resetchannels"]);
     eventually("b's cache stops answering", || !b_cache.is_live()).await;
+    assert_eq!(
+        cache_live_metric(&client, &b).await,
+        "0",
+        "b's /metrics says so"
+    );
     let hits = b_cache.local_cache_hits();
     assert_replays(&client.post_json(&b.url(path), "d-1", BODY).await, &first);
     assert_eq!(b_cache.local_cache_hits(), hits, "replayed from Redis");
@@ -491,6 +512,7 @@ async fn a_replica_that_cannot_hear_removals_answers_nothing_from_its_cache() {
 
     server.cli(&["ACL", "SETUSER", "default", "allchannels"]);
     eventually("b's cache answers again", || b_cache.is_live()).await;
+    assert_eq!(cache_live_metric(&client, &b).await, "1");
     assert!(
         b_cache.is_empty(),
         "b starts over: it cannot know what it missed"

@@ -368,6 +368,10 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         Some(self.shared.hits.load(Ordering::Relaxed))
     }
 
+    fn local_cache_live(&self) -> Option<bool> {
+        Some(self.is_live())
+    }
+
     /// A cache in front of this one hears what the store behind both
     /// reports; removals through this one reach it as they pass.
     fn watch_removals(&self, invalidator: Invalidator) {

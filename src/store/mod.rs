@@ -131,6 +131,12 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Whether that cache answers replays now (see `cache::CachedStore`):
+    /// false while removals made through other processes go unheard.
+    fn local_cache_live(&self) -> Option<bool> {
+        None
+    }
+
     /// Reports removals made through other processes to `invalidator`, for
     /// as long as the cache behind it lives (see [`cache`]'s docs). The
     /// default reports nothing, which is right for a store this process
