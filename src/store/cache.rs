@@ -35,7 +35,8 @@
 //!
 //! An answer read from the store while a removal was being reported could
 //! put the removed record back after the report dropped it. Every report
-//! bumps an epoch; an answer is cached only if the epoch did not move
+//! (and every `remove` through this cache, before and after it reaches the
+//! store) bumps an epoch; an answer is cached only if the epoch did not move
 //! between asking the store and caching, checked again after the insert
 //! (the report drops the key after bumping, so one of the two sees the
 //! other). `max_age` stays as a backstop for a feed that is silently
@@ -162,6 +163,14 @@ impl Shared {
     fn bump(&self) {
         self.epoch.fetch_add(1, Ordering::SeqCst);
     }
+
+    /// `key`'s record was removed: moves the epoch, then drops the entry,
+    /// so that an answer read from the store before the removal is neither
+    /// kept nor cached afterwards (see [`CachedStore::insert`]).
+    fn removed(&self, key: &RecordKey) {
+        self.bump();
+        self.cache.remove(key);
+    }
 }
 
 /// The handle through which a store reports removals made by other
@@ -174,10 +183,7 @@ pub struct Invalidator(Weak<Shared>);
 impl Invalidator {
     /// `key`'s record was removed: drops it from the cache.
     pub fn removed(&self, key: &RecordKey) -> bool {
-        self.with(|shared| {
-            shared.bump();
-            shared.cache.remove(key);
-        })
+        self.with(|shared| shared.removed(key))
     }
 
     /// Removals may go unheard from now on (the feed is connecting, or lost
@@ -348,11 +354,14 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
     }
 
     async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        // Dropped before and after: a `begin` that read the record from the
-        // store while it was being removed may have cached it in between.
-        self.shared.cache.remove(key);
+        // Reported as a removal through another process is. Before: no
+        // replay is answered from the cache once the removal started.
+        // After: a `begin` that read the record from the store before the
+        // removal, and answers after it, does not cache it (the epoch
+        // moved).
+        self.shared.removed(key);
         let removed = self.inner.remove(key).await;
-        self.shared.cache.remove(key);
+        self.shared.removed(key);
         removed
     }
 
@@ -393,14 +402,14 @@ mod tests {
     const TTL: Duration = Duration::from_secs(3600);
 
     /// A MemoryStore that counts the calls that reach it, and that can
-    /// report each key's removal while it answers a `begin` for it, as a
-    /// removal feed may while the round trip is under way.
+    /// hold a `begin` after it read the record until the test lets it go:
+    /// a store round trip under way, for a removal to race with.
     #[derive(Default)]
     struct Counting {
         inner: MemoryStore,
         begins: AtomicUsize,
         removes: AtomicUsize,
-        removed_meanwhile: std::sync::Mutex<Option<Invalidator>>,
+        hold_next_begin: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
     }
 
     #[async_trait]
@@ -408,8 +417,9 @@ mod tests {
         async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
             self.begins.fetch_add(1, Ordering::SeqCst);
             let outcome = self.inner.begin(begin).await;
-            if let Some(invalidator) = &*self.removed_meanwhile.lock().expect("lock") {
-                invalidator.removed(&begin.key);
+            let hold = self.hold_next_begin.lock().expect("lock").take();
+            if let Some(released) = hold {
+                let _ = released.await;
             }
             outcome
         }
@@ -686,23 +696,69 @@ mod tests {
         assert!(!store.is_empty());
     }
 
+    /// Runs `store.begin` for `k` until the inner store has read the
+    /// record, then `meanwhile`, then lets the begin finish; returns its
+    /// outcome.
+    async fn begin_around<F: std::future::Future<Output = ()>>(
+        inner: &Counting,
+        store: &Arc<CachedStore<Counting>>,
+        k: RecordKey,
+        meanwhile: F,
+    ) -> BeginOutcome {
+        let (release, held) = tokio::sync::oneshot::channel();
+        *inner.hold_next_begin.lock().expect("lock") = Some(held);
+        let before = inner.begins.load(Ordering::SeqCst);
+        let task = tokio::spawn({
+            let store = store.clone();
+            async move { store.begin(&begin(k, 1)).await }
+        });
+        // The test runtime has one thread: once the begin is counted, it
+        // has read the record and waits to be released.
+        while inner.begins.load(Ordering::SeqCst) == before {
+            tokio::task::yield_now().await;
+        }
+        meanwhile.await;
+        release.send(()).expect("the begin is held");
+        task.await.expect("begin task").expect("begin")
+    }
+
     #[tokio::test]
     async fn an_answer_read_while_a_removal_was_reported_is_not_cached() {
         let (inner, store) = cached(16);
+        let store = Arc::new(store);
         let k = complete_new_key(&*inner, &completed(1, TTL)).await;
-        *inner.removed_meanwhile.lock().expect("lock") = Some(store.invalidator());
-        assert!(matches!(
-            store.begin(&begin(k, 1)).await,
-            Ok(BeginOutcome::Completed(_))
-        ));
+        let invalidator = store.invalidator();
+        let outcome = begin_around(&inner, &store, k, async {
+            invalidator.removed(&k);
+        })
+        .await;
+        assert!(matches!(outcome, BeginOutcome::Completed(_)));
         assert!(
             store.is_empty(),
             "a record that may have been removed meanwhile is not cached"
         );
         // Without a report under way, the same answer is cached.
-        *inner.removed_meanwhile.lock().expect("lock") = None;
         store.begin(&begin(k, 1)).await.expect("begin");
         assert_eq!(store.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_removal_through_this_cache_during_a_begin_is_not_undone() {
+        let (inner, store) = cached(16);
+        let store = Arc::new(store);
+        let k = complete_new_key(&*inner, &completed(1, TTL)).await;
+        // The begin read the record before the removal; its answer comes
+        // back after the removal finished.
+        let outcome = begin_around(&inner, &store, k, async {
+            assert!(store.remove(&k).await.expect("remove"));
+        })
+        .await;
+        assert!(matches!(outcome, BeginOutcome::Completed(_)));
+        assert!(store.is_empty(), "the removed record is not cached again");
+        assert!(matches!(
+            store.begin(&begin(k, 1)).await,
+            Ok(BeginOutcome::Acquired { .. })
+        ));
     }
 
     #[tokio::test]
