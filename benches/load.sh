@@ -53,24 +53,21 @@ start_proxy memory "$IM" memory
 start_proxy redis "$IR" redis
 # Every replay a round trip to Redis: what the local replay cache saves.
 start_proxy redis-nocache "$IC" redis IDEMPROXY_STORE__LOCAL_CACHE_ENTRIES=0
+# The default store: durable, so every claim and completion waits for an
+# fsync (grouped with the others in flight) on this machine's disk.
+start_proxy embedded "$IE" embedded IDEMPROXY_STORE__PATH="$WORK/embedded-data"
+
+declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-nocache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE")
+TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-embedded)
+REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-redis-nocache idemproxy-embedded)
 if [ "$WORKERS1" = 1 ]; then
   # One traffic worker instead of one per CPU: on two cores that the load
   # generator and the upstream also use, fewer threads can mean fewer
   # wake-ups and context switches (a sidecar shares its cores too).
   start_proxy memory-1w "$I1" memory IDEMPROXY_WORKERS=1
   start_proxy redis-1w "$IR1" redis IDEMPROXY_WORKERS=1
-fi
-# The default store: durable, so every claim and completion waits for an
-# fsync (grouped with the others in flight) on this machine's disk.
-start_proxy embedded "$IE" embedded IDEMPROXY_STORE__PATH="$WORK/embedded-data"
-
-declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-nocache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE")
-if [ "$WORKERS1" = 1 ]; then
-  TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-embedded)
-  REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-memory-1w idemproxy-redis idemproxy-redis-1w idemproxy-redis-nocache idemproxy-embedded)
-else
-  TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-embedded)
-  REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-redis-nocache idemproxy-embedded)
+  TARGETS+=(idemproxy-memory-1w idemproxy-redis-1w)
+  REPLAY_TARGETS+=(idemproxy-memory-1w idemproxy-redis-1w)
 fi
 FIXED_TARGETS=(nginx idemproxy-memory idemproxy-redis)
 RESULTS="$WORK/results.txt"; : >"$RESULTS"
