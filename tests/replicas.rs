@@ -378,9 +378,13 @@ async fn with_the_local_cache_replays_on_b_stay_correct() {
 
 /// Waits until `condition` holds, for up to [`ARRIVAL`].
 async fn eventually(what: &str, condition: impl Fn() -> bool) {
-    let deadline = Instant::now() + ARRIVAL;
+    eventually_within(ARRIVAL, what, condition).await;
+}
+
+async fn eventually_within(limit: Duration, what: &str, condition: impl Fn() -> bool) {
+    let deadline = Instant::now() + limit;
     while !condition() {
-        assert!(Instant::now() < deadline, "not within {ARRIVAL:?}: {what}");
+        assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -527,4 +531,48 @@ async fn a_replica_that_cannot_hear_removals_answers_nothing_from_its_cache() {
     );
     assert_eq!(upstream.executions(path), 2);
     println!("replicas/removal-unheard: executions={}", upstream.total());
+}
+
+/// Sends `signal` to the process `pid` (one this test started).
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+/// Resumes a stopped process when dropped, so a failing test leaves no
+/// frozen Redis behind.
+struct Frozen(u32);
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        signal(self.0, "-CONT");
+    }
+}
+
+/// A subscription that breaks without its socket saying so (here: Redis
+/// frozen with SIGSTOP, as a partition looks from the proxy) is found by
+/// the heartbeat `PING`: the cache stops answering within the heartbeat
+/// (5 s) and the I/O timeout, and starts over empty once Redis answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silently_broken_subscription_is_found_by_the_heartbeat() {
+    let upstream = TestUpstream::start().await;
+    let server = RedisServer::start();
+    let c = redis_config(&upstream.url(), &server.url(), "frozen:");
+    let a = cached_replica(c.clone()).await.0;
+    let (b, b_cache) = cached_replica(c).await;
+    let client = TestClient::new();
+    executed_on_a_cached_on_b(&client, (&a, &b), &b_cache, "/v1/orders", "f-1").await;
+
+    let frozen = Frozen(server.pid().expect("redis runs"));
+    signal(frozen.0, "-STOP");
+    eventually_within(Duration::from_secs(10), "b's cache stops answering", || {
+        !b_cache.is_live()
+    })
+    .await;
+    drop(frozen);
+    eventually("b's cache answers again", || b_cache.is_live()).await;
+    assert!(b_cache.is_empty(), "b starts over after the gap");
 }
