@@ -479,21 +479,57 @@ async fn on_a_redis_cluster_a_removal_is_dropped_from_the_others_cache() {
     removal_reaches_the_other_cache(a, b, "/v1/orders").await;
 }
 
+/// Two cached replicas on a Redis of their own, for a test that breaks it,
+/// with `key` executed through A and cached on B.
+struct PrivatePair {
+    upstream: TestUpstream,
+    server: RedisServer,
+    a: TestProxy,
+    b: TestProxy,
+    b_cache: Arc<CachedStore>,
+    client: TestClient,
+    /// A's answer to `key`.
+    first: Reply,
+}
+
+const PRIVATE_PATH: &str = "/v1/orders";
+
+async fn private_pair(key: &str) -> PrivatePair {
+    let upstream = TestUpstream::start().await;
+    let server = RedisServer::start();
+    let c = redis_config(&upstream.url(), &server.url(), "private:");
+    let a = cached_replica(c.clone()).await.0;
+    let (b, b_cache) = cached_replica(c).await;
+    let client = TestClient::new();
+    let first = executed_on_a_cached_on_b(&client, (&a, &b), &b_cache, PRIVATE_PATH, key).await;
+    PrivatePair {
+        upstream,
+        server,
+        a,
+        b,
+        b_cache,
+        client,
+        first,
+    }
+}
+
 /// A replica that cannot subscribe (here: Redis refuses the channel to its
 /// user, as an ACL without it does) answers replays from Redis, so a
 /// removal it cannot hear of is never replayed from its cache; once it
 /// hears removals again it caches again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_cannot_hear_removals_answers_nothing_from_its_cache() {
-    let upstream = TestUpstream::start().await;
-    // A Redis of its own: the test takes the channel away from its user.
-    let server = RedisServer::start();
-    let c = redis_config(&upstream.url(), &server.url(), "deaf:");
-    let a = cached_replica(c.clone()).await.0;
-    let (b, b_cache) = cached_replica(c).await;
-    let client = TestClient::new();
-    let path = "/v1/orders";
-    let first = executed_on_a_cached_on_b(&client, (&a, &b), &b_cache, path, "d-1").await;
+    // The test takes the channel away from the Redis user.
+    let PrivatePair {
+        upstream,
+        server,
+        a,
+        b,
+        b_cache,
+        client,
+        first,
+    } = private_pair("d-1").await;
+    let path = PRIVATE_PATH;
 
     // Redis drops subscribers that lose the channel, and refuses them again.
     server.cli(&["ACL", "SETUSER", "default", "resetchannels"]);
@@ -558,15 +594,12 @@ impl Drop for Frozen {
 /// (5 s) and the I/O timeout, and starts over empty once Redis answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silently_broken_subscription_is_found_by_the_heartbeat() {
-    let upstream = TestUpstream::start().await;
-    let server = RedisServer::start();
-    let c = redis_config(&upstream.url(), &server.url(), "frozen:");
-    let a = cached_replica(c.clone()).await.0;
-    let (b, b_cache) = cached_replica(c).await;
-    let client = TestClient::new();
-    executed_on_a_cached_on_b(&client, (&a, &b), &b_cache, "/v1/orders", "f-1").await;
+    // Kept whole: both replicas stay up while Redis is frozen.
+    let pair = private_pair("f-1").await;
+    let b_cache = &pair.b_cache;
+    assert_eq!(b_cache.len(), 1);
 
-    let frozen = Frozen(server.pid().expect("redis runs"));
+    let frozen = Frozen(pair.server.pid().expect("redis runs"));
     signal(frozen.0, "-STOP");
     eventually_within(Duration::from_secs(10), "b's cache stops answering", || {
         !b_cache.is_live()
