@@ -139,7 +139,9 @@ pub struct StoreConfig {
     /// Completed records cached in-process to answer replays without a
     /// round trip (0 = off). Completed records never change, except that an
     /// operator may remove one; other replicas hear of that through Redis
-    /// pub/sub (see `store::cache`).
+    /// pub/sub (see `store::cache`). The embedded store keeps at least
+    /// `store::cache::EMBEDDED_ENTRIES`; the memory store, whose records are
+    /// in the process already, none.
     pub local_cache_entries: usize,
     /// Bounds every store call; past it the store counts as unavailable.
     #[serde(with = "humantime_serde")]

@@ -51,7 +51,9 @@
 //! The embedded store always has one in front of it ([`EMBEDDED_ENTRIES`]):
 //! the proxy is the only writer of its file, so the cache can never
 //! disagree with the store, and a replay is answered on the worker's
-//! thread instead of a round trip to the blocking pool.
+//! thread instead of a round trip to the blocking pool. The memory store
+//! never has one: its records are in the process already, and a cache in
+//! front of it only held a second copy (see `open_store`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
