@@ -589,11 +589,18 @@ impl Store for RedisStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         let key = self.redis_key(&begin.key);
         let mut conn = self.conn();
+        // The claims this call wrote or tried to write, and whether each
+        // took a stale claim over. The cluster client sends a command again
+        // when the connection broke before its reply came, so a `SET` or a
+        // `swap` that did run can come back as a failure, and the next read
+        // then finds this call's own claim (see [`own_claim`]).
+        let mut ours: Vec<(FencingToken, bool)> = Vec::with_capacity(BEGIN_ATTEMPTS);
         for _ in 0..BEGIN_ATTEMPTS {
             let now = now_millis();
             // The claim to write if the key is free: prepared here, because
             // its token is random and its encoding is Rust's.
             let claim = new_claim(begin, now);
+            ours.push((claim.token, false));
             let current: Option<Vec<u8>> = redis::cmd("SET")
                 .arg(&key)
                 .arg(stored_pending(&claim))
@@ -612,12 +619,20 @@ impl Store for RedisStore {
             };
             let current = Bytes::from(current);
             let existing = read_stored(&current)?;
+            if let Some(acquired) = own_claim(&existing, &ours) {
+                return Ok(acquired);
+            }
             // Expired by this proxy's clock: absent, whenever Redis reclaims it.
             let live = (existing.expires_at() > now).then_some(existing);
             let (outcome, replacement) = decide_begin(begin, live, now);
             let Some(replacement) = replacement else {
                 return Ok(outcome);
             };
+            if let (BeginOutcome::Acquired { token, took_over }, Record::Pending(_)) =
+                (&outcome, &replacement)
+            {
+                ours.push((*token, *took_over));
+            }
             let swapped: i64 = SCRIPTS
                 .swap
                 .key(&key)
@@ -709,6 +724,23 @@ impl Store for RedisStore {
     fn kind(&self) -> &'static str {
         self.kind
     }
+}
+
+/// `Acquired` when `existing` is a claim this `begin` wrote itself: `ours`
+/// holds the tokens of the claims it wrote or tried to write, with whether
+/// each took a stale claim over. Tokens are 128 random bits, so a match is
+/// never another request's claim. Without this, a claim whose `SET` the
+/// cluster client sent twice (the connection broke before the first reply)
+/// read as another request in flight: the request got 425 for its own
+/// claim, nobody held the key, and it settled as `outcome-unknown` once the
+/// lease ran out, though nothing had been sent upstream.
+fn own_claim(existing: &Record, ours: &[(FencingToken, bool)]) -> Option<BeginOutcome> {
+    let Record::Pending(pending) = existing else {
+        return None;
+    };
+    ours.iter()
+        .find(|(token, _)| *token == pending.token)
+        .map(|&(token, took_over)| BeginOutcome::Acquired { token, took_over })
 }
 
 /// The header of a stored value (see "Layout" above), with room for the
@@ -1002,6 +1034,46 @@ fn unexpected(what: &str) -> StoreError {
 mod tests {
     use super::*;
     use crate::idempotency::record::{Fingerprint, Outcome};
+
+    #[test]
+    fn a_claim_of_this_begin_read_back_is_acquired_not_in_flight() {
+        let pending = |token| {
+            Record::Pending(PendingRecord {
+                fingerprint: Fingerprint([1; 32]),
+                token: FencingToken(token),
+                created_at: 1,
+                lease_expires_at: u64::MAX,
+                expires_at: u64::MAX,
+            })
+        };
+        let ours = [(FencingToken(7), false), (FencingToken(9), true)];
+        // The first SET ran, its reply was lost, the resent one read it.
+        assert_eq!(
+            own_claim(&pending(7), &ours),
+            Some(BeginOutcome::Acquired {
+                token: FencingToken(7),
+                took_over: false
+            })
+        );
+        // A takeover's swap ran, but was reported as lost.
+        assert_eq!(
+            own_claim(&pending(9), &ours),
+            Some(BeginOutcome::Acquired {
+                token: FencingToken(9),
+                took_over: true
+            })
+        );
+        // Anyone else's claim is theirs.
+        assert_eq!(own_claim(&pending(8), &ours), None);
+        let done = Record::Completed(CompletedRecord {
+            fingerprint: Fingerprint([1; 32]),
+            created_at: 1,
+            completed_at: 2,
+            expires_at: u64::MAX,
+            outcome: Outcome::NotStored { status: 201 },
+        });
+        assert_eq!(own_claim(&done, &ours), None);
+    }
 
     #[test]
     fn keys_carry_the_record_key_as_hash_tag() {
