@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
-use idemproxy::config::{OnAmbiguous, OnStoreError};
+use idemproxy::config::{OnAmbiguous, OnInFlight, OnStoreError};
 use idemproxy::idempotency::record::{
     now_millis, CompletedRecord, Outcome, Record, StoredResponse, UnknownCause,
 };
@@ -436,6 +436,44 @@ async fn proxy_on_faulty_store(
     let store = FaultyStore::new();
     let proxy = TestProxy::start_with_store(c, store.clone()).await;
     (proxy, store)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_waiting_on_a_running_request_is_not_passed_when_the_store_fails() {
+    // `on_store_error = "pass"` forwards a request the store cannot vouch
+    // for. A duplicate held by `on_in_flight = "wait"` was told by the store
+    // that the same request is running: forwarding it when a later look at
+    // the store fails would run it twice.
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.store.timeout = Duration::from_millis(250);
+    c.idempotency.on_store_error = OnStoreError::Pass;
+    c.idempotency.on_in_flight = OnInFlight::Wait;
+    c.idempotency.wait_timeout = Duration::from_secs(5);
+    let store = FaultyStore::new();
+    let proxy = TestProxy::start_with_store(c, store.clone()).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders?delay_ms=1500");
+
+    let first = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
+    };
+    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
+    let duplicate = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
+    };
+    // The duplicate's first look finds the first request running; then the
+    // store goes down while it waits.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    store.set(Fault::Fail);
+    let duplicate = duplicate.await.expect("duplicate task");
+    store.set(Fault::None);
+    assert_problem(&duplicate, 503, "store-unavailable");
+    let first = first.await.expect("first task");
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 1);
 }
 
 #[tokio::test]

@@ -476,20 +476,25 @@ where
         };
         let wait_until = Instant::now() + self.policy.wait_timeout;
         let mut backoff = Duration::from_millis(10);
+        // Set once the store said that this same request is running under
+        // the key (`on_in_flight = "wait"` asks again): from then on a
+        // store failure is no reason to forward it, whatever
+        // `on_store_error` says, since that would run it a second time.
+        let mut seen_in_flight = false;
         loop {
             let mut call = owned_begin(&self.settings.store, &begin);
             let begun = timed(&self.settings, &mut self.log, "begin", |_| &mut call).await;
             match begun {
                 Err(e) => {
+                    let pass = self.passes(&e) && !seen_in_flight;
                     // Timed out, the call may still claim the key. Rejected,
                     // this request executes nothing, so such a claim only
                     // blocks the retry: released once it shows up. (Passed
                     // on unprotected, the request does execute; its claim
                     // is then left to fail closed.)
-                    let late = (!call.is_terminated()
-                        && self.policy.on_store_error == OnStoreError::Reject)
+                    let late = (!call.is_terminated() && !pass)
                         .then(|| (self.settings.store.clone(), self.policy.lease));
-                    self.store_failed(request, respond, e).await;
+                    self.store_failed(request, respond, e, pass).await;
                     if let Some((store, lease)) = late {
                         release_late_claim(store, claim.key, call, lease).await;
                     }
@@ -525,6 +530,7 @@ where
                         && now < wait_until
                         && !respond.is_closed()
                     {
+                        seen_in_flight = true;
                         // Polling `begin` is one round trip per look, works
                         // across replicas, and takes the key over at once if
                         // the first request released it.
@@ -546,15 +552,27 @@ where
         }
     }
 
-    async fn store_failed(mut self, request: Request<Body>, respond: Responder, error: StoreError) {
+    /// Whether `on_store_error` forwards a request unprotected after
+    /// `error`. `pass` trades protection for availability while the store
+    /// cannot answer, and only then. Any other error means the store did
+    /// answer: a record it returned but this build cannot read is a key that
+    /// is there, maybe with a side effect already done behind it, so
+    /// forwarding could repeat it. Fail closed.
+    fn passes(&self, error: &StoreError) -> bool {
+        self.policy.on_store_error == OnStoreError::Pass
+            && matches!(error, StoreError::Unavailable(_))
+    }
+
+    /// Answers a request whose `begin` failed: 503, or forwarded
+    /// unprotected when `pass` (see [`Self::passes`]).
+    async fn store_failed(
+        mut self,
+        request: Request<Body>,
+        respond: Responder,
+        error: StoreError,
+        pass: bool,
+    ) {
         tracing::error!(error = %error, route = %self.policy.route, "idempotency store failed");
-        // `pass` trades protection for availability while the store cannot
-        // answer, and only then. Any other error means the store did answer:
-        // a record it returned but this build cannot read is a key that is
-        // there, maybe with a side effect already done behind it, so
-        // forwarding could repeat it. Fail closed.
-        let pass = self.policy.on_store_error == OnStoreError::Pass
-            && matches!(error, StoreError::Unavailable(_));
         if !pass {
             return self.answer_rejection(
                 respond,
