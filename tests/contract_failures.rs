@@ -476,6 +476,109 @@ async fn a_duplicate_waiting_on_a_running_request_is_not_passed_when_the_store_f
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
 
+/// Polls the record of `key` in the store behind the faults until `done`
+/// says it is settled, for up to `within`.
+async fn settled_within(
+    store: &FaultyStore,
+    target: &str,
+    key: &str,
+    within: Duration,
+    done: impl Fn(Option<&Record>) -> bool,
+) -> bool {
+    let key = keys::record_key(&keys::json_post(target), key);
+    let until = Instant::now() + within;
+    loop {
+        let record = idemproxy::store::Store::get(store.inner(), &key)
+            .await
+            .expect("memory store answers");
+        if done(record.as_ref()) {
+            return true;
+        }
+        if Instant::now() > until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_the_store_refused_for_a_moment_is_stored_once_it_is_back() {
+    // A store blip (a Redis failover) between the upstream's answer and
+    // the completion: the client gets its answer after a few quick tries,
+    // and the outcome is stored when the store is back, well within the
+    // lease (10 s here), not left pending to settle as outcome-unknown.
+    let upstream = TestUpstream::start().await;
+    let (proxy, store) = proxy_on_faulty_store(&upstream, OnStoreError::Reject).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders?delay_ms=300");
+
+    let first = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
+    };
+    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
+    store.set(Fault::Fail);
+    let first = first.await.expect("first task");
+    assert_eq!(first.status, 201, "the client has its answer: {first:?}");
+    assert!(
+        matches!(
+            idemproxy::store::Store::get(
+                store.inner(),
+                &keys::record_key(&keys::json_post("/v1/orders"), "k")
+            )
+            .await,
+            Ok(Some(Record::Pending(_)))
+        ),
+        "not stored while the store fails"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.set(Fault::None);
+    assert!(
+        settled_within(&store, "/v1/orders", "k", Duration::from_secs(4), |r| {
+            matches!(r, Some(Record::Completed(_)))
+        })
+        .await,
+        "stored once the store was back"
+    );
+    let retry = client.post_json(&url, "k", "{}").await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_the_store_refused_for_a_moment_happens_once_it_is_back() {
+    // A 503 from the upstream releases the key (`release_statuses`), so
+    // that a retry executes. A store blip at that moment must not leave the
+    // key held until its lease runs out.
+    let upstream = TestUpstream::start().await;
+    let (proxy, store) = proxy_on_faulty_store(&upstream, OnStoreError::Reject).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders?delay_ms=300&status=503");
+
+    let first = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
+    };
+    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
+    store.set(Fault::Fail);
+    let first = first.await.expect("first task");
+    assert_eq!(first.status, 503, "{first:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.set(Fault::None);
+    assert!(
+        settled_within(&store, "/v1/orders", "k", Duration::from_secs(4), |r| r
+            .is_none())
+        .await,
+        "released once the store was back"
+    );
+    let retry = client.post_json(&proxy.url("/v1/orders"), "k", "{}").await;
+    assert_eq!(retry.status, 201, "the retry executes: {retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(upstream.executions("/v1/orders"), 2);
+}
+
 #[tokio::test]
 async fn an_unavailable_store_is_503_and_nothing_executes() {
     let upstream = TestUpstream::start().await;

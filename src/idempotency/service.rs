@@ -239,7 +239,7 @@ where
             policy,
             inner: self.inner.clone(),
             log,
-            _permit: permit,
+            permit,
         };
         ResponseFuture::Covered {
             fut: Box::pin(exchange.start(req, key)),
@@ -391,8 +391,9 @@ struct Exchange<S> {
     policy: Arc<Policy>,
     inner: S,
     log: RequestLog,
-    /// Held until the exchange ends (see `Settings::in_flight`).
-    _permit: OwnedSemaphorePermit,
+    /// Held until the exchange ends (see `Settings::in_flight`), or handed
+    /// to the task that settles its key late (`settle_late`).
+    permit: OwnedSemaphorePermit,
 }
 
 /// The identity of a covered request, carried into the task that runs it.
@@ -402,6 +403,10 @@ struct Claim {
     arrived_at: u64,
     key: RecordKey,
     fingerprint: Fingerprint,
+    /// When the claim this request holds is presumed dead, counted from
+    /// the instant it asked for the key (no later than the store's own
+    /// `now`): set when `begin` acquires the key.
+    lease_ends: Instant,
 }
 
 type Responder = oneshot::Sender<Response<Body>>;
@@ -431,6 +436,8 @@ where
             arrived_at: now_millis(),
             key: record_key,
             fingerprint,
+            // No claim yet.
+            lease_ends: Instant::now(),
         };
         let request = Request::from_parts(parts, Body::from(body));
         let (respond, mut answer) = oneshot::channel();
@@ -482,6 +489,7 @@ where
         // `on_store_error` says, since that would run it a second time.
         let mut seen_in_flight = false;
         loop {
+            let asked_at = Instant::now();
             let mut call = owned_begin(&self.settings.store, &begin);
             let begun = timed(&self.settings, &mut self.log, "begin", |_| &mut call).await;
             match begun {
@@ -505,6 +513,10 @@ where
                         self.log.metrics.lease_expired();
                         tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
                     }
+                    let claim = Claim {
+                        lease_ends: asked_at + self.policy.lease,
+                        ..claim
+                    };
                     return self.execute(claim, request, token, respond).await;
                 }
                 Ok(BeginOutcome::Completed(record)) => {
@@ -614,7 +626,7 @@ where
             Ok(response) => response,
             Err(UpstreamError::Unreachable(why)) => {
                 tracing::warn!(error = %why, "upstream unreachable; releasing the key");
-                self.release(&claim.key, token).await;
+                self.release(&claim, token).await;
                 return self.answer_rejection(
                     respond,
                     RequestOutcome::UpstreamUnreachable,
@@ -635,7 +647,7 @@ where
         };
         let status = response.status().as_u16();
         if self.policy.releases(status) {
-            self.release(&claim.key, token).await;
+            self.release(&claim, token).await;
             return self.answer(respond, RequestOutcome::Released, response);
         }
         self.stream_and_store(claim, token, response, deadline, respond)
@@ -802,7 +814,7 @@ where
     ) {
         let released = self.policy.on_ambiguous == OnAmbiguous::Release;
         if released {
-            self.release(&claim.key, token).await;
+            self.release(&claim, token).await;
         } else {
             self.complete(&claim, token, Outcome::Unknown { cause })
                 .await;
@@ -824,38 +836,35 @@ where
             outcome,
         };
         // A transient store error must not turn a known outcome into an
-        // unknown one, so completion is retried briefly; if it still fails,
-        // the lease expires and `on_stale` settles the key (fail closed).
-        for attempt in 0..3u32 {
+        // unknown one, so completion is retried: briefly here, while the
+        // client waits, then in the background (see `settle_late`).
+        for attempt in 0..INLINE_SETTLE_ATTEMPTS {
             match timed(&self.settings, &mut self.log, "complete", |s| {
                 s.complete(&claim.key, token, &record)
             })
             .await
             {
                 Ok(()) => return,
-                Err(StoreError::Fenced) => {
-                    tracing::error!(
-                        key = %claim.key.to_hex(),
-                        "lost the key before completing it (lease expired and another request took it over)"
-                    );
-                    return;
-                }
+                Err(StoreError::Fenced) => return log_lost_key(&claim.key),
                 Err(e) => {
                     tracing::error!(error = %e, attempt, "could not store the outcome");
-                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
                 }
             }
+            if attempt + 1 < INLINE_SETTLE_ATTEMPTS {
+                tokio::time::sleep(settle_backoff(attempt)).await;
+            }
         }
+        self.settle_late(claim, token, Settling::Complete(record));
     }
 
     fn upstream_done(&mut self, started: Instant) {
         self.log.upstream_done(started.elapsed());
     }
 
-    async fn release(&mut self, key: &RecordKey, token: FencingToken) {
-        for attempt in 0..3u32 {
+    async fn release(&mut self, claim: &Claim, token: FencingToken) {
+        for attempt in 0..INLINE_SETTLE_ATTEMPTS {
             match timed(&self.settings, &mut self.log, "release", |s| {
-                s.release(key, token)
+                s.release(&claim.key, token)
             })
             .await
             {
@@ -866,11 +875,105 @@ where
                 Err(StoreError::Fenced) => return,
                 Err(e) => {
                     tracing::error!(error = %e, attempt, "could not release the key");
-                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
                 }
             }
+            if attempt + 1 < INLINE_SETTLE_ATTEMPTS {
+                tokio::time::sleep(settle_backoff(attempt)).await;
+            }
+        }
+        self.settle_late(claim, token, Settling::Release);
+    }
+
+    /// Goes on settling the key in a task of its own once the client has
+    /// had its answer, until the store takes it or the claim's lease ends
+    /// (then the key is the next retry's to settle, per `on_stale`, and this
+    /// request's token is no good anyway). Without it, a store that failed
+    /// for a second or two, a Redis failover say, left the key pending:
+    /// retries got 425 until the lease ran out, then `outcome-unknown`
+    /// for a request whose outcome the proxy had (or, for a release, that
+    /// a retry could have run safely).
+    ///
+    /// The task keeps this request's `max_in_flight` permit: a store that
+    /// keeps failing cannot gather more of them than requests were allowed.
+    fn settle_late(&mut self, claim: &Claim, token: FencingToken, settling: Settling) {
+        let settings = self.settings.clone();
+        let route_metrics = self.log.metrics.clone();
+        let permit = self.permit.split(self.permit.num_permits());
+        let (key, lease_ends) = (claim.key, claim.lease_ends);
+        self.settings.tasks.spawn(async move {
+            let _permit = permit;
+            let mut attempt = 0;
+            loop {
+                let wait = settle_backoff(INLINE_SETTLE_ATTEMPTS - 1 + attempt);
+                if Instant::now() + wait + settings.store_timeout > lease_ends {
+                    tracing::error!(
+                        key = %key.to_hex(),
+                        "gave up settling the key: its lease ends, and the next retry settles it per on_stale"
+                    );
+                    return;
+                }
+                tokio::time::sleep(wait).await;
+                attempt += 1;
+                let call = async {
+                    match &settling {
+                        Settling::Complete(record) => settings.store.complete(&key, token, record).await,
+                        Settling::Release => settings.store.release(&key, token).await,
+                    }
+                };
+                match bounded(&settings, settling.op(), call).await {
+                    Ok(()) => {
+                        if matches!(settling, Settling::Release) {
+                            route_metrics.key_released();
+                        }
+                        tracing::warn!(key = %key.to_hex(), op = settling.op(), attempt, "settled the key after the store came back");
+                        return;
+                    }
+                    Err(StoreError::Fenced) => {
+                        if let Settling::Complete(_) = settling {
+                            log_lost_key(&key);
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, op = settling.op(), attempt, "could not settle the key");
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// `complete` and `release` are tried this many times while the client
+/// waits for its answer (~150 ms of pauses between them), then in the
+/// background until the lease ends (see `Exchange::settle_late`).
+const INLINE_SETTLE_ATTEMPTS: u32 = 3;
+
+/// The pause after failed settling attempt `attempt` (from 0): 50 ms,
+/// doubling, at most 1.6 s.
+fn settle_backoff(attempt: u32) -> Duration {
+    Duration::from_millis(50 << attempt.min(5))
+}
+
+/// What a request that holds a key still has to tell the store.
+enum Settling {
+    Complete(CompletedRecord),
+    Release,
+}
+
+impl Settling {
+    fn op(&self) -> &'static str {
+        match self {
+            Settling::Complete(_) => "complete",
+            Settling::Release => "release",
         }
     }
+}
+
+fn log_lost_key(key: &RecordKey) {
+    tracing::error!(
+        key = %key.to_hex(),
+        "lost the key before completing it (lease expired and another request took it over)"
+    );
 }
 
 /// A `begin` that owns what it needs, so that it can outlive the caller's
@@ -922,18 +1025,28 @@ where
     F: Future<Output = Result<T, StoreError>> + 'a,
 {
     let started = Instant::now();
-    let result = match tokio::time::timeout(settings.store_timeout, call(&*settings.store)).await {
+    let result = bounded(settings, op, call(&*settings.store)).await;
+    log.store += started.elapsed();
+    result
+}
+
+/// A store call bounded by `store.timeout` and counted in the metrics.
+async fn bounded<T>(
+    settings: &Settings,
+    op: &'static str,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let started = Instant::now();
+    let result = match tokio::time::timeout(settings.store_timeout, call).await {
         Ok(result) => result,
         Err(_) => Err(StoreError::Unavailable(format!(
             "no answer within {:?}",
             settings.store_timeout
         ))),
     };
-    let elapsed = started.elapsed();
-    log.store += elapsed;
     settings.metrics.store_call(
         op,
-        elapsed,
+        started.elapsed(),
         result.is_ok() || matches!(result, Err(StoreError::Fenced)),
     );
     result
