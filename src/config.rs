@@ -434,6 +434,14 @@ impl Config {
         if self.store.timeout.is_zero() {
             problems.push("store.timeout: must be greater than zero".into());
         }
+        for (field, value) in [
+            ("upstream.timeout", self.upstream.timeout),
+            ("upstream.connect_timeout", self.upstream.connect_timeout),
+            ("store.timeout", self.store.timeout),
+            ("drain_timeout", self.drain_timeout),
+        ] {
+            check_at_most_a_day(field, value, &mut problems);
+        }
         if self.max_in_flight == 0 {
             problems.push("max_in_flight: must be greater than zero".into());
         }
@@ -477,7 +485,12 @@ impl Config {
         if self.admin_token.as_deref() == Some("") {
             problems.push("admin_token: must not be empty when set".into());
         }
-        validate_policy("idempotency", &self.idempotency, &mut problems);
+        validate_policy(
+            "idempotency",
+            &self.idempotency,
+            self.store.timeout,
+            &mut problems,
+        );
         let mut names = std::collections::HashSet::new();
         for (i, route) in self.routes.iter().enumerate() {
             let at = format!("routes[{i}]");
@@ -489,7 +502,12 @@ impl Config {
             if !route.path.starts_with('/') {
                 problems.push(format!("{at}.path: `{}` must start with `/`", route.path));
             }
-            validate_policy(&at, &route.resolve(&self.idempotency), &mut problems);
+            validate_policy(
+                &at,
+                &route.resolve(&self.idempotency),
+                self.store.timeout,
+                &mut problems,
+            );
         }
         if problems.is_empty() {
             Ok(())
@@ -541,7 +559,36 @@ fn redact_url(url: &str) -> String {
     }
 }
 
-fn validate_policy(at: &str, p: &IdempotencyConfig, problems: &mut Vec<String>) {
+/// A timeout or margin longer than a day is a typo (`"30d"` for `"30s"`),
+/// and would overflow the instant arithmetic of the request path.
+fn check_at_most_a_day(field: &str, value: Duration, problems: &mut Vec<String>) {
+    if value > Duration::from_secs(24 * 3600) {
+        problems.push(format!(
+            "{field}: {} is longer than a day",
+            humantime::format_duration(value)
+        ));
+    }
+}
+
+fn validate_policy(
+    at: &str,
+    p: &IdempotencyConfig,
+    store_timeout: Duration,
+    problems: &mut Vec<String>,
+) {
+    // The lease is `upstream.timeout + lease_margin`: past it a retry
+    // presumes the holder dead and settles its key (or takes it over with
+    // `on_stale = "retry"`). The margin must leave a live holder time to
+    // claim the key and store its outcome, a store call each.
+    if p.lease_margin < store_timeout * 2 {
+        problems.push(format!(
+            "{at}.lease_margin: {} leaves a request that runs to upstream.timeout no time to store its outcome before its lease ends; use at least twice store.timeout ({})",
+            humantime::format_duration(p.lease_margin),
+            humantime::format_duration(store_timeout * 2)
+        ));
+    }
+    check_at_most_a_day(&format!("{at}.lease_margin"), p.lease_margin, problems);
+    check_at_most_a_day(&format!("{at}.wait_timeout"), p.wait_timeout, problems);
     if p.methods.is_empty() {
         problems.push(format!("{at}.methods: must name at least one method"));
     }
@@ -774,6 +821,44 @@ require_key = true
             .expect_err("bad duration")
             .to_string();
         assert!(err.contains("timeout"), "{err}");
+    }
+
+    #[test]
+    fn a_lease_margin_too_short_for_the_store_or_any_timeout_over_a_day_is_refused() {
+        let problems = |c: &Config| match c.validate() {
+            Ok(()) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        let mut c = Config::default();
+        assert_eq!(problems(&c), "");
+        c.idempotency.lease_margin = Duration::ZERO;
+        assert!(
+            problems(&c).contains("idempotency.lease_margin"),
+            "{}",
+            problems(&c)
+        );
+        // Twice store.timeout (250 ms) is the least.
+        c.idempotency.lease_margin = Duration::from_millis(499);
+        assert!(
+            problems(&c).contains("at least twice store.timeout (500ms)"),
+            "{}",
+            problems(&c)
+        );
+        c.idempotency.lease_margin = Duration::from_millis(500);
+        assert_eq!(problems(&c), "");
+        // The same margin is too short for a slower store.
+        c.store.timeout = Duration::from_secs(1);
+        let err = problems(&c);
+        assert!(err.contains("idempotency.lease_margin"), "{err}");
+        c.idempotency.lease_margin = Duration::from_secs(5);
+        c.idempotency.wait_timeout = Duration::from_secs(400 * 24 * 3600);
+        c.upstream.timeout = Duration::from_secs(2 * 24 * 3600);
+        let err = problems(&c);
+        assert!(err.contains("idempotency.wait_timeout: 1year"), "{err}");
+        assert!(
+            err.contains("upstream.timeout: 2days is longer than a day"),
+            "{err}"
+        );
     }
 
     #[test]
