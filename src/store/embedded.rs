@@ -18,6 +18,13 @@
 //! writes nothing and leaves the rest of its group to commit; a failure of
 //! redb itself aborts the group, and every change in it gets the error.
 //!
+//! The queue to the writer holds at most [`MAX_QUEUED`] changes: past that
+//! the disk is not keeping up, and a change fails at once (503) instead of
+//! joining the backlog. A `begin` whose caller stopped waiting (it timed
+//! out and answered its request 503) is skipped when its turn comes, so
+//! that a stalled disk does not leave claims nobody holds; completions and
+//! releases run late all the same.
+//!
 //! `begin` goes to the writer too, which decides it on the state it would
 //! change: most begins are first executions, which write. Those that only
 //! decide (a duplicate in flight, a replay) do not make their group commit:
@@ -88,6 +95,14 @@ const PURGE_BATCH: usize = 1024;
 /// enough to make one fsync serve every request a busy proxy has in flight,
 /// few enough that a group's transaction stays small.
 pub const MAX_GROUP: usize = 256;
+
+/// Most changes waiting for the writer. A busy proxy keeps a few dozen
+/// queued (a group's worth arrives during each fsync); a queue this long
+/// means the disk stopped keeping up, and a change past it fails at once
+/// (`Unavailable`, so 503) rather than waiting behind thousands: callers
+/// that time out leave their changes queued, and a completion retried
+/// against a stalled disk queued a copy of its response each time.
+pub const MAX_QUEUED: usize = 16 * MAX_GROUP;
 
 /// A [`Store`] on local disk, backed by redb.
 ///
@@ -242,14 +257,21 @@ impl EmbeddedStore {
 
     /// Queues `op` for the writer and waits until its group is committed.
     /// A caller that stops waiting (timeout) does not withdraw it: the
-    /// change commits or aborts with its group, as a whole.
-    async fn write<T, F>(&self, op: F) -> Result<T, StoreError>
+    /// change commits or aborts with its group, as a whole, unless
+    /// `Waited::Only` says to skip it once its caller is gone.
+    async fn write<T, F>(&self, waited: Waited, op: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: for<'t> FnOnce(&mut Tables<'t>) -> Result<T, WriteError> + Send + 'static,
     {
         let (answer, answered) = oneshot::channel();
         let job: Job = Box::new(move |tables| {
+            if waited == Waited::Only && answer.is_closed() {
+                return Ran {
+                    aborts: None,
+                    answer: Box::new(|_| {}),
+                };
+            }
             let result = op(tables);
             let aborts = match &result {
                 Err(WriteError::Storage(e)) => Some(e.clone()),
@@ -274,6 +296,21 @@ impl EmbeddedStore {
             )
         })?
     }
+}
+
+/// Whether a change still runs once its caller stopped waiting for it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Waited {
+    /// Runs whatever happens: a completion or a release is as right late
+    /// as on time (the fencing token still decides), and may be the only
+    /// copy of an outcome.
+    Either,
+    /// Runs only if its caller still waits. A `begin` whose caller timed
+    /// out was answered 503 and executed nothing: if it claimed the key
+    /// after that, nobody would hold the claim, and the retry would find
+    /// the key in flight, then settled `outcome-unknown` for a request that
+    /// never ran.
+    Only,
 }
 
 /// The tables a change works on, opened once per group.
@@ -315,8 +352,9 @@ type Answer = Box<dyn FnOnce(Result<(), &StoreError>) + Send>;
 /// The writer thread and the queue to it.
 struct Writer {
     /// `None` only while dropping: closing the queue is what stops the
-    /// thread, after it has answered everything queued.
-    queue: Option<mpsc::Sender<Job>>,
+    /// thread, after it has answered everything queued. At most
+    /// [`MAX_QUEUED`] changes wait in it.
+    queue: Option<mpsc::SyncSender<Job>>,
     thread: Option<ThreadHandle<()>>,
     /// Groups committed, by the writer thread ([`EmbeddedStore::commit_count`]).
     commits: Arc<AtomicU64>,
@@ -328,7 +366,7 @@ struct Writer {
 
 impl Writer {
     fn start(db: Arc<Database>) -> Result<Self, StoreError> {
-        let (queue, jobs) = mpsc::channel();
+        let (queue, jobs) = mpsc::sync_channel(MAX_QUEUED);
         let commits = Arc::new(AtomicU64::new(0));
         let counter = Arc::clone(&commits);
         let thread = std::thread::Builder::new()
@@ -347,19 +385,26 @@ impl Writer {
     }
 
     fn submit(&self, job: Job) -> Result<(), StoreError> {
-        let sent = self
-            .queue
-            .as_ref()
-            .is_some_and(|queue| queue.send(job).is_ok());
-        if !sent {
-            return Err(StoreError::Unavailable(
-                "the embedded store is closed".into(),
-            ));
+        let Some(queue) = &self.queue else {
+            return Err(closed());
+        };
+        match queue.try_send(job) {
+            Ok(()) => {}
+            Err(mpsc::TrySendError::Full(_)) => {
+                return Err(StoreError::Unavailable(format!(
+                "the embedded store's writer is {MAX_QUEUED} changes behind (is the disk stalled?)"
+            )))
+            }
+            Err(mpsc::TrySendError::Disconnected(_)) => return Err(closed()),
         }
         #[cfg(test)]
         self.submitted.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+}
+
+fn closed() -> StoreError {
+    StoreError::Unavailable("the embedded store is closed".into())
 }
 
 impl Drop for Writer {
@@ -614,7 +659,7 @@ impl Store for EmbeddedStore {
         // 143 -> 115 µs of CPU per request, 7.2k -> 8.4k and 8.2k -> 9.3k
         // req/s.
         let begin = begin.clone();
-        self.write(move |tables| {
+        self.write(Waited::Only, move |tables| {
             let now = now_millis();
             let stored = read_for_write(&tables.records, &begin.key)?;
             // An expired record is absent to the decision, but its index
@@ -643,7 +688,7 @@ impl Store for EmbeddedStore {
         let key = *key;
         let expires_at = record.expires_at;
         let bytes = record.encode();
-        self.write(move |tables| {
+        self.write(Waited::Either, move |tables| {
             let stored = read_for_write(&tables.records, &key)?;
             check_owner(live(stored.as_ref(), now_millis()), token).map_err(WriteError::Refused)?;
             let old_expiry = stored.as_ref().map(Record::expires_at);
@@ -654,7 +699,7 @@ impl Store for EmbeddedStore {
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
         let key = *key;
-        self.write(move |tables| {
+        self.write(Waited::Either, move |tables| {
             let stored = read_for_write(&tables.records, &key)?;
             check_owner(live(stored.as_ref(), now_millis()), token).map_err(WriteError::Refused)?;
             delete(tables, &key, stored.as_ref().map(Record::expires_at))
@@ -675,7 +720,7 @@ impl Store for EmbeddedStore {
 
     async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let key = *key;
-        self.write(move |tables| {
+        self.write(Waited::Either, move |tables| {
             let Some(value) = tables.records.get(key.as_bytes()).map_err(storage)? else {
                 return Ok(false);
             };
@@ -785,7 +830,7 @@ mod tests {
         let holder = Arc::clone(store);
         tokio::spawn(async move {
             holder
-                .write(move |_| {
+                .write(Waited::Either, move |_| {
                     let _ = running.send(());
                     let _ = held.recv();
                     Ok(())
@@ -883,6 +928,93 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_begin_whose_caller_stopped_waiting_claims_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
+        let (gone, waited) = (
+            RecordKey::from_bytes([1; 32]),
+            RecordKey::from_bytes([2; 32]),
+        );
+        let release = hold_writer(&store).await;
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
+        // Queued behind the holder; its caller gives up (store.timeout)
+        // and answers its request 503.
+        let given_up = tokio::time::timeout(
+            Duration::from_millis(100),
+            store.begin(&begin(gone, 60_000, OnStale::Store)),
+        )
+        .await;
+        assert!(given_up.is_err(), "still queued: {given_up:?}");
+        let behind = spawn_claim(&store, 2);
+        until_queued(&store, queued_before + 2).await;
+        drop(release);
+        // A begin still waited for runs; the abandoned one before it did not.
+        token(behind.await.expect("task").expect("claim"));
+        assert_eq!(store.get(&gone).await.expect("get"), None);
+        assert!(store.get(&waited).await.expect("get").is_some());
+        // Completions run late all the same (covered by the fencing token).
+        let t = claim(&store, gone).await;
+        let release = hold_writer(&store).await;
+        let late = tokio::time::timeout(
+            Duration::from_millis(100),
+            store.complete(&gone, t, &completed(60_000)),
+        )
+        .await;
+        assert!(late.is_err(), "still queued: {late:?}");
+        drop(release);
+        claim(&store, RecordKey::from_bytes([3; 32])).await;
+        assert!(matches!(
+            store.get(&gone).await.expect("get"),
+            Some(Record::Completed(_))
+        ));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_change_past_a_full_queue_fails_at_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
+        let release = hold_writer(&store).await;
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
+        let waiting: Vec<_> = (0..MAX_QUEUED)
+            .map(|i| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move {
+                    let mut bytes = [7; 32];
+                    bytes[..8].copy_from_slice(&(i as u64).to_le_bytes());
+                    let key = RecordKey::from_bytes(bytes);
+                    store.begin(&begin(key, 60_000, OnStale::Store)).await
+                })
+            })
+            .collect();
+        until_queued(&store, queued_before + MAX_QUEUED as u64).await;
+        let refused = tokio::time::timeout(
+            Duration::from_secs(5),
+            store.begin(&begin(
+                RecordKey::from_bytes([8; 32]),
+                60_000,
+                OnStale::Store,
+            )),
+        )
+        .await
+        .expect("answered at once, not queued");
+        assert!(
+            matches!(&refused, Err(StoreError::Unavailable(why)) if why.contains("changes behind")),
+            "{refused:?}"
+        );
+        drop(release);
+        for claim in waiting {
+            token(
+                claim
+                    .await
+                    .expect("task")
+                    .expect("queued claims go through"),
+            );
+        }
+        // And the queue takes changes again.
+        claim(&store, RecordKey::from_bytes([8; 32])).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_claims_of_one_key_leave_one_holder() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
@@ -921,7 +1053,7 @@ mod tests {
         until_queued(store, queued_before + 1).await;
         let failed = {
             let store = Arc::clone(store);
-            tokio::spawn(async move { store.write(failing).await })
+            tokio::spawn(async move { store.write(Waited::Either, failing).await })
         };
         until_queued(store, queued_before + 2).await;
         let last = claim(3);
