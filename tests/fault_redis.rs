@@ -421,3 +421,37 @@ async fn an_unreadable_record_fails_closed_even_with_on_store_error_pass() {
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_may_evict_records_is_named_in_the_log_at_startup() {
+    // Every record has an expiry, so a volatile-* policy can evict it once
+    // Redis is full: the key is forgotten and its retry executes again.
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let config = || {
+        redis_config(
+            &upstream.url(),
+            &redis.url(),
+            &redis_server::unique_prefix("eviction"),
+        )
+    };
+    const WARNING: &str = "maxmemory-policy volatile-lru";
+
+    // Redis's defaults (noeviction, and no limit): nothing to say.
+    let proxy = ProxyProcess::start(config()).await;
+    let logs = proxy.logs_when(|l| l.contains("idemproxy serving")).await;
+    assert!(logs.contains("idemproxy serving"), "{logs}");
+    assert!(!logs.contains("maxmemory"), "{logs}");
+    drop(proxy);
+
+    redis.cli(&["CONFIG", "SET", "maxmemory", "100mb"]);
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "volatile-lru"]);
+    let proxy = ProxyProcess::start(config()).await;
+    let logs = proxy.logs_when(|l| l.contains(WARNING)).await;
+    assert!(logs.contains(WARNING), "{logs}");
+    assert!(logs.contains("ERROR"), "logged as an error: {logs}");
+    // A warning, not a refusal: the proxy serves.
+    let client = TestClient::new();
+    let reply = client.post_json(&proxy.url("/v1/orders"), "k", BODY).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+}

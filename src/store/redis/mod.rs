@@ -512,7 +512,41 @@ impl RedisStore {
                 };
                 StoreError::Unavailable(format!("cannot write a test key to redis: {e}{hint}"))
             })?;
+        store.check_eviction_policy().await;
         Ok(store)
+    }
+
+    /// Warns when Redis may evict records to make room. Every record has an
+    /// expiry, so every `volatile-*` policy can evict it, as can the
+    /// `allkeys-*` ones: an evicted claim or completion is a key forgotten,
+    /// and its retry executes again. Only `noeviction` (Redis's default),
+    /// or no `maxmemory`, is safe. A warning, not a refusal: managed
+    /// services often hide `CONFIG` (then this says it could not check) or
+    /// default to `volatile-lru` with room to spare, and the operator is
+    /// the one who knows.
+    async fn check_eviction_policy(&self) {
+        // Several parameters in one CONFIG GET: Redis 7.0, which `ready`
+        // requires anyway. On a cluster this asks one node.
+        let asked: Result<HashMap<String, String>, _> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .arg("maxmemory")
+            .query_async(&mut self.shared.clone())
+            .await;
+        match asked {
+            Ok(config) => {
+                let policy = config.get("maxmemory-policy").map(String::as_str);
+                let maxmemory = config.get("maxmemory").map(String::as_str);
+                if let Some(warning) = eviction_warning(policy, maxmemory) {
+                    tracing::error!(store = self.kind, "{warning}");
+                }
+            }
+            Err(e) => tracing::warn!(
+                store = self.kind,
+                error = %e,
+                "cannot read redis's maxmemory-policy (CONFIG GET): make sure it is noeviction, or that maxmemory is 0, or records may be evicted and their retries executed again"
+            ),
+        }
     }
 
     /// The connection for a call from the current task (see
@@ -724,6 +758,20 @@ impl Store for RedisStore {
     fn kind(&self) -> &'static str {
         self.kind
     }
+}
+
+/// What to tell the operator about Redis's `maxmemory-policy` and
+/// `maxmemory` (`CONFIG GET` values), if anything: see
+/// [`RedisStore::check_eviction_policy`].
+fn eviction_warning(policy: Option<&str>, maxmemory: Option<&str>) -> Option<String> {
+    let policy = policy?;
+    if policy == "noeviction" || maxmemory == Some("0") {
+        return None;
+    }
+    Some(format!(
+        "redis runs with maxmemory-policy {policy} and maxmemory {}: when it fills up it evicts idempotency records, and the retry of an evicted key executes again; set maxmemory-policy noeviction (writes then fail with 503 store-unavailable instead)",
+        maxmemory.unwrap_or("unknown")
+    ))
 }
 
 /// `Acquired` when `existing` is a claim this `begin` wrote itself: `ours`
@@ -1073,6 +1121,25 @@ mod tests {
             outcome: Outcome::NotStored { status: 201 },
         });
         assert_eq!(own_claim(&done, &ours), None);
+    }
+
+    #[test]
+    fn an_evicting_policy_with_a_memory_limit_is_warned_about() {
+        assert_eq!(eviction_warning(Some("noeviction"), Some("1000")), None);
+        // No limit, nothing is ever evicted.
+        assert_eq!(eviction_warning(Some("volatile-lru"), Some("0")), None);
+        for policy in [
+            "volatile-lru",
+            "allkeys-lru",
+            "volatile-ttl",
+            "allkeys-random",
+        ] {
+            let warning = eviction_warning(Some(policy), Some("104857600")).unwrap_or_default();
+            assert!(warning.contains(policy), "{warning}");
+            assert!(warning.contains("executes again"), "{warning}");
+        }
+        // Nothing said, nothing known: the caller logs that it cannot check.
+        assert_eq!(eviction_warning(None, None), None);
     }
 
     #[test]
