@@ -81,7 +81,9 @@ enum Entry<'a> {
 impl<'a> Document<'a> {
     /// Parses `body` as I-JSON (RFC 7493): JSON text that serde_json
     /// accepts, without duplicate object names (parsers disagree on which
-    /// one wins) and without numbers beyond the double range.
+    /// one wins), without numbers beyond the double range, and without
+    /// integers a double cannot hold exactly (beyond ±2^53, see
+    /// [`EXACT_INTEGERS`]).
     pub fn parse(body: &'a [u8]) -> Result<Self, serde_json::Error> {
         let mut builder = Builder {
             // Guesses that save typical bodies most of the regrowing.
@@ -470,6 +472,18 @@ impl<'de> DeserializeSeed<'de> for EntrySeed<'_, 'de> {
     }
 }
 
+/// The largest integer literal read as a number. RFC 8785 reads every
+/// number as a double, which holds every integer up to 2^53 and only some
+/// past it: `9007199254740993` and `9007199254740992` would fingerprint
+/// alike, so the same key with another account number (64-bit ids are
+/// common) would be answered with the first request's response instead
+/// of 409. I-JSON (RFC 7493 §2.2) leaves such numbers out; like a body
+/// with duplicate names, a body with one is hashed as raw bytes, which can
+/// only err towards a 409. (Literals beyond 64 bits, and decimals with more
+/// than 15 significant digits, still round: serde_json hands them over as
+/// doubles already.)
+const EXACT_INTEGERS: u64 = 1 << 53;
+
 impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
     type Value = ();
 
@@ -481,12 +495,17 @@ impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
         self.push(Entry::Bool(v))
     }
 
-    // Integers round to the nearest double, as any I-JSON reader would.
-    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
+        if v.unsigned_abs() > EXACT_INTEGERS {
+            return Err(E::custom("integer beyond 2^53"));
+        }
         self.push(Entry::Number(v as f64))
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
+        if v > EXACT_INTEGERS {
+            return Err(E::custom("integer beyond 2^53"));
+        }
         self.push(Entry::Number(v as f64))
     }
 
@@ -624,8 +643,9 @@ mod tests {
         let leaf = prop_oneof![
             Just(Value::Null),
             any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(Value::from),
-            any::<u64>().prop_map(Value::from),
+            // Integer literals a double holds exactly (see `EXACT_INTEGERS`).
+            (-(1i64 << 53)..=(1 << 53)).prop_map(Value::from),
+            (0u64..=(1 << 53)).prop_map(Value::from),
             any::<f64>()
                 .prop_filter("finite", |f| f.is_finite())
                 .prop_map(Value::from),
@@ -700,6 +720,30 @@ mod tests {
                 prop_assert_eq!(number(value), ryu(value), "{:e}", value);
             }
         }
+    }
+
+    #[test]
+    fn integer_literals_a_double_cannot_hold_are_not_i_json() {
+        // 2^53 and below: every integer is a double of its own.
+        assert_eq!(
+            canonical("[9007199254740992, -9007199254740992, 9007199254740991]"),
+            "[9007199254740992,-9007199254740992,9007199254740991]"
+        );
+        // Past it, 2^53 + 1 would read as 2^53: refused, so hashed raw.
+        for text in [
+            "9007199254740993",
+            "-9007199254740993",
+            r#"{"to_account": 18446744073709551615}"#,
+            "[-9223372036854775808]",
+        ] {
+            let err = Document::parse(text.as_bytes()).expect_err(text);
+            assert!(err.to_string().contains("beyond 2^53"), "{text}: {err}");
+        }
+        // Written as a double, the sender chose a double.
+        assert_eq!(
+            canonical("[9007199254740993.0, 1e21]"),
+            "[9007199254740992,1e+21]"
+        );
     }
 
     #[test]

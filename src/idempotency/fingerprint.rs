@@ -40,10 +40,14 @@
 //! the same reason: parsers disagree on which duplicate wins.
 //!
 //! As RFC 8785 prescribes, every number is an IEEE 754 double: `1`, `1.0`
-//! and `1e0` fingerprint alike, and integers beyond 2^53 (or decimals with
-//! more than 17 significant digits) are rounded to the nearest double, so
-//! two bodies differing only past that precision fingerprint alike. APIs
-//! that need exact big numbers send them as strings, which JCS keeps exact.
+//! and `1e0` fingerprint alike. An integer literal beyond ±2^53, which a
+//! double cannot hold exactly (a 64-bit id, say), makes the body not
+//! I-JSON, so it is hashed raw: two ids past 2^53 never fingerprint alike.
+//! Literals beyond 64 bits and decimals with more than 15 significant
+//! digits still round to the nearest double (serde_json reads them as
+//! doubles), so two bodies differing only past that precision fingerprint
+//! alike. APIs that need exact big numbers send them as strings, which JCS
+//! keeps exact.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -982,11 +986,28 @@ mod tests {
         let p = json_parts();
         assert_eq!(fp(&r, &p, r#"{"n":1}"#), fp(&r, &p, r#"{"n":1.0}"#));
         assert_eq!(fp(&r, &p, r#"{"n":1}"#), fp(&r, &p, r#"{"n":1e0}"#));
-        // Large integers: the nearest double, per RFC 8785 §3.2.2.3.
+        // Integer literals up to 2^53 are doubles of their own.
         assert_eq!(canon("[9007199254740992]"), "[9007199254740992]");
-        assert_eq!(canon("[9007199254740993]"), "[9007199254740992]");
-        assert_eq!(canon("[18446744073709551615]"), "[18446744073709552000]");
-        assert_eq!(canon("[-9223372036854775808]"), "[-9223372036854776000]");
+        // Past it a double holds only some of them: 2^53 + 1 would read as
+        // 2^53, and another account number under the same key would be
+        // replayed instead of refused. Such a body is not I-JSON: raw.
+        for big in [
+            "9007199254740993",
+            "18446744073709551615",
+            "-9223372036854775808",
+        ] {
+            assert_eq!(
+                canonical_json(format!("[{big}]").as_bytes(), &[]),
+                None,
+                "{big}"
+            );
+        }
+        assert_ne!(
+            fp(&r, &p, r#"{"to_account":9007199254740993}"#),
+            fp(&r, &p, r#"{"to_account":9007199254740992}"#)
+        );
+        // Literals beyond 64 bits reach the parser as doubles already: the
+        // nearest double, per RFC 8785 §3.2.2.3.
         assert_eq!(
             canon("[123456789012345678901234567890]"),
             "[1.2345678901234568e+29]"
@@ -1263,8 +1284,15 @@ mod tests {
             (
                 &[],
                 "[1e21,1e-7,-0.0,123456789012345678901,0.1,5e-324,-1.5e300,\
-                 9007199254740993,18446744073709551615,-9223372036854775808,4.50,1E30,-0,1e20]",
-                "adb5e63d6940c6d5b10001b10cc2cf352c70946b3950ef816eefe86b66a9b3fc",
+                 9007199254740992,-9007199254740992,4.50,1E30,-0,1e20]",
+                "ff80341d549b86516abfe0b3310d896c65b5b24034113941478783e627656a1d",
+            ),
+            // An integer literal past 2^53: not I-JSON, hashed raw (since
+            // 2026-12-02; canonicalized as its nearest double before).
+            (
+                &[],
+                "[1, 9007199254740993]",
+                "b4d4d49e2077ef469eaf85aeba6217fba32f24bb40e18fd28df6a52a2030963e",
             ),
             (
                 &[
@@ -1347,8 +1375,10 @@ mod tests {
 
     fn arb_number() -> impl Strategy<Value = Number> {
         prop_oneof![
-            any::<i64>().prop_map(Number::from),
-            any::<u64>().prop_map(Number::from),
+            // Integer literals a double holds exactly (larger ones make the
+            // body raw, see `canonical::EXACT_INTEGERS`).
+            (-(1i64 << 53)..=(1 << 53)).prop_map(Number::from),
+            (0u64..=(1 << 53)).prop_map(Number::from),
             (-1000i64..1000).prop_map(Number::from),
             any::<f64>().prop_filter_map("finite", Number::from_f64),
             (-1e6f64..1e6).prop_filter_map("finite", Number::from_f64),
