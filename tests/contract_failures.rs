@@ -18,7 +18,7 @@ use support::keys;
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::raw;
 use support::upstream::{expected_body, unused_port_url, TestUpstream};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
 const JSON: (&str, &str) = ("content-type", "application/json");
@@ -424,6 +424,55 @@ async fn a_client_that_disconnects_mid_call_gets_the_stored_result_on_retry() {
     assert_eq!(reply.header("x-upstream-execution"), Some("1"));
     assert_eq!(reply.json()["body_len"], body.len());
     assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_a_chunked_body_sees_it_cut_off_not_ended() {
+    // The proxy drops a client that does not read by the upstream deadline
+    // (the upstream read, and the outcome, must not wait for it). A chunked
+    // body has no length to check against, so its end must not look clean.
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.upstream.timeout = Duration::from_secs(1);
+    let proxy = TestProxy::start(c).await;
+    // Far more than the sockets and the proxy's buffers hold between them.
+    let total = 256 << 20;
+    let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect to the proxy");
+    let request = raw::request(
+        "POST",
+        &format!("/v1/orders?body_bytes={total}&chunked=1"),
+        &[
+            b"idempotency-key: stalled-1",
+            b"content-type: application/json",
+        ],
+        b"{}",
+    );
+    socket.write_all(&request).await.expect("write the request");
+    let mut answer = vec![0; 4096];
+    let n = socket.read(&mut answer).await.expect("the head arrives");
+    answer.truncate(n);
+    assert!(
+        answer.starts_with(b"HTTP/1.1 201")
+            && answer
+                .windows(26)
+                .any(|w| w.eq_ignore_ascii_case(b"transfer-encoding: chunked")),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    // Stops reading past the upstream deadline, then reads what is left.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tokio::time::timeout(Duration::from_secs(20), socket.read_to_end(&mut answer))
+        .await
+        .expect("the proxy closes within 20 s")
+        .ok();
+    assert!(answer.len() < total, "the body was not all relayed");
+    assert!(
+        !answer.ends_with(b"\r\n0\r\n\r\n"),
+        "a cut-off body ended like a complete one ({} bytes)",
+        answer.len()
+    );
 }
 
 async fn proxy_on_faulty_store(

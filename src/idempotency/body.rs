@@ -4,6 +4,8 @@
 //! `max_in_flight` permit while it streams.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
@@ -90,17 +92,57 @@ impl BoundedCopy {
     }
 }
 
-/// A response body fed frame by frame from another task. Dropping the sender
-/// ends the body; sending an error aborts it (the client sees a broken body,
-/// never a truncated one that looks complete).
+/// A response body fed frame by frame from another task. It ends only when
+/// its [`BodySender`] says so ([`BodySender::finish`]); a sender dropped
+/// before that, or one that sends an error, aborts it: the client sees a
+/// broken body, never a truncated one that looks complete (a chunked body
+/// would otherwise end cleanly when a stalled client's sender is dropped).
 pub struct ChannelBody {
     rx: mpsc::Receiver<Result<Frame<Bytes>, BoxError>>,
+    finished: Arc<AtomicBool>,
+    /// Set once the abort was reported: the body then ends.
+    aborted: bool,
+}
+
+/// The sending half of a [`ChannelBody`].
+pub struct BodySender {
+    tx: mpsc::Sender<Result<Frame<Bytes>, BoxError>>,
+    finished: Arc<AtomicBool>,
+}
+
+impl BodySender {
+    /// Waits for room and sends `frame`; an error if the body was dropped.
+    pub async fn send(&self, frame: Result<Frame<Bytes>, BoxError>) -> Result<(), BoxError> {
+        self.tx
+            .send(frame)
+            .await
+            .map_err(|_| "the client's body is gone".into())
+    }
+
+    /// Sends `frame` if there is room now.
+    pub fn try_send(&self, frame: Result<Frame<Bytes>, BoxError>) {
+        let _ = self.tx.try_send(frame);
+    }
+
+    /// The body is complete: the client sees it end after what was sent.
+    pub fn finish(self) {
+        // Stored before the channel closes (when `self.tx` drops, below),
+        // so the reader, which looks once it sees the channel closed, sees
+        // it.
+        self.finished.store(true, Ordering::Release);
+    }
 }
 
 /// A sender and the response body it feeds.
-pub fn channel_body(capacity: usize) -> (mpsc::Sender<Result<Frame<Bytes>, BoxError>>, Body) {
+pub fn channel_body(capacity: usize) -> (BodySender, Body) {
     let (tx, rx) = mpsc::channel(capacity);
-    (tx, Body::new(ChannelBody { rx }))
+    let finished = Arc::new(AtomicBool::new(false));
+    let body = ChannelBody {
+        rx,
+        finished: Arc::clone(&finished),
+        aborted: false,
+    };
+    (BodySender { tx, finished }, Body::new(body))
 }
 
 impl http_body::Body for ChannelBody {
@@ -111,7 +153,13 @@ impl http_body::Body for ChannelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.rx.poll_recv(cx)
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(None) if !self.aborted && !self.finished.load(Ordering::Acquire) => {
+                self.aborted = true;
+                Poll::Ready(Some(Err("the response body was cut off".into())))
+            }
+            other => other,
+        }
     }
 
     fn size_hint(&self) -> SizeHint {

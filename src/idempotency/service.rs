@@ -776,7 +776,7 @@ where
             if let Some(tx) = &client {
                 // A client that stops reading must not stall the upstream
                 // read (the result still has to be stored): past the deadline
-                // it is dropped.
+                // it is dropped, unfinished, so its body aborts.
                 let sent = tokio::time::timeout_at(deadline, tx.send(Ok(frame))).await;
                 if !matches!(sent, Ok(Ok(()))) {
                     client = None;
@@ -788,11 +788,16 @@ where
             .await;
         if let Some(tx) = client {
             if complete_body {
+                let mut all_sent = true;
                 for frame in held_frames {
                     let sent = tokio::time::timeout_at(deadline, tx.send(Ok(frame))).await;
                     if !matches!(sent, Ok(Ok(()))) {
+                        all_sent = false;
                         break;
                     }
+                }
+                if all_sent {
+                    tx.finish();
                 }
             } else {
                 let _ = tx
@@ -1073,7 +1078,7 @@ fn stored_outcome(status: u16, headers: Vec<(String, Bytes)>, body: Option<Bytes
 /// a complete-looking truncated one.
 fn broken_body() -> Body {
     let (tx, body) = channel_body(1);
-    let _ = tx.try_send(Err("upstream response body did not complete".into()));
+    tx.try_send(Err("upstream response body did not complete".into()));
     body
 }
 

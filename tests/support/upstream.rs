@@ -13,6 +13,7 @@
 //! | `status=NNN` | respond with that status |
 //! | `reset=1` | read and count the request, then break the connection without a response |
 //! | `body_bytes=N` | an N-byte body (see [`expected_body`]), streamed in chunks, with `Content-Length` |
+//! | `chunked=1` | that body without `Content-Length` (chunked over HTTP/1.1) |
 //! | `stream_delay_ms=N` | wait N ms between body chunks |
 //! | `abort_body=1` | send the head and part of the body, then break the connection |
 //! | `header=name:value` | add a response header (repeatable, percent-decoded) |
@@ -299,6 +300,7 @@ struct Controls {
     body_bytes: Option<usize>,
     stream_delay: Option<Duration>,
     abort_body: bool,
+    chunked: bool,
     headers: Vec<(String, String)>,
 }
 
@@ -316,6 +318,7 @@ impl Controls {
                 "body_bytes" => c.body_bytes = v.parse().ok(),
                 "stream_delay_ms" => c.stream_delay = v.parse().ok().map(Duration::from_millis),
                 "abort_body" => c.abort_body = flag,
+                "chunked" => c.chunked = flag,
                 "header" => {
                     if let Some((name, value)) = v.split_once(':') {
                         c.headers
@@ -420,9 +423,10 @@ async fn handle(
             .unwrap_or(DEFAULT_ABORT_BODY_BYTES)
             // An abort needs a body to break in the middle of.
             .max(if controls.abort_body { 2 } else { 0 });
-        builder = builder
-            .header("content-type", "application/octet-stream")
-            .header("content-length", total.to_string());
+        builder = builder.header("content-type", "application/octet-stream");
+        if !controls.chunked {
+            builder = builder.header("content-length", total.to_string());
+        }
         streamed_body(total, controls.stream_delay, controls.abort_body)
     } else {
         builder = builder.header("content-type", "application/json");
