@@ -41,6 +41,13 @@ pub struct Config {
     /// answers 503 `overloaded` at once, before reading the body or touching
     /// the store, so memory stays bounded and nothing executes.
     pub max_in_flight: usize,
+    /// How long a covered request's body may take to arrive, whole; past
+    /// it the request is answered 408 `body-timeout` and nothing executes.
+    /// A body is read before the key is claimed, holding one of
+    /// `max_in_flight`: without a bound, clients that trickle their bodies
+    /// could hold them all.
+    #[serde(with = "humantime_serde")]
+    pub request_body_timeout: Duration,
 }
 
 impl Default for Config {
@@ -58,6 +65,7 @@ impl Default for Config {
             drain_timeout: Duration::from_secs(35),
             workers: 0,
             max_in_flight: crate::idempotency::service::DEFAULT_MAX_IN_FLIGHT,
+            request_body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -439,8 +447,12 @@ impl Config {
             ("upstream.connect_timeout", self.upstream.connect_timeout),
             ("store.timeout", self.store.timeout),
             ("drain_timeout", self.drain_timeout),
+            ("request_body_timeout", self.request_body_timeout),
         ] {
             check_at_most_a_day(field, value, &mut problems);
+        }
+        if self.request_body_timeout.is_zero() {
+            problems.push("request_body_timeout: must be greater than zero".into());
         }
         if self.max_in_flight == 0 {
             problems.push("max_in_flight: must be greater than zero".into());

@@ -98,6 +98,7 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
         .store_timeout(config.store.timeout)
         .max_in_flight(config.max_in_flight)
         .upstream_timeout(config.upstream.timeout)
+        .request_body_timeout(config.request_body_timeout)
         .metrics(metrics.clone());
     let tasks = layer.tasks();
     let stack = Stack {

@@ -205,3 +205,69 @@ async fn a_streaming_passthrough_holds_its_permit_until_its_body_ends() {
     assert_eq!(reply.status, 201, "{reply:?}");
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_that_trickle_in_are_cut_off_at_request_body_timeout() {
+    // A covered body is read before its key is claimed, holding a permit:
+    // clients that send a head and then a byte now and then could hold
+    // every permit for as long as they like.
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.max_in_flight = 2;
+    c.request_body_timeout = Duration::from_millis(500);
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+
+    let mut trickling = Vec::new();
+    for i in 0..2 {
+        let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+            .await
+            .expect("connect to the proxy");
+        let key = format!("idempotency-key: trickle-{i}");
+        let mut head = raw::request(
+            "POST",
+            "/v1/trickle",
+            &[key.as_bytes(), b"content-type: application/json"],
+            &[b' '; 100],
+        );
+        // The head and 10 of the 100 bytes announced.
+        head.truncate(head.len() - 90);
+        socket.write_all(&head).await.expect("write the head");
+        trickling.push(socket);
+    }
+    // Both permits are held while the bodies trickle.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_overloaded(
+        &client
+            .post_json(&proxy.url("/v1/orders"), "held", "{}")
+            .await,
+    );
+
+    let started = tokio::time::Instant::now();
+    for mut socket in trickling {
+        let mut raw_answer = Vec::new();
+        tokio::time::timeout(ARRIVAL, socket.read_to_end(&mut raw_answer))
+            .await
+            .expect("answered and closed")
+            .expect("read the answer");
+        let reply = raw::parse(&raw_answer);
+        assert_eq!(reply.status, 408, "{reply:?}");
+        assert_eq!(reply.problem(), "body-timeout", "{reply:?}");
+        assert_eq!(reply.header("x-should-retry"), Some("true"));
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // The permits are free again, nothing executed, and no key was claimed:
+    // the same key with the whole body is a first request.
+    let admitted = post_until_admitted(&client, &proxy, "after").await;
+    assert_eq!(admitted.status, 201, "{admitted:?}");
+    assert_eq!(upstream.executions("/v1/trickle"), 0);
+    let whole = client
+        .post_json(&proxy.url("/v1/trickle"), "trickle-0", &" ".repeat(100))
+        .await;
+    assert_eq!(whole.status, 201, "{whole:?}");
+    assert!(!whole.replayed());
+}

@@ -32,6 +32,10 @@ pub enum Rejection {
     },
     /// The request body could not be read (the client went away mid-body).
     BodyUnreadable,
+    /// The request body did not arrive whole within `request_body_timeout`.
+    BodyTimeout {
+        timeout: Duration,
+    },
     /// The key belongs to a different request.
     KeyReused {
         state: KeyState,
@@ -89,6 +93,7 @@ impl Rejection {
             Rejection::InvalidKey(_) => "invalid-key",
             Rejection::BodyTooLarge { .. } => "body-too-large",
             Rejection::BodyUnreadable => "body-unreadable",
+            Rejection::BodyTimeout { .. } => "body-timeout",
             Rejection::KeyReused { .. } => "key-reused",
             Rejection::InFlight { .. } => "in-flight",
             Rejection::StoreUnavailable { .. } => "store-unavailable",
@@ -107,6 +112,7 @@ impl Rejection {
             | (Rejection::InvalidKey(_), _)
             | (Rejection::BodyUnreadable, _) => StatusCode::BAD_REQUEST,
             (Rejection::BodyTooLarge { .. }, _) => StatusCode::PAYLOAD_TOO_LARGE,
+            (Rejection::BodyTimeout { .. }, _) => StatusCode::REQUEST_TIMEOUT,
             (Rejection::KeyReused { .. }, Profile::Default) => StatusCode::CONFLICT,
             (Rejection::KeyReused { .. }, Profile::Ietf) => StatusCode::UNPROCESSABLE_ENTITY,
             (Rejection::InFlight { .. }, Profile::Default) => StatusCode::TOO_EARLY,
@@ -131,6 +137,7 @@ impl Rejection {
             Rejection::InvalidKey(_) => "Invalid Idempotency-Key",
             Rejection::BodyTooLarge { .. } => "Request body too large",
             Rejection::BodyUnreadable => "Request body could not be read",
+            Rejection::BodyTimeout { .. } => "Request body too slow",
             Rejection::KeyReused { .. } => "Idempotency-Key reused with a different request",
             Rejection::InFlight { .. } => "A request with this Idempotency-Key is in progress",
             Rejection::StoreUnavailable { .. } => "Idempotency store unavailable",
@@ -157,6 +164,10 @@ impl Rejection {
             Rejection::BodyUnreadable => {
                 "The request body ended before it was complete; nothing was executed.".into()
             }
+            Rejection::BodyTimeout { timeout } => format!(
+                "The request body did not arrive within {}; nothing was executed. Retrying is safe.",
+                humantime::format_duration(*timeout)
+            ),
             Rejection::KeyReused { .. } => "This Idempotency-Key was already used with a different \
                  request (method, path, content or fingerprinted headers). Use a new key for a new \
                  request."
@@ -246,6 +257,7 @@ impl Rejection {
             Rejection::InFlight { .. }
             | Rejection::StoreUnavailable { .. }
             | Rejection::Overloaded { .. }
+            | Rejection::BodyTimeout { .. }
             | Rejection::UpstreamUnreachable
             | Rejection::OutcomeUnknown { released: true, .. } => Some(true),
             Rejection::BodyUnreadable

@@ -72,6 +72,7 @@ struct Settings {
     store: SharedStore,
     store_timeout: Duration,
     upstream_timeout: Duration,
+    request_body_timeout: Duration,
     metrics: Arc<Metrics>,
     /// Each route's series, resolved once (see `Metrics::route`).
     route_metrics: HashMap<Arc<str>, Arc<RouteMetrics>>,
@@ -96,6 +97,7 @@ impl IdempotencyLayer {
                 store,
                 store_timeout: Duration::from_millis(250),
                 upstream_timeout: Duration::from_secs(30),
+                request_body_timeout: Duration::from_secs(30),
                 metrics,
                 tasks: TaskTracker::new(),
                 in_flight: Arc::new(Semaphore::new(DEFAULT_MAX_IN_FLIGHT)),
@@ -111,6 +113,12 @@ impl IdempotencyLayer {
     /// Bounds the whole upstream exchange, response body included.
     pub fn upstream_timeout(self, timeout: Duration) -> Self {
         self.map(|s| s.upstream_timeout = timeout)
+    }
+
+    /// Bounds the reading of a covered request's body, whole; past it the
+    /// request is answered 408 `body-timeout`, before its key is claimed.
+    pub fn request_body_timeout(self, timeout: Duration) -> Self {
+        self.map(|s| s.request_body_timeout = timeout)
     }
 
     /// Where requests, store calls and executions are counted.
@@ -140,6 +148,7 @@ impl IdempotencyLayer {
                 store: shared.store.clone(),
                 store_timeout: shared.store_timeout,
                 upstream_timeout: shared.upstream_timeout,
+                request_body_timeout: shared.request_body_timeout,
                 metrics: shared.metrics.clone(),
                 route_metrics: shared.route_metrics.clone(),
                 tasks: shared.tasks.clone(),
@@ -423,11 +432,15 @@ where
     /// until it answers (see [`DetachOnDrop`]).
     async fn start(mut self, req: Request<Body>, key: IdempotencyKey) -> Response<Body> {
         let (parts, body) = req.into_parts();
-        let body =
-            match read_request_body(&parts.headers, body, self.policy.max_request_bytes).await {
-                Ok(body) => body,
-                Err(rejection) => return self.reject(RequestOutcome::BadBody, rejection),
-            };
+        let read = read_request_body(&parts.headers, body, self.policy.max_request_bytes);
+        let body = match tokio::time::timeout(self.settings.request_body_timeout, read).await {
+            Ok(Ok(body)) => body,
+            Ok(Err(rejection)) => return self.reject(RequestOutcome::BadBody, rejection),
+            Err(_elapsed) => {
+                let timeout = self.settings.request_body_timeout;
+                return self.reject(RequestOutcome::BadBody, Rejection::BodyTimeout { timeout });
+            }
+        };
         let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
         let scope = self.policy.scope.scope(&parts);
         let record_key = RecordKey::new(&scope, key.as_str());
