@@ -1160,6 +1160,21 @@ pub struct RequestLog {
     status: Option<u16>,
     store: Duration,
     upstream: Option<Duration>,
+    /// Set once the line is written. A log dropped before that while its
+    /// thread unwinds belongs to a run that panicked: it is written then, as
+    /// `internal` with the 500 the client got, so the request is in the log
+    /// and in `idemproxy_requests_total` all the same. (Dropped otherwise,
+    /// its client went away before an answer: no line, as before.)
+    written: bool,
+}
+
+impl Drop for RequestLog {
+    fn drop(&mut self) {
+        if !self.written && std::thread::panicking() {
+            self.status = Some(500);
+            self.write(RequestOutcome::Internal);
+        }
+    }
 }
 
 impl RequestLog {
@@ -1178,6 +1193,7 @@ impl RequestLog {
             status: None,
             store: Duration::ZERO,
             upstream: None,
+            written: false,
         }
     }
 
@@ -1193,7 +1209,12 @@ impl RequestLog {
         self.finish_streamed(outcome);
     }
 
-    fn finish_streamed(self, outcome: RequestOutcome) {
+    fn finish_streamed(mut self, outcome: RequestOutcome) {
+        self.write(outcome);
+    }
+
+    fn write(&mut self, outcome: RequestOutcome) {
+        self.written = true;
         let elapsed = self.started.elapsed();
         self.metrics.request(outcome, elapsed);
         // The full store hash: an operator can look the key up through the
@@ -1263,7 +1284,10 @@ mod tests {
                 }
             }
         });
-        let service = IdempotencyLayer::new(policies, Arc::new(MemoryStore::new())).layer(upstream);
+        let metrics = Metrics::new();
+        let service = IdempotencyLayer::new(policies, Arc::new(MemoryStore::new()))
+            .metrics(metrics.clone())
+            .layer(upstream);
         let request = |key: &str| {
             Request::post("/v1/payments")
                 .header("idempotency-key", key)
@@ -1279,5 +1303,17 @@ mod tests {
         let next = service.clone().oneshot(request("b")).await;
         assert_eq!(status(next), http::StatusCode::OK);
         assert_eq!(calls.load(Ordering::SeqCst), 2);
+        // The panicked request is counted (and logged) as `internal`, once.
+        let text = metrics.render();
+        let count = |outcome: &str| {
+            text.lines()
+                .find(|l| {
+                    l.starts_with("idemproxy_requests_total{")
+                        && l.contains(&format!("outcome=\"{outcome}\""))
+                })
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        };
+        assert_eq!(count("internal"), Some(1.0), "{text}");
+        assert_eq!(count("executed"), Some(1.0), "{text}");
     }
 }
