@@ -479,6 +479,46 @@ async fn on_a_redis_cluster_a_removal_is_dropped_from_the_others_cache() {
     removal_reaches_the_other_cache(a, b, "/v1/orders").await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_retried_after_its_answer_was_lost_still_reaches_the_others() {
+    // The first DELETE's GETDEL ran, but its caller gave up (the admin
+    // API's timeout) before anything was published; the operator retries.
+    let server = redis_server::shared();
+    let prefix = redis_server::unique_prefix("lost-removal");
+    let upstream = TestUpstream::start().await;
+    let c = redis_config(&upstream.url(), &server.url(), &prefix);
+    let a = cached_replica(c.clone()).await.0;
+    let (b, b_cache) = cached_replica(c).await;
+    let client = TestClient::new();
+    let path = "/v1/orders";
+    executed_on_a_cached_on_b(&client, (&a, &b), &b_cache, path, "lost-1").await;
+
+    let hash = keys::record_key(&keys::json_post(path), "lost-1").to_hex();
+    let deleted = server.cli(&["DEL", &format!("{prefix}{{{hash}}}")]);
+    assert_eq!(deleted.trim(), "1", "the first removal's GETDEL ran");
+    assert_eq!(b_cache.len(), 1, "and nobody was told");
+    let retried = client
+        .send(
+            Method::DELETE,
+            &a.admin_url(&format!("/v1/keys/{hash}")),
+            &[("authorization", &format!("Bearer {ADMIN_TOKEN}"))],
+            "",
+        )
+        .await;
+    assert_eq!(retried.status, 404, "nothing left to remove: {retried:?}");
+    eventually("b drops the key the retried removal announced", || {
+        b_cache.is_empty()
+    })
+    .await;
+    let again = client.post_json(&b.url(path), "lost-1", BODY).await;
+    assert_executed(&again);
+    assert_eq!(
+        upstream.executions(path),
+        2,
+        "executed afresh after removal"
+    );
+}
+
 /// Two cached replicas on a Redis of their own, for a test that breaks it,
 /// with `key` executed through A and cached on B.
 struct PrivatePair {

@@ -175,6 +175,16 @@ impl Shared {
     }
 }
 
+/// Reports `.1` removed when dropped: the second report of
+/// [`CachedStore::remove`], made however its call ends.
+struct RemovedOnDrop<'a>(&'a Shared, RecordKey);
+
+impl Drop for RemovedOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.removed(&self.1);
+    }
+}
+
 /// The handle through which a store reports removals made by other
 /// processes to the cache in front of it ([`Store::watch_removals`]). It
 /// does not keep the cache alive: every method returns false once the cache
@@ -360,11 +370,11 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         // replay is answered from the cache once the removal started.
         // After: a `begin` that read the record from the store before the
         // removal, and answers after it, does not cache it (the epoch
-        // moved).
+        // moved). "After" is a drop guard: the caller may stop waiting
+        // (the admin API's `store.timeout`) once the store has removed it.
         self.shared.removed(key);
-        let removed = self.inner.remove(key).await;
-        self.shared.removed(key);
-        removed
+        let _after = RemovedOnDrop(&self.shared, *key);
+        self.inner.remove(key).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -405,13 +415,15 @@ mod tests {
 
     /// A MemoryStore that counts the calls that reach it, and that can
     /// hold a `begin` after it read the record until the test lets it go:
-    /// a store round trip under way, for a removal to race with.
+    /// a store round trip under way, for a removal to race with. It can
+    /// hold a `remove` too, before and after it removes.
     #[derive(Default)]
     struct Counting {
         inner: MemoryStore,
         begins: AtomicUsize,
         removes: AtomicUsize,
         hold_next_begin: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+        hold_next_remove: std::sync::Mutex<Option<[tokio::sync::oneshot::Receiver<()>; 2]>>,
     }
 
     #[async_trait]
@@ -441,7 +453,14 @@ mod tests {
         }
         async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
             self.removes.fetch_add(1, Ordering::SeqCst);
-            self.inner.remove(key).await
+            let hold = self.hold_next_remove.lock().expect("lock").take();
+            let Some([before, after]) = hold else {
+                return self.inner.remove(key).await;
+            };
+            let _ = before.await;
+            let removed = self.inner.remove(key).await;
+            let _ = after.await;
+            removed
         }
         async fn ping(&self) -> Result<(), StoreError> {
             self.inner.ping().await
@@ -761,6 +780,33 @@ mod tests {
             store.begin(&begin(k, 1)).await,
             Ok(BeginOutcome::Acquired { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn a_removal_whose_caller_gives_up_once_the_store_removed_it_is_not_undone() {
+        use futures_util::FutureExt;
+        let (inner, store) = cached(16);
+        let store = Arc::new(store);
+        let k = complete_new_key(&*inner, &completed(1, TTL)).await;
+        let (go_on, before) = tokio::sync::oneshot::channel();
+        let (_never, after) = tokio::sync::oneshot::channel();
+        *inner.hold_next_remove.lock().expect("lock") = Some([before, after]);
+        let mut removal = Box::pin(store.remove(&k));
+        // The first report is made; the store has not removed the record.
+        assert!((&mut removal).now_or_never().is_none());
+        // A begin reads the record now; then the store removes it, and the
+        // removal's caller stops waiting (the admin API's timeout).
+        let outcome = begin_around(&inner, &store, k, async move {
+            go_on.send(()).expect("the removal waits");
+            assert!(
+                (&mut removal).now_or_never().is_none(),
+                "removed, then held"
+            );
+            drop(removal);
+        })
+        .await;
+        assert!(matches!(outcome, BeginOutcome::Completed(_)));
+        assert!(store.is_empty(), "the removed record is not cached again");
     }
 
     #[tokio::test]

@@ -556,23 +556,28 @@ impl RedisStore {
     }
 
     /// Tells the other replicas' caches that `key` was removed. The record
-    /// is gone whatever happens here, so a failure is logged, not returned
-    /// (an operator retrying would find nothing to remove): a replica that
-    /// missed the message replays from its cache for at most the cache's
-    /// `max_age`.
+    /// is gone whatever happens here, so a failure is logged, not returned:
+    /// a replica that missed the message replays from its cache for at
+    /// most the cache's `max_age` (an operator who retries the removal
+    /// announces it again). Published from a task of its own, so that a
+    /// caller that stops waiting once the record is deleted (the admin
+    /// API's timeout) does not cancel it.
     async fn announce_removal(&self, key: &RecordKey) {
-        let published = redis::cmd("PUBLISH")
-            .arg(self.removals.name())
-            .arg(&key.as_bytes()[..])
-            .query_async::<i64>(&mut self.conn())
-            .await;
-        if let Err(e) = published {
-            tracing::warn!(
-                key = %key.hex(),
-                error = %e,
-                "removed, but other replicas were not told: their local caches may replay it for up to a minute"
-            );
-        }
+        let mut publish = redis::cmd("PUBLISH");
+        publish.arg(self.removals.name()).arg(&key.as_bytes()[..]);
+        let mut conn = self.conn();
+        let key = *key;
+        let published = tokio::spawn(async move {
+            let published = publish.query_async::<i64>(&mut conn).await;
+            if let Err(e) = &published {
+                tracing::warn!(
+                    key = %key.hex(),
+                    error = %e,
+                    "removed, but other replicas were not told: their local caches may replay it for up to a minute"
+                );
+            }
+        });
+        let _ = published.await;
     }
 
     /// The prefix of every key this store writes.
@@ -721,7 +726,7 @@ impl Store for RedisStore {
             .query_async(&mut self.conn())
             .await;
         let live = match removed {
-            Ok(None) => return Ok(false),
+            Ok(None) => false,
             // A value without a readable expiry counts as live: removing it
             // is how an operator clears a corrupt record.
             Ok(Some(value)) => stored_expires_at(&value).is_none_or(|exp| exp > now),
@@ -732,14 +737,13 @@ impl Store for RedisStore {
                     .query_async(&mut self.conn())
                     .await
                     .map_err(redis_error)?;
-                if deleted == 0 {
-                    return Ok(false);
-                }
-                true
+                deleted != 0
             }
             Err(e) => return Err(redis_error(e)),
         };
-        // Something was deleted: other replicas' caches may hold it.
+        // Announced even when nothing was there: a removal whose answer was
+        // lost (its caller timed out after `GETDEL` ran) is retried, finds
+        // nothing, and must still reach the other replicas' caches.
         self.announce_removal(key).await;
         Ok(live)
     }
