@@ -502,7 +502,7 @@ async fn a_duplicate_waiting_on_a_running_request_is_not_passed_when_the_store_f
     let store = FaultyStore::new();
     let proxy = TestProxy::start_with_store(c, store.clone()).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=1500");
+    let url = proxy.url("/v1/orders?delay_ms=2500");
 
     let first = {
         let (client, url) = (client.clone(), url.clone());
@@ -513,9 +513,10 @@ async fn a_duplicate_waiting_on_a_running_request_is_not_passed_when_the_store_f
         let (client, url) = (client.clone(), url.clone());
         tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
     };
-    // The duplicate's first look finds the first request running; then the
-    // store goes down while it waits.
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The duplicate's first look finds the first request running (a store
+    // call away: ample time even on a loaded machine); then the store goes
+    // down while it waits.
+    tokio::time::sleep(Duration::from_millis(600)).await;
     store.set(Fault::Fail);
     let duplicate = duplicate.await.expect("duplicate task");
     store.set(Fault::None);
@@ -559,7 +560,7 @@ async fn an_outcome_the_store_refused_for_a_moment_is_stored_once_it_is_back() {
     let upstream = TestUpstream::start().await;
     let (proxy, store) = proxy_on_faulty_store(&upstream, OnStoreError::Reject).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=300");
+    let url = proxy.url("/v1/orders?delay_ms=1000");
 
     let first = {
         let (client, url) = (client.clone(), url.clone());
@@ -597,6 +598,59 @@ async fn an_outcome_the_store_refused_for_a_moment_is_stored_once_it_is_back() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_in_the_background_holds_its_slot_and_gives_up_with_the_lease() {
+    // The store keeps failing after the upstream answered: the key is
+    // settled in the background, holding the request's `max_in_flight`
+    // slot, until the claim's lease ends (1 s + 0.5 s here). Then the slot
+    // is free, and the key is left to `on_stale` (fail closed).
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.max_in_flight = 1;
+    c.upstream.timeout = Duration::from_secs(1);
+    c.idempotency.lease_margin = Duration::from_millis(500);
+    let store = FaultyStore::new();
+    let proxy = TestProxy::start_with_store(c, store.clone()).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders?delay_ms=300");
+
+    let asked = Instant::now();
+    let first = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
+    };
+    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
+    store.set(Fault::Fail);
+    let first = first.await.expect("first task");
+    assert_eq!(first.status, 201, "{first:?}");
+    // The only slot is still taken: even an uncovered GET is shed.
+    let get = client
+        .send(Method::GET, &proxy.url("/v1/ping"), &[], "")
+        .await;
+    assert_problem(&get, 503, "overloaded");
+    // Freed once the lease has ended.
+    let admitted = loop {
+        let get = client
+            .send(Method::GET, &proxy.url("/v1/ping"), &[], "")
+            .await;
+        if get.status != 503 || asked.elapsed() > Duration::from_secs(5) {
+            break get;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(admitted.status, 201, "{admitted:?}");
+    assert!(
+        asked.elapsed() >= Duration::from_millis(1500),
+        "held until the lease ended: {:?}",
+        asked.elapsed()
+    );
+    // Given up: the claim is still there, and fails closed.
+    store.set(Fault::None);
+    let retry = client.post_json(&url, "k", "{}").await;
+    assert_problem(&retry, 502, "outcome-unknown");
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_the_store_refused_for_a_moment_happens_once_it_is_back() {
     // A 503 from the upstream releases the key (`release_statuses`), so
     // that a retry executes. A store blip at that moment must not leave the
@@ -604,7 +658,7 @@ async fn a_release_the_store_refused_for_a_moment_happens_once_it_is_back() {
     let upstream = TestUpstream::start().await;
     let (proxy, store) = proxy_on_faulty_store(&upstream, OnStoreError::Reject).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=300&status=503");
+    let url = proxy.url("/v1/orders?delay_ms=1000&status=503");
 
     let first = {
         let (client, url) = (client.clone(), url.clone());

@@ -214,7 +214,7 @@ async fn bodies_that_trickle_in_are_cut_off_at_request_body_timeout() {
     let upstream = TestUpstream::start().await;
     let mut c = config(&upstream.url());
     c.max_in_flight = 2;
-    c.request_body_timeout = Duration::from_millis(500);
+    c.request_body_timeout = Duration::from_millis(1500);
     let proxy = TestProxy::start(c).await;
     let client = TestClient::new();
 
@@ -235,13 +235,19 @@ async fn bodies_that_trickle_in_are_cut_off_at_request_body_timeout() {
         socket.write_all(&head).await.expect("write the head");
         trickling.push(socket);
     }
-    // Both permits are held while the bodies trickle.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_overloaded(
-        &client
+    // Both permits are held while the bodies trickle (once both heads
+    // were read: polled, as a loaded machine may take a moment).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    let held = loop {
+        let reply = client
             .post_json(&proxy.url("/v1/orders"), "held", "{}")
-            .await,
-    );
+            .await;
+        if reply.status == 503 || tokio::time::Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_overloaded(&held);
 
     let started = tokio::time::Instant::now();
     for mut socket in trickling {
@@ -256,7 +262,7 @@ async fn bodies_that_trickle_in_are_cut_off_at_request_body_timeout() {
         assert_eq!(reply.header("x-should-retry"), Some("true"));
     }
     assert!(
-        started.elapsed() < Duration::from_secs(2),
+        started.elapsed() < Duration::from_secs(3),
         "{:?}",
         started.elapsed()
     );

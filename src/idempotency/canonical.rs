@@ -38,6 +38,8 @@ pub struct Document<'a> {
     tape: Vec<Entry<'a>>,
     /// Positions of object member names, each object's run sorted.
     order: Vec<usize>,
+    /// Whether any [`Entry::Inexact`] was parsed.
+    inexact: bool,
 }
 
 /// A value in a [`Document`]; the root is [`Document::root`].
@@ -58,6 +60,10 @@ enum Entry<'a> {
     Bool(bool),
     /// Every JSON number is an IEEE 754 double in RFC 8785 (§3.2.2.3).
     Number(f64),
+    /// An integer literal a double cannot hold exactly (see
+    /// [`EXACT_INTEGERS`]): the document is not I-JSON unless an ignore
+    /// pointer removes it ([`Document::is_exact`]).
+    Inexact(f64),
     /// Borrowed unless the JSON text had escapes in it.
     String(Cow<'a, str>),
     /// Elements follow, up to `end` (exclusive).
@@ -81,9 +87,9 @@ enum Entry<'a> {
 impl<'a> Document<'a> {
     /// Parses `body` as I-JSON (RFC 7493): JSON text that serde_json
     /// accepts, without duplicate object names (parsers disagree on which
-    /// one wins), without numbers beyond the double range, and without
-    /// integers a double cannot hold exactly (beyond ±2^53, see
-    /// [`EXACT_INTEGERS`]).
+    /// one wins) and without numbers beyond the double range. Integers a
+    /// double cannot hold exactly (beyond ±2^53, see [`EXACT_INTEGERS`]) are
+    /// kept apart: see [`Document::is_exact`].
     pub fn parse(body: &'a [u8]) -> Result<Self, serde_json::Error> {
         let mut builder = Builder {
             // Guesses that save typical bodies most of the regrowing.
@@ -101,10 +107,36 @@ impl<'a> Document<'a> {
         // What `serde_json::from_slice` does after the value: only
         // whitespace may follow.
         de.end()?;
+        let inexact = builder.tape.iter().any(|e| matches!(e, Entry::Inexact(_)));
         Ok(Document {
             tape: builder.tape,
             order: builder.order,
+            inexact,
         })
+    }
+
+    /// False while the document still holds an integer literal a double
+    /// cannot hold exactly: it is not I-JSON, and its canonical form would
+    /// make `9007199254740993` and `9007199254740992` alike. Checked after
+    /// the ignore pointers are removed, so that such a number in an ignored
+    /// member (a nanosecond timestamp) does not matter. Free for documents
+    /// without one.
+    pub fn is_exact(&self) -> bool {
+        !self.inexact || !self.reaches_inexact(self.root().0)
+    }
+
+    fn reaches_inexact(&self, at: usize) -> bool {
+        match self.tape.get(at) {
+            Some(Entry::Inexact(_)) => true,
+            Some(Entry::Array { .. }) => self
+                .elements(NodeId(at))
+                .any(|element| self.reaches_inexact(element)),
+            Some(Entry::Object { .. }) => self
+                .members(NodeId(at))
+                .iter()
+                .any(|&name| self.reaches_inexact(name + 1)),
+            _ => false,
+        }
     }
 
     pub fn root(&self) -> NodeId {
@@ -182,7 +214,7 @@ impl<'a> Document<'a> {
             Some(Entry::Null) => out.put(b"null"),
             Some(Entry::Bool(true)) => out.put(b"true"),
             Some(Entry::Bool(false)) => out.put(b"false"),
-            Some(Entry::Number(n)) => write_number(*n, out),
+            Some(Entry::Number(n) | Entry::Inexact(n)) => write_number(*n, out),
             Some(Entry::String(s)) => write_string(s, out),
             Some(Entry::Array { .. }) => {
                 out.put(b"[");
@@ -478,10 +510,10 @@ impl<'de> DeserializeSeed<'de> for EntrySeed<'_, 'de> {
 /// alike, so the same key with another account number (64-bit ids are
 /// common) would be answered with the first request's response instead
 /// of 409. I-JSON (RFC 7493 §2.2) leaves such numbers out; like a body
-/// with duplicate names, a body with one is hashed as raw bytes, which can
-/// only err towards a 409. (Literals beyond 64 bits, and decimals with more
-/// than 15 significant digits, still round: serde_json hands them over as
-/// doubles already.)
+/// with duplicate names, a body with one (outside the ignored members) is
+/// hashed as raw bytes, which can only err towards a 409. (Literals beyond
+/// 64 bits, and decimals with more than 15 significant digits, still round:
+/// serde_json hands them over as doubles already.)
 const EXACT_INTEGERS: u64 = 1 << 53;
 
 impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
@@ -495,16 +527,16 @@ impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
         self.push(Entry::Bool(v))
     }
 
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
+    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
         if v.unsigned_abs() > EXACT_INTEGERS {
-            return Err(E::custom("integer beyond 2^53"));
+            return self.push(Entry::Inexact(v as f64));
         }
         self.push(Entry::Number(v as f64))
     }
 
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
+    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
         if v > EXACT_INTEGERS {
-            return Err(E::custom("integer beyond 2^53"));
+            return self.push(Entry::Inexact(v as f64));
         }
         self.push(Entry::Number(v as f64))
     }
@@ -619,7 +651,8 @@ mod tests {
     use serde_json::Value;
 
     fn canonical(json: &str) -> String {
-        let doc = Document::parse(json.as_bytes()).expect("I-JSON");
+        let doc = Document::parse(json.as_bytes()).expect("JSON");
+        assert!(doc.is_exact(), "I-JSON: {json}");
         let mut out = Vec::new();
         doc.write(&mut out);
         String::from_utf8(out).expect("UTF-8")
@@ -729,16 +762,19 @@ mod tests {
             canonical("[9007199254740992, -9007199254740992, 9007199254740991]"),
             "[9007199254740992,-9007199254740992,9007199254740991]"
         );
-        // Past it, 2^53 + 1 would read as 2^53: refused, so hashed raw.
+        // Past it, 2^53 + 1 would read as 2^53: not I-JSON, so hashed raw.
         for text in [
             "9007199254740993",
             "-9007199254740993",
             r#"{"to_account": 18446744073709551615}"#,
             "[-9223372036854775808]",
         ] {
-            let err = Document::parse(text.as_bytes()).expect_err(text);
-            assert!(err.to_string().contains("beyond 2^53"), "{text}: {err}");
+            let doc = Document::parse(text.as_bytes()).expect(text);
+            assert!(!doc.is_exact(), "{text}");
         }
+        assert!(Document::parse(b"[1, 2.5, {\"a\": -9007199254740992}]")
+            .expect("JSON")
+            .is_exact());
         // Written as a double, the sender chose a double.
         assert_eq!(
             canonical("[9007199254740993.0, 1e21]"),

@@ -295,13 +295,15 @@ pub fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
 }
 
 /// Duplicate keys are rejected while parsing, before any pointer applies:
-/// one inside an ignored member still makes the body not I-JSON.
+/// one inside an ignored member still makes the body not I-JSON. An integer
+/// a double cannot hold exactly counts only if it is not ignored (a
+/// nanosecond timestamp in an ignored member is common).
 fn parse_ijson<'a>(body: &'a [u8], ignore: &[String]) -> Option<Document<'a>> {
     let mut doc = Document::parse(body).ok()?;
     for ptr in ignore {
         remove_pointer(&mut doc, ptr);
     }
-    Some(doc)
+    doc.is_exact().then_some(doc)
 }
 
 /// Feeds the canonical form to the hasher in large chunks: it is written a
@@ -1005,6 +1007,28 @@ mod tests {
         assert_ne!(
             fp(&r, &p, r#"{"to_account":9007199254740993}"#),
             fp(&r, &p, r#"{"to_account":9007199254740992}"#)
+        );
+        // In an ignored member it does not matter: a nanosecond timestamp
+        // there leaves the rest canonicalized.
+        let ignoring = rules(&[], &["/meta/sent_at_ns"]);
+        let sent = |ns: &str, order_swapped: bool| {
+            let body = if order_swapped {
+                format!(r#"{{"meta":{{"sent_at_ns":{ns}}},"amount":5}}"#)
+            } else {
+                format!(r#"{{"amount":5,"meta":{{"sent_at_ns":{ns}}}}}"#)
+            };
+            fp(&ignoring, &p, &body)
+        };
+        assert_eq!(
+            sent("1764633600123456789", false),
+            sent("1764633600987654321", true)
+        );
+        assert_eq!(
+            canonical_json(
+                br#"{"meta":{"sent_at_ns":1764633600123456789},"amount":5}"#,
+                &ptrs(&["/meta/sent_at_ns"])
+            ),
+            Some(br#"{"amount":5,"meta":{}}"#.to_vec())
         );
         // Literals beyond 64 bits reach the parser as doubles already: the
         // nearest double, per RFC 8785 §3.2.2.3.

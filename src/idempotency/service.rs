@@ -42,7 +42,7 @@ use super::outcome::RequestOutcome;
 use super::policy::{Policies, Policy};
 use super::record::{
     from_millis, millis, now_millis, CompletedRecord, FencingToken, Fingerprint, KeyHex, Outcome,
-    RecordKey, StoredResponse, UnknownCause,
+    Record, RecordKey, StoredResponse, UnknownCause,
 };
 use super::rejection::Rejection;
 use crate::config::{OnAmbiguous, OnInFlight, OnStoreError};
@@ -813,9 +813,10 @@ where
                     tx.finish();
                 }
             } else {
-                let _ = tx
-                    .send(Err("upstream response body did not complete".into()))
-                    .await;
+                // Unfinished, the body aborts once the client has read what
+                // was sent; the error says why if there is room for it (a
+                // client that reads nothing must not hold this run).
+                tx.try_send(Err("upstream response body did not complete".into()));
             }
         }
         self.log.finish_streamed(RequestOutcome::Executed);
@@ -863,7 +864,12 @@ where
             .await
             {
                 Ok(()) => return,
-                Err(StoreError::Fenced) => return log_lost_key(&claim.key),
+                Err(StoreError::Fenced) => {
+                    return fenced(&self.settings, &claim.key, &record).await;
+                }
+                Err(e @ StoreError::Corrupt(_)) => {
+                    return tracing::error!(error = %e, "could not store the outcome");
+                }
                 Err(e) => {
                     tracing::error!(error = %e, attempt, "could not store the outcome");
                 }
@@ -891,6 +897,9 @@ where
                     return;
                 }
                 Err(StoreError::Fenced) => return,
+                Err(e @ StoreError::Corrupt(_)) => {
+                    return tracing::error!(error = %e, "could not release the key");
+                }
                 Err(e) => {
                     tracing::error!(error = %e, attempt, "could not release the key");
                 }
@@ -922,15 +931,16 @@ where
             let _permit = permit;
             let mut attempt = 0;
             loop {
+                let remaining = lease_ends.saturating_duration_since(Instant::now());
                 let wait = settle_backoff(INLINE_SETTLE_ATTEMPTS - 1 + attempt);
-                if Instant::now() + wait + settings.store_timeout > lease_ends {
+                tokio::time::sleep(wait.min(remaining)).await;
+                if Instant::now() >= lease_ends {
                     tracing::error!(
                         key = %key.to_hex(),
-                        "gave up settling the key: its lease ends, and the next retry settles it per on_stale"
+                        "gave up settling the key: its lease ended, and the next retry settles it per on_stale"
                     );
                     return;
                 }
-                tokio::time::sleep(wait).await;
                 attempt += 1;
                 let call = async {
                     match &settling {
@@ -938,7 +948,12 @@ where
                         Settling::Release => settings.store.release(&key, token).await,
                     }
                 };
-                match bounded(&settings, settling.op(), call).await {
+                // One call at a time, waited for until the lease ends rather
+                // than `store.timeout`: a call given up on can still be
+                // queued in the store (the embedded store's writer), and a
+                // new one each time would queue a copy of the record each.
+                let limit = lease_ends.saturating_duration_since(Instant::now());
+                match bounded(&settings, settling.op(), limit, call).await {
                     Ok(()) => {
                         if matches!(settling, Settling::Release) {
                             route_metrics.key_released();
@@ -947,10 +962,14 @@ where
                         return;
                     }
                     Err(StoreError::Fenced) => {
-                        if let Settling::Complete(_) = settling {
-                            log_lost_key(&key);
+                        if let Settling::Complete(record) = &settling {
+                            fenced(&settings, &key, record).await;
                         }
                         return;
+                    }
+                    Err(e @ StoreError::Corrupt(_)) => {
+                        // Asking again will not change what the store holds.
+                        return tracing::error!(error = %e, op = settling.op(), "could not settle the key");
                     }
                     Err(e) => {
                         tracing::error!(error = %e, op = settling.op(), attempt, "could not settle the key");
@@ -987,7 +1006,17 @@ impl Settling {
     }
 }
 
-fn log_lost_key(key: &RecordKey) {
+/// A completion refused as not the key's holder's: either an earlier try
+/// of the same completion got there first (it timed out here but went on in
+/// the store, or the cluster client sent it twice), or the key was lost.
+/// Only the second is worth an error.
+async fn fenced(settings: &Settings, key: &RecordKey, record: &CompletedRecord) {
+    let stored = tokio::time::timeout(settings.store_timeout, settings.store.get(key)).await;
+    if let Ok(Ok(Some(Record::Completed(done)))) = &stored {
+        if done.fingerprint == record.fingerprint && done.completed_at == record.completed_at {
+            return;
+        }
+    }
     tracing::error!(
         key = %key.to_hex(),
         "lost the key before completing it (lease expired and another request took it over)"
@@ -1043,23 +1072,23 @@ where
     F: Future<Output = Result<T, StoreError>> + 'a,
 {
     let started = Instant::now();
-    let result = bounded(settings, op, call(&*settings.store)).await;
+    let result = bounded(settings, op, settings.store_timeout, call(&*settings.store)).await;
     log.store += started.elapsed();
     result
 }
 
-/// A store call bounded by `store.timeout` and counted in the metrics.
+/// A store call bounded by `limit` and counted in the metrics.
 async fn bounded<T>(
     settings: &Settings,
     op: &'static str,
+    limit: Duration,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     let started = Instant::now();
-    let result = match tokio::time::timeout(settings.store_timeout, call).await {
+    let result = match tokio::time::timeout(limit, call).await {
         Ok(result) => result,
         Err(_) => Err(StoreError::Unavailable(format!(
-            "no answer within {:?}",
-            settings.store_timeout
+            "no answer within {limit:?}"
         ))),
     };
     settings.metrics.store_call(
@@ -1162,16 +1191,18 @@ pub struct RequestLog {
     upstream: Option<Duration>,
     /// Set once the line is written. A log dropped before that while its
     /// thread unwinds belongs to a run that panicked: it is written then, as
-    /// `internal` with the 500 the client got, so the request is in the log
-    /// and in `idemproxy_requests_total` all the same. (Dropped otherwise,
-    /// its client went away before an answer: no line, as before.)
+    /// `internal`, so the request is in the log and in
+    /// `idemproxy_requests_total` all the same, with the status already sent
+    /// if there was one, else the 500 the client gets (if it still waits).
+    /// Dropped otherwise, its client went away before an answer: no line, as
+    /// before.
     written: bool,
 }
 
 impl Drop for RequestLog {
     fn drop(&mut self) {
         if !self.written && std::thread::panicking() {
-            self.status = Some(500);
+            self.status.get_or_insert(500);
             self.write(RequestOutcome::Internal);
         }
     }

@@ -633,13 +633,14 @@ impl Store for RedisStore {
         // when the connection broke before its reply came, so a `SET` or a
         // `swap` that did run can come back as a failure, and the next read
         // then finds this call's own claim (see [`own_claim`]).
-        let mut ours: Vec<(FencingToken, bool)> = Vec::with_capacity(BEGIN_ATTEMPTS);
+        // On the stack: this runs for every first execution.
+        let mut ours = OwnClaims::default();
         for _ in 0..BEGIN_ATTEMPTS {
             let now = now_millis();
             // The claim to write if the key is free: prepared here, because
             // its token is random and its encoding is Rust's.
             let claim = new_claim(begin, now);
-            ours.push((claim.token, false));
+            ours.push(claim.token, false);
             let current: Option<Vec<u8>> = redis::cmd("SET")
                 .arg(&key)
                 .arg(stored_pending(&claim))
@@ -658,7 +659,7 @@ impl Store for RedisStore {
             };
             let current = Bytes::from(current);
             let existing = read_stored(&current)?;
-            if let Some(acquired) = own_claim(&existing, &ours) {
+            if let Some(acquired) = own_claim(&existing, ours.as_slice()) {
                 return Ok(acquired);
             }
             // Expired by this proxy's clock: absent, whenever Redis reclaims it.
@@ -670,7 +671,7 @@ impl Store for RedisStore {
             if let (BeginOutcome::Acquired { token, took_over }, Record::Pending(_)) =
                 (&outcome, &replacement)
             {
-                ours.push((*token, *took_over));
+                ours.push(*token, *took_over);
             }
             let swapped: i64 = SCRIPTS
                 .swap
@@ -776,6 +777,36 @@ fn eviction_warning(policy: Option<&str>, maxmemory: Option<&str>) -> Option<Str
         "redis runs with maxmemory-policy {policy} and maxmemory {}: when it fills up it evicts idempotency records, and the retry of an evicted key executes again; set maxmemory-policy noeviction (writes then fail with 503 store-unavailable instead)",
         maxmemory.unwrap_or("unknown")
     ))
+}
+
+/// The claims one `begin` wrote or tried to write (two per attempt at
+/// most: its own, and a takeover's), with whether each took a stale claim
+/// over.
+struct OwnClaims {
+    claims: [(FencingToken, bool); 2 * BEGIN_ATTEMPTS],
+    len: usize,
+}
+
+impl Default for OwnClaims {
+    fn default() -> Self {
+        Self {
+            claims: [(FencingToken(0), false); 2 * BEGIN_ATTEMPTS],
+            len: 0,
+        }
+    }
+}
+
+impl OwnClaims {
+    fn push(&mut self, token: FencingToken, took_over: bool) {
+        if let Some(slot) = self.claims.get_mut(self.len) {
+            *slot = (token, took_over);
+            self.len += 1;
+        }
+    }
+
+    fn as_slice(&self) -> &[(FencingToken, bool)] {
+        self.claims.get(..self.len).unwrap_or_default()
+    }
 }
 
 /// `Acquired` when `existing` is a claim this `begin` wrote itself: `ours`
