@@ -48,6 +48,10 @@ pub struct Config {
     /// could hold them all.
     #[serde(with = "humantime_serde")]
     pub request_body_timeout: Duration,
+    /// `IDEMPROXY_*` variables that name no field, ignored by
+    /// [`Config::load`]: logged at startup.
+    #[serde(skip)]
+    pub ignored_env: Vec<String>,
 }
 
 impl Default for Config {
@@ -66,6 +70,7 @@ impl Default for Config {
             workers: 0,
             max_in_flight: crate::idempotency::service::DEFAULT_MAX_IN_FLIGHT,
             request_body_timeout: Duration::from_secs(30),
+            ignored_env: Vec::new(),
         }
     }
 }
@@ -386,16 +391,37 @@ impl Config {
             }
             figment = figment.merge(Toml::file(file));
         }
-        let vars: Vec<(String, String)> = env
+        let mut vars: Vec<(String, String)> = env
             .into_iter()
-            .filter(|(k, _)| k.starts_with("IDEMPROXY_"))
+            // The `--config` flag's own variable, read by the command line.
+            .filter(|(k, _)| k.starts_with("IDEMPROXY_") && k != "IDEMPROXY_CONFIG")
             .collect();
-        figment = figment.merge(EnvVars { vars });
-        figment = figment.merge(flags.as_provider());
-        let config: Config = figment
-            .extract()
-            .map_err(|e| ConfigError::Load(Box::new(e)))?;
+        let mut ignored_env = Vec::new();
+        let mut config: Config = loop {
+            let layered = figment
+                .clone()
+                .merge(EnvVars { vars: vars.clone() })
+                .merge(flags.as_provider());
+            // Lossy: a variable's value is a string, read as a number or a
+            // boolean where the field is one (see `EnvVars`).
+            match layered.extract_lossy() {
+                Ok(config) => break config,
+                Err(e) => {
+                    // A variable that names no field is not ours: Kubernetes
+                    // gives every pod `IDEMPROXY_PORT`, `IDEMPROXY_SERVICE_HOST`...
+                    // for a Service named `idemproxy`. Ignored (and logged),
+                    // not a reason to refuse to start.
+                    let strangers = unknown_env_vars(&e, &vars);
+                    if strangers.is_empty() {
+                        return Err(ConfigError::Load(Box::new(e)));
+                    }
+                    vars.retain(|(k, _)| !strangers.contains(k));
+                    ignored_env.extend(strangers);
+                }
+            }
+        };
         config.validate()?;
+        config.ignored_env = ignored_env;
         Ok(config)
     }
 
@@ -677,16 +703,51 @@ impl FlagOverrides {
     }
 }
 
+/// The variables among `vars` that `error` says name no field.
+fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<String> {
+    error
+        .clone()
+        .into_iter()
+        .filter(|e| e.metadata.as_ref().is_some_and(|m| m.name == ENV_SOURCE))
+        .filter_map(|e| match &e.kind {
+            figment::error::Kind::UnknownField(field, _) => {
+                // The path ends with the field already.
+                let mut path = e.path.clone();
+                if path.last() != Some(field) {
+                    path.push(field.clone());
+                }
+                let name = path.join("__");
+                vars.iter()
+                    .find(|(k, _)| {
+                        k.strip_prefix("IDEMPROXY_")
+                            .is_some_and(|rest| rest.eq_ignore_ascii_case(&name))
+                    })
+                    .map(|(k, _)| k.clone())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+const ENV_SOURCE: &str = "environment variable(s)";
+
 /// `IDEMPROXY_A__B=v` sets field `a.b`. Figment's own `Env` provider reads
 /// the process environment; this one reads an explicit list, so tests and
 /// `check` see exactly the variables they pass in.
+///
+/// A value stays the string it is, unless it is an array or a table
+/// (`[429, 503]`); [`Config::load`] reads it as a number or a boolean where
+/// the field is one. Parsed up front, `IDEMPROXY_ADMIN_TOKEN=12345678` would
+/// have become a number that no string field takes (and the error would
+/// have shown the secret), and quotes or spaces around a password would
+/// have been dropped.
 struct EnvVars {
     vars: Vec<(String, String)>,
 }
 
 impl figment::Provider for EnvVars {
     fn metadata(&self) -> figment::Metadata {
-        figment::Metadata::named("environment variable(s)")
+        figment::Metadata::named(ENV_SOURCE)
     }
 
     fn data(
@@ -699,7 +760,10 @@ impl figment::Provider for EnvVars {
                 continue;
             };
             let path: Vec<String> = rest.split("__").map(|p| p.to_ascii_lowercase()).collect();
-            let value: Value = v.parse().unwrap_or_else(|_| Value::from(v.clone()));
+            let value = match v.parse::<Value>() {
+                Ok(parsed @ (Value::Array(..) | Value::Dict(..))) => parsed,
+                _ => Value::from(v.clone()),
+            };
             insert_path(&mut dict, &path, value);
         }
         let mut map = Map::new();
@@ -748,6 +812,64 @@ mod tests {
         // The file names a placeholder upstream; the default has none.
         defaults.upstream.url = shipped.upstream.url.clone();
         assert_eq!(shipped.to_toml(), defaults.to_toml());
+    }
+
+    #[test]
+    fn variables_that_name_no_field_are_ignored_and_reported() {
+        // What Kubernetes gives every pod for a Service named `idemproxy`,
+        // and the `--config` flag's own variable.
+        let c = Config::load(
+            None,
+            env(&[
+                ("IDEMPROXY_PORT", "tcp://10.0.0.7:8080"),
+                ("IDEMPROXY_SERVICE_HOST", "10.0.0.7"),
+                ("IDEMPROXY_STORE__NO_SUCH_FIELD", "x"),
+                ("IDEMPROXY_CONFIG", "/etc/idemproxy/idemproxy.toml"),
+                ("IDEMPROXY_WORKERS", "3"),
+            ]),
+            &FlagOverrides::default(),
+        )
+        .expect("loads");
+        assert_eq!(c.workers, 3);
+        let mut ignored = c.ignored_env.clone();
+        ignored.sort();
+        assert_eq!(
+            ignored,
+            [
+                "IDEMPROXY_PORT",
+                "IDEMPROXY_SERVICE_HOST",
+                "IDEMPROXY_STORE__NO_SUCH_FIELD"
+            ]
+        );
+        // A bad value for a field that exists is still an error.
+        let err = Config::load(
+            None,
+            env(&[("IDEMPROXY_WORKERS", "many")]),
+            &FlagOverrides::default(),
+        )
+        .expect_err("not a number");
+        assert!(err.to_string().contains("workers"), "{err}");
+    }
+
+    #[test]
+    fn secrets_from_the_environment_are_taken_as_written() {
+        let c = Config::load(
+            None,
+            env(&[
+                ("IDEMPROXY_ADMIN_TOKEN", "12345678"),
+                ("IDEMPROXY_STORE__PASSWORD", " \"true\" "),
+                ("IDEMPROXY_STORE__USERNAME", "007"),
+                ("IDEMPROXY_IDEMPOTENCY__REQUIRE_KEY", "true"),
+                ("IDEMPROXY_MAX_IN_FLIGHT", "64"),
+            ]),
+            &FlagOverrides::default(),
+        )
+        .expect("loads");
+        assert_eq!(c.admin_token.as_deref(), Some("12345678"));
+        assert_eq!(c.store.password.as_deref(), Some(" \"true\" "));
+        assert_eq!(c.store.username.as_deref(), Some("007"));
+        assert!(c.idempotency.require_key);
+        assert_eq!(c.max_in_flight, 64);
     }
 
     #[test]

@@ -121,10 +121,16 @@ fn main() -> ExitCode {
     };
     if matches!(cli.command, Some(Command::Check)) {
         print!("{}", config.to_toml());
+        for variable in &config.ignored_env {
+            eprintln!("ignored {variable}: it names no configuration field");
+        }
         eprintln!("configuration is valid");
         return ExitCode::SUCCESS;
     }
     let _log_guard = init_tracing(&config);
+    for variable in &config.ignored_env {
+        tracing::warn!(%variable, "ignored: this IDEMPROXY_* variable names no configuration field");
+    }
     block_on(async move {
         if demo {
             run_demo(config).await

@@ -111,6 +111,32 @@ fn check_applies_environment_and_flag_overrides() {
 }
 
 #[test]
+fn check_ignores_variables_that_name_no_field_and_says_so() {
+    // Kubernetes sets these in every pod of a namespace with a Service
+    // named `idemproxy`; `IDEMPROXY_CONFIG` is the `--config` flag's own.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(dir.path(), "idemproxy.toml", VALID);
+    let (out, stdout, stderr) = run(idemproxy()
+        .arg("check")
+        .env("IDEMPROXY_CONFIG", &file)
+        .env("IDEMPROXY_PORT", "tcp://10.0.0.7:8080")
+        .env("IDEMPROXY_SERVICE_HOST", "10.0.0.7")
+        .env("IDEMPROXY_ADMIN_TOKEN", "12345678"));
+    assert!(out.status.success(), "{:?}\n{stderr}", out.status);
+    assert!(stderr.contains("ignored IDEMPROXY_PORT"), "{stderr}");
+    assert!(
+        stderr.contains("ignored IDEMPROXY_SERVICE_HOST"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("IDEMPROXY_CONFIG"), "{stderr}");
+    assert!(!stderr.contains("12345678") && !stdout.contains("12345678"));
+    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    // The file was read through IDEMPROXY_CONFIG.
+    let from_file: Config = toml::from_str(VALID).expect("VALID parses");
+    assert_eq!(printed.upstream.url, from_file.upstream.url);
+}
+
+#[test]
 fn check_refuses_invalid_files_naming_the_field() {
     let dir = tempfile::tempdir().expect("tempdir");
     let cases = [
