@@ -101,6 +101,13 @@ pub struct UpstreamConfig {
     pub http2_prior_knowledge: bool,
     /// Idle pooled connections kept per upstream host.
     pub pool_max_idle_per_host: usize,
+    /// How long a pooled connection may sit idle before the proxy closes
+    /// it. Keep it below the upstream's own keep-alive timeout (Node.js 5 s,
+    /// gunicorn 2 s): a request written just as the upstream closes an
+    /// idle connection cannot be told from one it received, so it is
+    /// stored as `outcome-unknown`.
+    #[serde(with = "humantime_serde")]
+    pub pool_idle_timeout: Duration,
 }
 
 impl Default for UpstreamConfig {
@@ -112,6 +119,7 @@ impl Default for UpstreamConfig {
             ca_file: None,
             http2_prior_knowledge: false,
             pool_max_idle_per_host: 64,
+            pool_idle_timeout: Duration::from_secs(1),
         }
     }
 }
@@ -460,6 +468,9 @@ impl Config {
         if self.upstream.connect_timeout.is_zero() {
             problems.push("upstream.connect_timeout: must be greater than zero".into());
         }
+        if self.upstream.pool_idle_timeout.is_zero() {
+            problems.push("upstream.pool_idle_timeout: must be greater than zero".into());
+        }
         if let Some(ca) = &self.upstream.ca_file {
             if !ca.is_file() {
                 problems.push(format!("upstream.ca_file: {} is not a file", ca.display()));
@@ -471,6 +482,10 @@ impl Config {
         for (field, value) in [
             ("upstream.timeout", self.upstream.timeout),
             ("upstream.connect_timeout", self.upstream.connect_timeout),
+            (
+                "upstream.pool_idle_timeout",
+                self.upstream.pool_idle_timeout,
+            ),
             ("store.timeout", self.store.timeout),
             ("drain_timeout", self.drain_timeout),
             ("request_body_timeout", self.request_body_timeout),

@@ -219,6 +219,11 @@ impl Upstream {
         let h2_prior_knowledge = config.http2_prior_knowledge && scheme == Scheme::HTTP;
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(config.pool_max_idle_per_host)
+            // Closed before the upstream closes it: a request written into
+            // a connection the upstream is closing reads as sent (and its
+            // key as outcome-unknown), so an idle connection is not reused
+            // near the upstream's keep-alive timeout.
+            .pool_idle_timeout(config.pool_idle_timeout)
             // Without a timer the pool's idle timeout never fires.
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())

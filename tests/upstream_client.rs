@@ -127,6 +127,34 @@ async fn a_body_broken_midway_fails_after_the_head() {
 }
 
 #[tokio::test]
+async fn idle_connections_are_closed_after_pool_idle_timeout() {
+    // An upstream closing an idle connection just as a request is written
+    // into it makes that request look sent: the proxy closes idle ones
+    // first, below the upstream's keep-alive timeout.
+    let test = TestUpstream::start().await;
+    let pooled = |idle: Duration| {
+        Upstream::new(&UpstreamConfig {
+            url: test.url(),
+            pool_idle_timeout: idle,
+            ..UpstreamConfig::default()
+        })
+        .expect("upstream client")
+    };
+    let send_twice = |up: Upstream| async move {
+        for _ in 0..2 {
+            let req = up.prepare(post("/v1/pay", "{}"), client());
+            let response = up.send(req, in_secs(5)).await.expect("response");
+            body_json(response).await;
+            tokio::time::sleep(Duration::from_millis(700)).await;
+        }
+    };
+    send_twice(pooled(Duration::from_secs(30))).await;
+    assert_eq!(test.connections(), 1, "reused within the idle timeout");
+    send_twice(pooled(Duration::from_millis(200))).await;
+    assert_eq!(test.connections(), 3, "a new connection after 700 ms idle");
+}
+
+#[tokio::test]
 async fn connection_refused_is_unreachable() {
     let up = upstream(unused_port_url());
     let err = up

@@ -69,6 +69,8 @@ struct Counts {
 
 struct State {
     counts: Mutex<Counts>,
+    /// Connections accepted so far.
+    connections: std::sync::atomic::AtomicUsize,
     /// Bumped on every counted request, so tests can wait for arrivals.
     arrivals: watch::Sender<usize>,
 }
@@ -130,6 +132,7 @@ impl TestUpstream {
         let addr = listener.local_addr().expect("test upstream address");
         let state = Arc::new(State {
             counts: Mutex::new(Counts::default()),
+            connections: Default::default(),
             arrivals: watch::channel(0).0,
         });
         let https = tls.is_some();
@@ -146,6 +149,13 @@ impl TestUpstream {
     pub fn url(&self) -> String {
         let scheme = if self.https { "https" } else { "http" };
         format!("{scheme}://{}", self.addr)
+    }
+
+    /// How many connections the upstream has accepted.
+    pub fn connections(&self) -> usize {
+        self.state
+            .connections
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// How many requests reached `path` (a query in `path` is ignored).
@@ -260,6 +270,7 @@ async fn accept_loop(
         tokio::select! {
             accepted = listener.accept() => {
                 let Ok((stream, _peer)) = accepted else { continue };
+                state.connections.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
                 let tls = tls.clone();
