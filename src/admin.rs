@@ -72,6 +72,9 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
     if let Some(live) = state.store.local_cache_live() {
         state.metrics.set_cache_live(state.store.kind(), live);
     }
+    state
+        .metrics
+        .sync_log_lines_dropped(crate::log_writer::dropped_lines());
     (
         [(
             header::CONTENT_TYPE,

@@ -11,11 +11,17 @@
 //! as it holds [`FLUSH_AT`] bytes: one wake-up per few hundred lines, the
 //! way nginx's `access_log ... buffer= flush=` works.
 //!
-//! Nothing is dropped: when stdout cannot keep up and the buffer reaches
-//! [`BLOCK_AT`], the logging thread waits for the flusher, as the previous
-//! writer did with `lossy(false)`.
+//! When stdout cannot keep up (a log collector applying backpressure, a
+//! full pipe) and the buffer reaches [`DROP_AT`], lines are dropped and
+//! counted ([`dropped_lines`], `idemproxy_log_lines_dropped_total`, and a
+//! note on stderr once the flusher gets through), not waited for: the
+//! lines come from the traffic workers, and a worker that waits for stdout
+//! stops every request on its event loop, executions holding leases
+//! included; past a lease, their keys would be settled as
+//! `outcome-unknown` by a retry.
 
 use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -24,8 +30,16 @@ use std::time::Duration;
 pub const FLUSH_EVERY: Duration = Duration::from_millis(100);
 /// A buffer this full is written out at once.
 pub const FLUSH_AT: usize = 64 * 1024;
-/// Past this, logging threads wait for the flusher instead of buffering more.
-pub const BLOCK_AT: usize = 8 * 1024 * 1024;
+/// Past this, lines are dropped (and counted) instead of buffered.
+pub const DROP_AT: usize = 8 * 1024 * 1024;
+
+/// Lines dropped since the process started, every writer together.
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Log lines dropped so far because the output did not keep up.
+pub fn dropped_lines() -> u64 {
+    DROPPED.load(Ordering::Relaxed)
+}
 
 /// A `MakeWriter` for tracing-subscriber that batches lines to an output.
 #[derive(Clone)]
@@ -37,12 +51,14 @@ struct Shared {
     state: Mutex<State>,
     /// Signals the flusher: a full buffer or shutdown.
     flush_wanted: Condvar,
-    /// Signals logging threads waiting at `BLOCK_AT`: the buffer was taken.
-    drained: Condvar,
+    /// The buffer size past which lines are dropped ([`DROP_AT`]).
+    drop_at: usize,
 }
 
 struct State {
     buffer: Vec<u8>,
+    /// Lines dropped since the flusher last took the buffer.
+    dropped: u64,
     /// Set once the flusher was signalled for the current buffer, so a full
     /// buffer costs one notify, not one per line past `FLUSH_AT`.
     signalled: bool,
@@ -59,14 +75,22 @@ pub struct FlushGuard {
 impl BatchedWriter {
     /// Starts the flusher thread writing to `output`.
     pub fn new<W: Write + Send + 'static>(output: W) -> std::io::Result<(Self, FlushGuard)> {
+        Self::dropping_at(output, DROP_AT)
+    }
+
+    fn dropping_at<W: Write + Send + 'static>(
+        output: W,
+        drop_at: usize,
+    ) -> std::io::Result<(Self, FlushGuard)> {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 buffer: Vec::with_capacity(FLUSH_AT * 2),
+                dropped: 0,
                 signalled: false,
                 stopping: false,
             }),
             flush_wanted: Condvar::new(),
-            drained: Condvar::new(),
+            drop_at,
         });
         let flusher = std::thread::Builder::new()
             .name("idemproxy-log".into())
@@ -110,9 +134,14 @@ fn flush_loop<W: Write>(shared: &Shared, mut output: W) {
             }
             std::mem::swap(&mut state.buffer, &mut spare);
             state.signalled = false;
-            state.stopping
+            (state.stopping, std::mem::take(&mut state.dropped))
         };
-        shared.drained.notify_all();
+        let (stopping, dropped) = stopping;
+        if dropped > 0 {
+            // Not into the log stream itself: its readers may parse every
+            // line (JSON).
+            eprintln!("idemproxy: {dropped} log lines dropped: the log output did not keep up");
+        }
         if !spare.is_empty() {
             // Nowhere to report a failing stdout; keep serving.
             let _ = output.write_all(&spare).and_then(|()| output.flush());
@@ -133,12 +162,10 @@ pub struct LineWriter<'a> {
 impl Write for LineWriter<'_> {
     fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
         let mut state = self.shared.lock();
-        while state.buffer.len() >= BLOCK_AT && !state.stopping {
-            state = self
-                .shared
-                .drained
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+        if state.buffer.len() >= self.shared.drop_at {
+            state.dropped += 1;
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+            return Ok(line.len());
         }
         state.buffer.extend_from_slice(line);
         if state.buffer.len() >= FLUSH_AT && !state.signalled {
@@ -167,7 +194,6 @@ impl Drop for FlushGuard {
     fn drop(&mut self) {
         self.shared.lock().stopping = true;
         self.shared.flush_wanted.notify_one();
-        self.shared.drained.notify_all();
         if let Some(flusher) = self.flusher.take() {
             let _ = flusher.join();
         }
@@ -241,6 +267,71 @@ mod tests {
             next[t] += 1;
         }
         assert_eq!(next, [20_000; 4]);
+    }
+
+    /// An output that takes nothing until the test says so: stdout into a
+    /// pipe nobody reads.
+    #[derive(Clone)]
+    struct Stalled {
+        open: Arc<(Mutex<bool>, Condvar)>,
+        written: Captured,
+    }
+
+    impl Write for Stalled {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            let (open, opened) = &*self.open;
+            let mut is_open = open.lock().unwrap_or_else(PoisonError::into_inner);
+            while !*is_open {
+                is_open = opened.wait(is_open).unwrap_or_else(PoisonError::into_inner);
+            }
+            self.written.write(bytes)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_stalled_output_costs_lines_never_a_waiting_logger() {
+        let out = Stalled {
+            open: Arc::new((Mutex::new(false), Condvar::new())),
+            written: Captured::default(),
+        };
+        let (writer, guard) = BatchedWriter::dropping_at(out.clone(), 1024).expect("flusher");
+        let before = dropped_lines();
+        let started = Instant::now();
+        // Far more than the flusher's buffer and the limit hold.
+        for i in 0..10_000 {
+            log(&writer, &format!("line {i:05} {}\n", "x".repeat(50)));
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the logger waited for the output: {:?}",
+            started.elapsed()
+        );
+        assert!(
+            dropped_lines() - before > 9_000,
+            "{}",
+            dropped_lines() - before
+        );
+        {
+            let (open, opened) = &*out.open;
+            *open.lock().unwrap_or_else(PoisonError::into_inner) = true;
+            opened.notify_all();
+        }
+        // Once the output takes lines again (and the flusher has taken
+        // what filled the buffer, within a flush interval or two), new ones
+        // get through.
+        std::thread::sleep(FLUSH_EVERY * 4);
+        log(&writer, "after the stall\n");
+        drop(guard);
+        let text = out.written.text();
+        assert!(
+            text.starts_with("line 00000"),
+            "{}",
+            &text[..40.min(text.len())]
+        );
+        assert!(text.ends_with("after the stall\n"));
     }
 
     #[test]

@@ -67,6 +67,7 @@ pub struct Metrics {
     /// One series once a scrape found a local replay cache; none without
     /// one, so that an alert on 0 never fires for a cache turned off.
     cache_live: Family<StoreLabels, Gauge>,
+    log_lines_dropped: Counter,
 }
 
 impl Metrics {
@@ -134,6 +135,12 @@ impl Metrics {
             "Replays answered from the in-process cache without a store round trip",
             cache_hits.clone(),
         );
+        let log_lines_dropped = Counter::default();
+        registry.register(
+            "log_lines_dropped",
+            "Log lines dropped because the log output (stdout) did not keep up",
+            log_lines_dropped.clone(),
+        );
         let cache_live = Family::<StoreLabels, Gauge>::default();
         registry.register(
             "local_cache_live",
@@ -153,6 +160,7 @@ impl Metrics {
             stale,
             cache_hits,
             cache_live,
+            log_lines_dropped,
         })
     }
 
@@ -199,6 +207,15 @@ impl Metrics {
         let counted = self.cache_hits.get();
         if total > counted {
             self.cache_hits.inc_by(total - counted);
+        }
+    }
+
+    /// Brings `log_lines_dropped_total` up to `total`, the log writer's own
+    /// count ([`crate::log_writer::dropped_lines`]).
+    pub fn sync_log_lines_dropped(&self, total: u64) {
+        let counted = self.log_lines_dropped.get();
+        if total > counted {
+            self.log_lines_dropped.inc_by(total - counted);
         }
     }
 

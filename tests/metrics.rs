@@ -595,6 +595,8 @@ async fn histograms_cover_requests_upstream_calls_and_each_store_op() {
         assert_eq!(s.value("idemproxy_store_errors_total", &[("op", op)]), 0.0);
     }
     assert_eq!(s.value("idemproxy_local_cache_hits_total", &[]), 0.0);
+    // Tests log nowhere near enough to fill the log buffer.
+    assert_eq!(s.value("idemproxy_log_lines_dropped_total", &[]), 0.0);
     // No cache, no liveness series: an alert on 0 must not fire for it.
     assert_eq!(
         s.matching("idemproxy_local_cache_live", &[]).count(),
