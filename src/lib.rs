@@ -210,9 +210,31 @@ pub async fn serve_app(
             tracing::error!(error = %e, "admin listener failed");
         }
     });
+    // One deadline for the whole drain, connections and executions
+    // together, from the moment shutdown begins: a process manager's grace
+    // period (Kubernetes': `terminationGracePeriodSeconds`) is one budget.
+    // Closing the tracker then is also what tells the covered requests
+    // still to come (a body that was arriving) to start nothing.
+    let began = Arc::new(std::sync::OnceLock::new());
+    let shutdown = {
+        let (began, tasks) = (began.clone(), app.tasks.clone());
+        async move {
+            shutdown.await;
+            let _ = began.set(tokio::time::Instant::now());
+            tasks.close();
+        }
+    };
     server::serve(listener, app.tls, &workers, shutdown, drain).await;
     app.tasks.close();
-    if tokio::time::timeout(drain, app.tasks.wait()).await.is_err() {
+    let deadline = began
+        .get()
+        .copied()
+        .unwrap_or_else(tokio::time::Instant::now)
+        + drain;
+    if tokio::time::timeout_at(deadline, app.tasks.wait())
+        .await
+        .is_err()
+    {
         tracing::warn!(
             remaining = app.tasks.len(),
             "executions still running after the drain timeout; their keys settle by lease"

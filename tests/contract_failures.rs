@@ -475,6 +475,60 @@ async fn a_client_that_stops_reading_a_chunked_body_sees_it_cut_off_not_ended() 
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_draining_running_calls_finish_and_no_new_execution_starts() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.drain_timeout = Duration::from_secs(5);
+    let proxy = TestProxy::start(c).await;
+    let addr = proxy.addr;
+    let client = TestClient::new();
+
+    // One call running, and one request whose body is still arriving.
+    let running = {
+        let (client, url) = (client.clone(), proxy.url("/v1/orders?delay_ms=800"));
+        tokio::spawn(async move { client.post_json(&url, "running", "{}").await })
+    };
+    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
+    let mut arriving = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the proxy");
+    let body = br#"{"amount":5}"#;
+    let request = raw::request(
+        "POST",
+        "/v1/late",
+        &[
+            b"idempotency-key: late-1",
+            b"content-type: application/json",
+        ],
+        body,
+    );
+    let (head, rest) = request.split_at(request.len() - 4);
+    arriving.write_all(head).await.expect("write the head");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let drained = tokio::spawn(proxy.shutdown());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    arriving.write_all(rest).await.expect("write the rest");
+    let mut answer = Vec::new();
+    tokio::time::timeout(ARRIVAL, arriving.read_to_end(&mut answer))
+        .await
+        .expect("answered and closed")
+        .expect("read");
+    let late = raw::parse(&answer);
+    assert_problem(&late, 503, "shutting-down");
+    assert_eq!(late.header("retry-after"), Some("1"));
+    assert_eq!(late.header("connection"), Some("close"));
+    assert_eq!(upstream.executions("/v1/late"), 0, "nothing started");
+
+    let running = running.await.expect("running task");
+    assert_eq!(running.status, 201, "{running:?}");
+    tokio::time::timeout(Duration::from_secs(6), drained)
+        .await
+        .expect("drained within drain_timeout")
+        .expect("shutdown task");
+}
+
 async fn proxy_on_faulty_store(
     upstream: &TestUpstream,
     on_store_error: OnStoreError,

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 const ARRIVAL: Duration = Duration::from_secs(5);
 
 /// The `outcome` values the README lists for `idemproxy_requests_total`.
-const OUTCOMES: [&str; 14] = [
+const OUTCOMES: [&str; 15] = [
     "executed",
     "replayed",
     "mismatch",
@@ -37,6 +37,7 @@ const OUTCOMES: [&str; 14] = [
     "released",
     "internal",
     "overloaded",
+    "shutting_down",
 ];
 
 /// One sample line of the text exposition: `name{labels} value`.

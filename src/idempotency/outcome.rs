@@ -34,10 +34,12 @@ pub enum RequestOutcome {
     Internal,
     /// Turned away because `max_in_flight` requests were being served.
     Overloaded,
+    /// Turned away before claiming its key: the proxy is draining.
+    ShuttingDown,
 }
 
 impl RequestOutcome {
-    pub const ALL: [RequestOutcome; 14] = [
+    pub const ALL: [RequestOutcome; 15] = [
         RequestOutcome::Executed,
         RequestOutcome::Replayed,
         RequestOutcome::Mismatch,
@@ -52,6 +54,7 @@ impl RequestOutcome {
         RequestOutcome::Released,
         RequestOutcome::Internal,
         RequestOutcome::Overloaded,
+        RequestOutcome::ShuttingDown,
     ];
 
     /// Position in [`Self::ALL`].
@@ -75,6 +78,7 @@ impl RequestOutcome {
             RequestOutcome::Released => "released",
             RequestOutcome::Internal => "internal",
             RequestOutcome::Overloaded => "overloaded",
+            RequestOutcome::ShuttingDown => "shutting_down",
         }
     }
 }

@@ -69,6 +69,9 @@ pub enum Rejection {
     PassthroughFailed {
         timeout: bool,
     },
+    /// The proxy is draining (SIGTERM) and starts no new execution: this
+    /// request claimed nothing and was not forwarded.
+    ShuttingDown,
     /// A bug in the proxy: the task answering the request ended without an
     /// answer. The key, if claimed, is settled by its lease.
     Internal,
@@ -103,6 +106,7 @@ impl Rejection {
             Rejection::ResponseNotStored { .. } => "response-not-stored",
             Rejection::PassthroughFailed { .. } => "upstream-failed",
             Rejection::Internal => "internal",
+            Rejection::ShuttingDown => "shutting-down",
         }
     }
 
@@ -117,9 +121,9 @@ impl Rejection {
             (Rejection::KeyReused { .. }, Profile::Ietf) => StatusCode::UNPROCESSABLE_ENTITY,
             (Rejection::InFlight { .. }, Profile::Default) => StatusCode::TOO_EARLY,
             (Rejection::InFlight { .. }, Profile::Ietf) => StatusCode::CONFLICT,
-            (Rejection::StoreUnavailable { .. }, _) | (Rejection::Overloaded { .. }, _) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            (Rejection::StoreUnavailable { .. }, _)
+            | (Rejection::Overloaded { .. }, _)
+            | (Rejection::ShuttingDown, _) => StatusCode::SERVICE_UNAVAILABLE,
             (Rejection::UpstreamUnreachable, _)
             | (Rejection::ResponseNotStored { .. }, _)
             | (Rejection::PassthroughFailed { timeout: false }, _) => StatusCode::BAD_GATEWAY,
@@ -147,6 +151,7 @@ impl Rejection {
             Rejection::ResponseNotStored { .. } => "Original response was not stored",
             Rejection::PassthroughFailed { .. } => "Upstream request failed",
             Rejection::Internal => "Internal proxy error",
+            Rejection::ShuttingDown => "Proxy shutting down",
         }
     }
 
@@ -226,6 +231,11 @@ impl Rejection {
                  key before checking whether the request executed."
                     .into()
             }
+            Rejection::ShuttingDown => {
+                "The proxy is shutting down and starts no new requests; this one was not claimed \
+                 or forwarded. Retrying is safe."
+                    .into()
+            }
         }
     }
 
@@ -257,6 +267,7 @@ impl Rejection {
             Rejection::InFlight { .. }
             | Rejection::StoreUnavailable { .. }
             | Rejection::Overloaded { .. }
+            | Rejection::ShuttingDown
             | Rejection::BodyTimeout { .. }
             | Rejection::UpstreamUnreachable
             | Rejection::OutcomeUnknown { released: true, .. } => Some(true),
@@ -300,6 +311,12 @@ impl Rejection {
                 "retry-after-ms",
                 HeaderValue::from(retry_after.as_millis() as u64),
             );
+        }
+        if let Rejection::ShuttingDown = self {
+            headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            // The retry belongs on another connection, to a replica that
+            // stays.
+            headers.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
     }

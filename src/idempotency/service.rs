@@ -502,6 +502,16 @@ where
         // `on_store_error` says, since that would run it a second time.
         let mut seen_in_flight = false;
         loop {
+            // Draining (the tracker is closed when shutdown begins): an
+            // execution started now might outlive the drain and be cut off
+            // holding its key, which would then settle as outcome-unknown.
+            if self.settings.tasks.is_closed() {
+                return self.answer_rejection(
+                    respond,
+                    RequestOutcome::ShuttingDown,
+                    Rejection::ShuttingDown,
+                );
+            }
             let asked_at = Instant::now();
             let mut call = owned_begin(&self.settings.store, &begin);
             let begun = timed(&self.settings, &mut self.log, "begin", |_| &mut call).await;
