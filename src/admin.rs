@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,7 +20,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::idempotency::record::{from_millis, Outcome, Record, RecordKey};
+use crate::idempotency::record::{from_millis, now_millis, Outcome, Record, RecordKey};
 use crate::idempotency::Policies;
 use crate::metrics::Metrics;
 use crate::store::SharedStore;
@@ -188,9 +188,35 @@ async fn delete_key(
     State(state): State<AdminState>,
     headers: HeaderMap,
     Path(hash): Path<String>,
+    RawQuery(query): RawQuery,
 ) -> Result<Json<Value>, AdminProblem> {
     authorize(&state, &headers)?;
     let key = parse_hash(&hash)?;
+    // A claim whose lease runs is a request executing now (or one whose
+    // proxy died moments ago): deleted, its retry would execute while the
+    // first may still run, and the first's outcome would be refused. Only
+    // `?force=true` goes ahead; an expired claim is stuck and goes.
+    let force = query
+        .as_deref()
+        .is_some_and(|q| q.split('&').any(|pair| pair == "force=true"));
+    if !force {
+        let record = tokio::time::timeout(state.store_timeout, state.store.get(&key))
+            .await
+            .map_err(|_| store_problem("no answer in time"))?
+            .map_err(store_problem)?;
+        if let Some(Record::Pending(claim)) = record {
+            if claim.lease_expires_at > now_millis() {
+                return Err(AdminProblem {
+                    status: StatusCode::CONFLICT,
+                    slug: "key-in-flight",
+                    detail: format!(
+                        "A request holds this key and its lease runs until {}: deleting it now would let a retry execute while the first may still be running. Wait for the lease to end, or add ?force=true.",
+                        httpdate::fmt_http_date(from_millis(claim.lease_expires_at))
+                    ),
+                });
+            }
+        }
+    }
     let removed = tokio::time::timeout(state.store_timeout, state.store.remove(&key))
         .await
         .map_err(|_| store_problem("no answer in time"))?

@@ -383,6 +383,18 @@ async fn a_key_in_flight_is_pending_with_its_lease() {
     assert!((lease - 7.0).abs() < 1.0, "lease {lease} s: {record}");
     let hash = record["key_hash"].as_str().unwrap_or_default().to_owned();
     assert_eq!(admin.get(&hash).await.json(), record);
+    // A running request's claim is not deleted without `force`: its retry
+    // would execute while it runs.
+    let refused = admin.delete(&hash).await;
+    assert_problem(&refused, 409, "key-in-flight");
+    assert!(
+        refused.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("force=true"),
+        "{refused:?}"
+    );
+    assert_eq!(admin.get(&hash).await.json(), record, "nothing deleted");
 
     let done = slow.await.expect("slow request task");
     assert_eq!(done.status, 201, "{done:?}");
@@ -394,6 +406,45 @@ async fn a_key_in_flight_is_pending_with_its_lease() {
     // apart, not equal.)
     let drift = secs_between(&completed["created_at"], &record["created_at"]);
     assert!(drift < 1.0, "{drift} s: {record} then {completed}");
+}
+
+#[tokio::test]
+async fn a_running_claim_is_deleted_only_with_force() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(with_routes(config(&upstream.url()), Some(TOKEN))).await;
+    let admin = Admin::bearer(&proxy);
+    let client = TestClient::new();
+    let target = "/v1/payments?delay_ms=800";
+    let slow = {
+        let (client, url) = (client.clone(), proxy.url(target));
+        tokio::spawn(async move {
+            client
+                .send(
+                    Method::POST,
+                    &url,
+                    &[
+                        ("idempotency-key", "stuck-1"),
+                        ("content-type", "application/json"),
+                        ("authorization", TENANT_A),
+                    ],
+                    r#"{"amount":1000}"#,
+                )
+                .await
+        })
+    };
+    assert!(
+        upstream
+            .wait_for_executions("/v1/payments", 1, ARRIVAL)
+            .await
+    );
+    let hash = hash_of(target, "stuck-1", TENANT_A);
+    assert_problem(&admin.delete(&hash).await, 409, "key-in-flight");
+    let forced = admin.delete(&format!("{hash}?force=true")).await;
+    assert_eq!(forced.status, 200, "{forced:?}");
+    assert_problem(&admin.get(&hash).await, 404, "key-not-found");
+    // The first request still finishes; its outcome is refused (its claim
+    // is gone), as the operator chose.
+    assert_eq!(slow.await.expect("slow task").status, 201);
 }
 
 #[tokio::test]
