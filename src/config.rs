@@ -454,7 +454,19 @@ impl Config {
         let mut problems = Vec::new();
         match self.upstream.url.parse::<http::Uri>() {
             Ok(uri) => match uri.scheme_str() {
-                Some("http") | Some("https") if uri.authority().is_some() => {}
+                _ if uri.authority().is_some_and(|a| a.as_str().contains('@')) => {
+                    // Not echoed: it holds a password.
+                    problems
+                        .push("upstream.url: must not carry credentials (user:password@)".into())
+                }
+                Some("http") | Some("https") if uri.authority().is_some() => {
+                    if uri.query().is_some() {
+                        problems.push(format!(
+                            "upstream.url: `{}` must not have a query",
+                            self.upstream.url
+                        ));
+                    }
+                }
                 _ => problems.push(format!(
                     "upstream.url: `{}` must be an absolute http:// or https:// URL",
                     self.upstream.url
@@ -864,6 +876,18 @@ mod tests {
         )
         .expect_err("not a number");
         assert!(err.to_string().contains("workers"), "{err}");
+    }
+
+    #[test]
+    fn an_upstream_url_with_credentials_is_refused_without_echoing_them() {
+        let mut c = Config::default();
+        c.upstream.url = "https://svc:hunter2@api.internal".into();
+        let err = c.validate().expect_err("credentials").to_string();
+        assert!(err.contains("must not carry credentials"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+        c.upstream.url = "http://api.internal/v1?x=1".into();
+        let err = c.validate().expect_err("query").to_string();
+        assert!(err.contains("must not have a query"), "{err}");
     }
 
     #[test]

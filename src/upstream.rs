@@ -183,11 +183,9 @@ impl Upstream {
             .cloned()
             .ok_or_else(|| format!("upstream.url `{}`: has no host", config.url))?;
         if authority.as_str().contains('@') {
-            // Credentials in the URL would end up in `Host` and in logs.
-            return Err(format!(
-                "upstream.url `{}`: must not carry credentials",
-                config.url
-            ));
+            // Credentials in the URL would end up in `Host` and in logs
+            // (this message included).
+            return Err("upstream.url: must not carry credentials (user:password@)".into());
         }
         if url.query().is_some() {
             return Err(format!(
