@@ -61,6 +61,8 @@ pub struct Metrics {
     store_duration: Family<OpLabels, Histogram, fn() -> Histogram>,
     store_errors: Family<OpLabels, Counter>,
     in_flight: Gauge,
+    /// Keys whose completion or release goes on in the background.
+    settling: Gauge,
     released: Family<RouteLabels, Counter>,
     stale: Family<RouteLabels, Counter>,
     cache_hits: Counter,
@@ -109,6 +111,12 @@ impl Metrics {
             "Covered requests executing against the upstream now",
             in_flight.clone(),
         );
+        let settling = Gauge::default();
+        registry.register(
+            "settling_in_background",
+            "Keys whose outcome (or release) is being retried in the background because the store failed as their request finished; each holds a max_in_flight slot",
+            settling.clone(),
+        );
         let released = Family::<RouteLabels, Counter>::default();
         registry.register(
             "keys_released",
@@ -156,6 +164,7 @@ impl Metrics {
             store_duration,
             store_errors,
             in_flight,
+            settling,
             released,
             stale,
             cache_hits,
@@ -227,6 +236,14 @@ impl Metrics {
             .set(i64::from(live));
     }
 
+    /// Counts a key settled in the background until the guard drops.
+    pub fn settling(self: &Arc<Self>) -> SettlingGuard {
+        self.settling.inc();
+        SettlingGuard {
+            metrics: self.clone(),
+        }
+    }
+
     /// Counts an execution against the upstream until the guard drops.
     pub fn executing(self: &Arc<Self>) -> InFlightGuard {
         self.in_flight.inc();
@@ -275,6 +292,17 @@ impl RouteMetrics {
 
 pub struct InFlightGuard {
     metrics: Arc<Metrics>,
+}
+
+/// Held by a background settling task (see [`Metrics::settling`]).
+pub struct SettlingGuard {
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for SettlingGuard {
+    fn drop(&mut self) {
+        self.metrics.settling.dec();
+    }
 }
 
 impl Drop for InFlightGuard {

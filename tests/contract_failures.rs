@@ -681,6 +681,16 @@ async fn settling_in_the_background_holds_its_slot_and_gives_up_with_the_lease()
         .send(Method::GET, &proxy.url("/v1/ping"), &[], "")
         .await;
     assert_problem(&get, 503, "overloaded");
+    let settling = || async {
+        let metrics = client
+            .send(Method::GET, &proxy.admin_url("/metrics"), &[], "")
+            .await;
+        let text = String::from_utf8_lossy(&metrics.body).into_owned();
+        text.lines()
+            .find_map(|l| l.strip_prefix("idemproxy_settling_in_background "))
+            .map(str::to_owned)
+    };
+    assert_eq!(settling().await.as_deref(), Some("1"));
     // Freed once the lease has ended.
     let admitted = loop {
         let get = client
@@ -692,6 +702,7 @@ async fn settling_in_the_background_holds_its_slot_and_gives_up_with_the_lease()
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(admitted.status, 201, "{admitted:?}");
+    assert_eq!(settling().await.as_deref(), Some("0"));
     assert!(
         asked.elapsed() >= Duration::from_millis(1500),
         "held until the lease ended: {:?}",

@@ -936,9 +936,10 @@ where
         let settings = self.settings.clone();
         let route_metrics = self.log.metrics.clone();
         let permit = self.permit.split(self.permit.num_permits());
+        let counted = self.settings.metrics.settling();
         let (key, lease_ends) = (claim.key, claim.lease_ends);
         self.settings.tasks.spawn(async move {
-            let _permit = permit;
+            let _held = (permit, counted);
             let mut attempt = 0;
             loop {
                 let remaining = lease_ends.saturating_duration_since(Instant::now());
