@@ -480,6 +480,9 @@ impl Config {
         if self.upstream.connect_timeout.is_zero() {
             problems.push("upstream.connect_timeout: must be greater than zero".into());
         }
+        if self.store.purge_interval.is_zero() {
+            problems.push("store.purge_interval: must be greater than zero".into());
+        }
         if self.upstream.pool_idle_timeout.is_zero() {
             problems.push("upstream.pool_idle_timeout: must be greater than zero".into());
         }
@@ -501,6 +504,7 @@ impl Config {
             ("store.timeout", self.store.timeout),
             ("drain_timeout", self.drain_timeout),
             ("request_body_timeout", self.request_body_timeout),
+            ("store.purge_interval", self.store.purge_interval),
         ] {
             check_at_most_a_day(field, value, &mut problems);
         }
@@ -888,6 +892,11 @@ mod tests {
         c.upstream.url = "http://api.internal/v1?x=1".into();
         let err = c.validate().expect_err("query").to_string();
         assert!(err.contains("must not have a query"), "{err}");
+        // A zero purge interval would panic in the purger's interval.
+        let mut c = Config::default();
+        c.store.purge_interval = Duration::ZERO;
+        let err = c.validate().expect_err("zero interval").to_string();
+        assert!(err.contains("store.purge_interval"), "{err}");
     }
 
     #[test]

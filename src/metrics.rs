@@ -84,7 +84,7 @@ impl Metrics {
         let request_duration = Family::new_with_constructor(histogram as fn() -> Histogram);
         registry.register(
             "request_duration_seconds",
-            "Time from request to response head",
+            "Time from request to its settled outcome (for a relayed body, once it is stored)",
             request_duration.clone(),
         );
         let upstream_duration = Family::new_with_constructor(histogram as fn() -> Histogram);
