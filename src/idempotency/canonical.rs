@@ -96,6 +96,7 @@ impl<'a> Document<'a> {
             tape: Vec::with_capacity(body.len() / 8),
             names: Vec::with_capacity(16),
             order: Vec::with_capacity(body.len() / 16),
+            inexact: false,
         };
         // Validated as UTF-8 once, whole: read from a `str`, serde_json
         // takes its strings as they are, where from a slice it validates
@@ -107,11 +108,10 @@ impl<'a> Document<'a> {
         // What `serde_json::from_slice` does after the value: only
         // whitespace may follow.
         de.end()?;
-        let inexact = builder.tape.iter().any(|e| matches!(e, Entry::Inexact(_)));
         Ok(Document {
             tape: builder.tape,
             order: builder.order,
-            inexact,
+            inexact: builder.inexact,
         })
     }
 
@@ -475,6 +475,8 @@ struct Builder<'de> {
     tape: Vec<Entry<'de>>,
     names: Vec<usize>,
     order: Vec<usize>,
+    /// Whether an [`Entry::Inexact`] was pushed.
+    inexact: bool,
 }
 
 impl<'de> Builder<'de> {
@@ -529,6 +531,7 @@ impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
 
     fn visit_i64<E>(self, v: i64) -> Result<(), E> {
         if v.unsigned_abs() > EXACT_INTEGERS {
+            self.0.inexact = true;
             return self.push(Entry::Inexact(v as f64));
         }
         self.push(Entry::Number(v as f64))
@@ -536,6 +539,7 @@ impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
 
     fn visit_u64<E>(self, v: u64) -> Result<(), E> {
         if v > EXACT_INTEGERS {
+            self.0.inexact = true;
             return self.push(Entry::Inexact(v as f64));
         }
         self.push(Entry::Number(v as f64))
@@ -594,7 +598,9 @@ impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
             self.0.names.push(at);
             map.next_value_seed(EntrySeed(&mut *self.0))?;
         }
-        let Builder { tape, names, order } = &mut *self.0;
+        let Builder {
+            tape, names, order, ..
+        } = &mut *self.0;
         let own = names.get_mut(open..).unwrap_or_default();
         own.sort_unstable_by(|&a, &b| utf16_cmp(name_at(tape, a), name_at(tape, b)));
         if own
