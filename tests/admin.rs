@@ -97,10 +97,15 @@ async fn post(
     key: &str,
     auth: &str,
 ) -> Reply {
+    post_to(client, &proxy.url(target), key, auth).await
+}
+
+/// [`post`] to a whole URL, for a request sent from a task of its own.
+async fn post_to(client: &TestClient, url: &str, key: &str, auth: &str) -> Reply {
     client
         .send(
             Method::POST,
-            &proxy.url(target),
+            url,
             &[
                 ("idempotency-key", key),
                 ("content-type", "application/json"),
@@ -343,22 +348,8 @@ async fn a_key_in_flight_is_pending_with_its_lease() {
     let target = "/v1/payments?delay_ms=600";
 
     let slow = {
-        let client = TestClient::new();
-        let proxy_url = proxy.url(target);
-        tokio::spawn(async move {
-            client
-                .send(
-                    Method::POST,
-                    &proxy_url,
-                    &[
-                        ("idempotency-key", "slow-1"),
-                        ("content-type", "application/json"),
-                        ("authorization", TENANT_A),
-                    ],
-                    r#"{"amount":1000}"#,
-                )
-                .await
-        })
+        let (client, url) = (TestClient::new(), proxy.url(target));
+        tokio::spawn(async move { post_to(&client, &url, "slow-1", TENANT_A).await })
     };
     assert!(
         upstream
@@ -417,20 +408,7 @@ async fn a_running_claim_is_deleted_only_with_force() {
     let target = "/v1/payments?delay_ms=800";
     let slow = {
         let (client, url) = (client.clone(), proxy.url(target));
-        tokio::spawn(async move {
-            client
-                .send(
-                    Method::POST,
-                    &url,
-                    &[
-                        ("idempotency-key", "stuck-1"),
-                        ("content-type", "application/json"),
-                        ("authorization", TENANT_A),
-                    ],
-                    r#"{"amount":1000}"#,
-                )
-                .await
-        })
+        tokio::spawn(async move { post_to(&client, &url, "stuck-1", TENANT_A).await })
     };
     assert!(
         upstream

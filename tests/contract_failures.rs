@@ -605,6 +605,24 @@ async fn settled_within(
     }
 }
 
+/// POSTs `{}` under key `k` to `url` (a path of `/v1/orders`), makes the
+/// store fail once the upstream has the request, and returns the answer:
+/// the store breaks between the upstream's answer and the completion.
+async fn answered_while_the_store_fails(
+    client: &TestClient,
+    upstream: &TestUpstream,
+    store: &FaultyStore,
+    url: &str,
+) -> Reply {
+    let first = {
+        let (client, url) = (client.clone(), url.to_owned());
+        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
+    };
+    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
+    store.set(Fault::Fail);
+    first.await.expect("first task")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outcome_the_store_refused_for_a_moment_is_stored_once_it_is_back() {
     // A store blip (a Redis failover) between the upstream's answer and
@@ -616,13 +634,7 @@ async fn an_outcome_the_store_refused_for_a_moment_is_stored_once_it_is_back() {
     let client = TestClient::new();
     let url = proxy.url("/v1/orders?delay_ms=1000");
 
-    let first = {
-        let (client, url) = (client.clone(), url.clone());
-        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
-    };
-    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
-    store.set(Fault::Fail);
-    let first = first.await.expect("first task");
+    let first = answered_while_the_store_fails(&client, &upstream, &store, &url).await;
     assert_eq!(first.status, 201, "the client has its answer: {first:?}");
     assert!(
         matches!(
@@ -668,13 +680,7 @@ async fn settling_in_the_background_holds_its_slot_and_gives_up_with_the_lease()
     let url = proxy.url("/v1/orders?delay_ms=300");
 
     let asked = Instant::now();
-    let first = {
-        let (client, url) = (client.clone(), url.clone());
-        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
-    };
-    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
-    store.set(Fault::Fail);
-    let first = first.await.expect("first task");
+    let first = answered_while_the_store_fails(&client, &upstream, &store, &url).await;
     assert_eq!(first.status, 201, "{first:?}");
     // The only slot is still taken: even an uncovered GET is shed.
     let get = client
@@ -725,13 +731,7 @@ async fn a_release_the_store_refused_for_a_moment_happens_once_it_is_back() {
     let client = TestClient::new();
     let url = proxy.url("/v1/orders?delay_ms=1000&status=503");
 
-    let first = {
-        let (client, url) = (client.clone(), url.clone());
-        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
-    };
-    assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
-    store.set(Fault::Fail);
-    let first = first.await.expect("first task");
+    let first = answered_while_the_store_fails(&client, &upstream, &store, &url).await;
     assert_eq!(first.status, 503, "{first:?}");
     tokio::time::sleep(Duration::from_millis(500)).await;
     store.set(Fault::None);
