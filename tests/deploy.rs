@@ -161,9 +161,16 @@ fn kubernetes_sidecar_is_complete() {
     let grace = pod["terminationGracePeriodSeconds"]
         .as_i64()
         .expect("grace period");
+    // The preStop pause comes out of the same grace period.
+    let pause: u64 = sidecar["lifecycle"]["preStop"]["exec"]["command"]
+        .as_vec()
+        .and_then(|c| c.get(1))
+        .and_then(Yaml::as_str)
+        .and_then(|s| s.parse().ok())
+        .expect("a preStop sleep");
     assert!(
-        Duration::from_secs(grace as u64) > config.drain_timeout,
-        "the pod outlives the drain"
+        Duration::from_secs(grace as u64) > config.drain_timeout + Duration::from_secs(pause),
+        "the pod outlives the pause and the drain"
     );
 }
 
