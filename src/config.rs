@@ -404,6 +404,11 @@ impl Config {
             // The `--config` flag's own variable, read by the command line.
             .filter(|(k, _)| k.starts_with("IDEMPROXY_") && k != "IDEMPROXY_CONFIG")
             .collect();
+        // The file's own types are checked strictly: a file that says
+        // `workers = "2"` is wrong, whatever the environment does.
+        figment
+            .extract::<Config>()
+            .map_err(|e| ConfigError::Load(Box::new(e)))?;
         let mut ignored_env = Vec::new();
         let mut config: Config = loop {
             let layered = figment
@@ -453,12 +458,14 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
         match self.upstream.url.parse::<http::Uri>() {
+            // Before anything echoes the URL: a password can hold any
+            // character, and one with `/`, `?` or `#` does not even parse
+            // as user info.
+            _ if has_user_info(&self.upstream.url) => problems.push(
+                "upstream.url: must not carry credentials (user:password@); the URL is not shown"
+                    .into(),
+            ),
             Ok(uri) => match uri.scheme_str() {
-                _ if uri.authority().is_some_and(|a| a.as_str().contains('@')) => {
-                    // Not echoed: it holds a password.
-                    problems
-                        .push("upstream.url: must not carry credentials (user:password@)".into())
-                }
                 Some("http") | Some("https") if uri.authority().is_some() => {
                     if uri.query().is_some() {
                         problems.push(format!(
@@ -610,6 +617,14 @@ fn check_redis_url(at: &str, url: &str, problems: &mut Vec<String>) {
 }
 
 /// Hides the password of a `redis://user:password@host` URL.
+/// Whether `url` has an `@` after its scheme: user info (or a path no
+/// upstream base URL needs). Checked on the raw text, since a password may
+/// hold `/`, `?` or `#` and then does not parse as user info.
+pub fn has_user_info(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    rest.contains('@')
+}
+
 fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme_end), Some(at)) if at > scheme_end => {
@@ -748,15 +763,24 @@ fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<St
                     path.push(field.clone());
                 }
                 let name = path.join("__");
-                vars.iter()
-                    .find(|(k, _)| {
-                        k.strip_prefix("IDEMPROXY_")
-                            .is_some_and(|rest| rest.eq_ignore_ascii_case(&name))
+                // The variable itself, or every variable under an unknown
+                // section (`IDEMPROXY_FOO__BAR` when `foo` is no field).
+                let under = format!("{name}__");
+                let named: Vec<String> = vars
+                    .iter()
+                    .filter(|(k, _)| {
+                        k.strip_prefix("IDEMPROXY_").is_some_and(|rest| {
+                            let rest = rest.to_ascii_lowercase();
+                            rest == name || rest.starts_with(&under)
+                        })
                     })
                     .map(|(k, _)| k.clone())
+                    .collect();
+                Some(named)
             }
             _ => None,
         })
+        .flatten()
         .collect()
 }
 
@@ -767,8 +791,9 @@ const ENV_SOURCE: &str = "environment variable(s)";
 /// `check` see exactly the variables they pass in.
 ///
 /// A value stays the string it is, unless it is an array or a table
-/// (`[429, 503]`); [`Config::load`] reads it as a number or a boolean where
-/// the field is one. Parsed up front, `IDEMPROXY_ADMIN_TOKEN=12345678` would
+/// (`[429, 503]`: so a secret that starts with `[` or `{` belongs in the
+/// file, or in `password_env`); [`Config::load`] reads it as a number or a
+/// boolean where the field is one. Parsed up front, `IDEMPROXY_ADMIN_TOKEN=12345678` would
 /// have become a number that no string field takes (and the error would
 /// have shown the secret), and quotes or spaces around a password would
 /// have been dropped.
@@ -872,6 +897,19 @@ mod tests {
                 "IDEMPROXY_STORE__NO_SUCH_FIELD"
             ]
         );
+        // Under a section that does not exist, too.
+        let c = Config::load(
+            None,
+            env(&[
+                ("IDEMPROXY_FOO__BAR", "1"),
+                ("IDEMPROXY_FOO__BAZ__QUX", "2"),
+            ]),
+            &FlagOverrides::default(),
+        )
+        .expect("loads");
+        let mut ignored = c.ignored_env.clone();
+        ignored.sort();
+        assert_eq!(ignored, ["IDEMPROXY_FOO__BAR", "IDEMPROXY_FOO__BAZ__QUX"]);
         // A bad value for a field that exists is still an error.
         let err = Config::load(
             None,
@@ -885,10 +923,18 @@ mod tests {
     #[test]
     fn an_upstream_url_with_credentials_is_refused_without_echoing_them() {
         let mut c = Config::default();
-        c.upstream.url = "https://svc:hunter2@api.internal".into();
-        let err = c.validate().expect_err("credentials").to_string();
-        assert!(err.contains("must not carry credentials"), "{err}");
-        assert!(!err.contains("hunter2"), "{err}");
+        for url in [
+            "https://svc:hunter2@api.internal",
+            "https://svc:hun?ter2@api.internal",
+            "https://svc:hun/ter2@api.internal",
+            "https://svc:hun#ter2@api.internal",
+            "https://svc:hun ter2@api.internal",
+        ] {
+            c.upstream.url = url.into();
+            let err = c.validate().expect_err("credentials").to_string();
+            assert!(err.contains("must not carry credentials"), "{url}: {err}");
+            assert!(!err.contains("ter2"), "{url}: {err}");
+        }
         c.upstream.url = "http://api.internal/v1?x=1".into();
         let err = c.validate().expect_err("query").to_string();
         assert!(err.contains("must not have a query"), "{err}");
@@ -897,6 +943,31 @@ mod tests {
         c.store.purge_interval = Duration::ZERO;
         let err = c.validate().expect_err("zero interval").to_string();
         assert!(err.contains("store.purge_interval"), "{err}");
+    }
+
+    #[test]
+    fn the_file_is_typed_strictly_whatever_the_environment_reads_loosely() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(&file, "workers = \"2\"\n").expect("write");
+        let err = Config::load(Some(&file), env(&[]), &FlagOverrides::default())
+            .expect_err("a string for a number")
+            .to_string();
+        assert!(err.contains("workers") || err.contains("string"), "{err}");
+        std::fs::write(&file, "[idempotency]\nrequire_key = \"on\"\n").expect("write");
+        assert!(Config::load(Some(&file), env(&[]), &FlagOverrides::default()).is_err());
+        // The same values from the environment are read as intended.
+        let c = Config::load(
+            None,
+            env(&[
+                ("IDEMPROXY_WORKERS", "2"),
+                ("IDEMPROXY_IDEMPOTENCY__REQUIRE_KEY", "true"),
+            ]),
+            &FlagOverrides::default(),
+        )
+        .expect("loads");
+        assert_eq!(c.workers, 2);
+        assert!(c.idempotency.require_key);
     }
 
     #[test]

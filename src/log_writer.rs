@@ -140,7 +140,11 @@ fn flush_loop<W: Write>(shared: &Shared, mut output: W) {
         if dropped > 0 {
             // Not into the log stream itself: its readers may parse every
             // line (JSON).
-            eprintln!("idemproxy: {dropped} log lines dropped: the log output did not keep up");
+            // Not `eprintln!`: a closed stderr must not panic this thread.
+            let _ = writeln!(
+                std::io::stderr(),
+                "idemproxy: {dropped} log lines dropped: the log output did not keep up"
+            );
         }
         if !spare.is_empty() {
             // Nowhere to report a failing stdout; keep serving.

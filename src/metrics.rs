@@ -5,6 +5,7 @@
 //! `route` is a configured route name (never a raw path), `outcome` and `op`
 //! come from fixed lists.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -213,19 +214,16 @@ impl Metrics {
     /// Brings `local_cache_hits_total` up to `total`, the store's own count
     /// (the cache sits below the middleware and knows nothing of metrics).
     pub fn sync_cache_hits(&self, total: u64) {
-        let counted = self.cache_hits.get();
-        if total > counted {
-            self.cache_hits.inc_by(total - counted);
-        }
+        // One atomic step: concurrent scrapes must not both add the gap.
+        self.cache_hits.inner().fetch_max(total, Ordering::Relaxed);
     }
 
     /// Brings `log_lines_dropped_total` up to `total`, the log writer's own
     /// count ([`crate::log_writer::dropped_lines`]).
     pub fn sync_log_lines_dropped(&self, total: u64) {
-        let counted = self.log_lines_dropped.get();
-        if total > counted {
-            self.log_lines_dropped.inc_by(total - counted);
-        }
+        self.log_lines_dropped
+            .inner()
+            .fetch_max(total, Ordering::Relaxed);
     }
 
     /// Sets `local_cache_live{store}` to whether the cache in front of

@@ -939,7 +939,8 @@ where
         let counted = self.settings.metrics.settling();
         let (key, lease_ends) = (claim.key, claim.lease_ends);
         self.settings.tasks.spawn(async move {
-            let _held = (permit, counted);
+            // The gauge goes down before the slot is free.
+            let _held = (counted, permit);
             let mut attempt = 0;
             loop {
                 let remaining = lease_ends.saturating_duration_since(Instant::now());
