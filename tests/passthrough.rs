@@ -158,3 +158,53 @@ async fn request_ids_are_generated_when_absent_and_propagated_both_ways() {
         .expect("upstream saw it");
     assert_eq!(seen["x-request-id"], "caller-chosen-7");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncovered_body_that_outlives_the_upstream_timeout_is_cut_off() {
+    // upstream.timeout bounds the whole exchange, body included, for
+    // uncovered requests too: a body that trickles on must not hold its
+    // `max_in_flight` slot for as long as the client waits.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.upstream.timeout = std::time::Duration::from_secs(1);
+    let proxy = TestProxy::start(c).await;
+    // 20 chunks of 16 KiB, 200 ms apart: about 4 s in all.
+    let total = 20 * 16 * 1024;
+    let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect to the proxy");
+    socket
+        .write_all(
+            format!(
+                "GET /v1/export?body_bytes={total}&stream_delay_ms=200 HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("write the request");
+    let started = tokio::time::Instant::now();
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        socket.read_to_end(&mut answer),
+    )
+    .await
+    .expect("the proxy closes")
+    .ok();
+    let took = started.elapsed();
+    assert!(
+        answer.starts_with(b"HTTP/1.1 201"),
+        "{:?}",
+        &answer[..40.min(answer.len())]
+    );
+    assert!(
+        answer.len() < total,
+        "cut off, not all relayed: {} bytes",
+        answer.len()
+    );
+    assert!(
+        took < std::time::Duration::from_millis(2500),
+        "cut off at the deadline, not when the body ended: {took:?}"
+    );
+}

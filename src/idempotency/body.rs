@@ -13,7 +13,10 @@ use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use std::future::Future;
+
 use tokio::sync::mpsc;
+use tokio::time::{Instant, Sleep};
 
 use super::rejection::Rejection;
 
@@ -170,14 +173,28 @@ impl http_body::Body for ChannelBody {
 /// A response body that holds a value (a `max_in_flight` permit) until the
 /// body is dropped: hyper drops it once the last frame is written or the
 /// client has gone, so a streaming passthrough counts as long as it streams.
+/// It ends in an error at `deadline` (`upstream.timeout` from the request's
+/// arrival, as for covered requests): an upstream that stops sending in the
+/// middle of a body must not hold the slot for as long as the client waits.
 struct Holding<T> {
     body: Body,
     _held: T,
+    deadline: Instant,
+    /// Started at the first frame that is not ready at once: a body that
+    /// is all there (the usual answer) never touches the timer.
+    timer: Option<Pin<Box<Sleep>>>,
+    expired: bool,
 }
 
-/// `body`, holding `held` until it is dropped.
-pub fn holding<T: Send + Unpin + 'static>(body: Body, held: T) -> Body {
-    Body::new(Holding { body, _held: held })
+/// `body`, holding `held` until it is dropped, cut off at `deadline`.
+pub fn holding<T: Send + Unpin + 'static>(body: Body, held: T, deadline: Instant) -> Body {
+    Body::new(Holding {
+        body,
+        _held: held,
+        deadline,
+        timer: None,
+        expired: false,
+    })
 }
 
 impl<T: Unpin> http_body::Body for Holding<T> {
@@ -188,7 +205,25 @@ impl<T: Unpin> http_body::Body for Holding<T> {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        if self.expired {
+            return Poll::Ready(None);
+        }
+        if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
+            return Poll::Ready(frame);
+        }
+        let deadline = self.deadline;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.expired = true;
+                Poll::Ready(Some(Err(axum::Error::new(
+                    "the upstream's response body outlived upstream.timeout",
+                ))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
     }
 
     fn is_end_stream(&self) -> bool {

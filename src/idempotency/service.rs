@@ -219,7 +219,12 @@ where
             return ResponseFuture::rejected(log, RequestOutcome::Overloaded, rejection, &policy);
         };
         if !policy.covers(req.method()) {
-            return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log, permit);
+            return ResponseFuture::passthrough(
+                self.inner.clone().oneshot(req),
+                log,
+                permit,
+                self.settings.upstream_timeout,
+            );
         }
         let key = match key_of(req.headers()) {
             Ok(Some(key)) => key,
@@ -232,7 +237,12 @@ where
                 )
             }
             Ok(None) => {
-                return ResponseFuture::passthrough(self.inner.clone().oneshot(req), log, permit)
+                return ResponseFuture::passthrough(
+                    self.inner.clone().oneshot(req),
+                    log,
+                    permit,
+                    self.settings.upstream_timeout,
+                )
             }
             Err(invalid) => {
                 return ResponseFuture::rejected(
@@ -274,6 +284,8 @@ pin_project! {
             fut: Oneshot<S, Request<Body>>,
             log: Option<RequestLog>,
             permit: Option<OwnedSemaphorePermit>,
+            // `upstream.timeout` from arrival: the body's too.
+            deadline: Instant,
         },
         Covered {
             fut: BoxFuture<'static, Response<Body>>,
@@ -289,9 +301,11 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
         fut: Oneshot<S, Request<Body>>,
         log: RequestLog,
         permit: OwnedSemaphorePermit,
+        timeout: Duration,
     ) -> Self {
         ResponseFuture::Passthrough {
             fut,
+            deadline: log.started + timeout,
             log: Some(log),
             permit: Some(permit),
         }
@@ -319,7 +333,12 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {
-            ResponseFutureProj::Passthrough { fut, log, permit } => {
+            ResponseFutureProj::Passthrough {
+                fut,
+                log,
+                permit,
+                deadline,
+            } => {
                 let response = match std::task::ready!(fut.poll(cx)) {
                     Ok(response) => response,
                     Err(e) => Rejection::PassthroughFailed {
@@ -337,7 +356,7 @@ where
                 // still holds an upstream connection and the client's: the
                 // request counts until the body is done.
                 let response = match permit.take() {
-                    Some(permit) => response.map(|body| holding(body, permit)),
+                    Some(permit) => response.map(|body| holding(body, permit, *deadline)),
                     None => response,
                 };
                 Poll::Ready(Ok(response))
