@@ -883,31 +883,7 @@ where
             expires_at: now.saturating_add(millis(self.policy.ttl)),
             outcome,
         };
-        // A transient store error must not turn a known outcome into an
-        // unknown one, so completion is retried: briefly here, while the
-        // client waits, then in the background (see `settle_late`).
-        for attempt in 0..INLINE_SETTLE_ATTEMPTS {
-            match timed(&self.settings, &mut self.log, "complete", |s| {
-                s.complete(&claim.key, token, &record)
-            })
-            .await
-            {
-                Ok(()) => return,
-                Err(StoreError::Fenced) => {
-                    return fenced(&self.settings, &claim.key, &record).await;
-                }
-                Err(e @ StoreError::Corrupt(_)) => {
-                    return tracing::error!(error = %e, "could not store the outcome");
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, attempt, "could not store the outcome");
-                }
-            }
-            if attempt + 1 < INLINE_SETTLE_ATTEMPTS {
-                tokio::time::sleep(settle_backoff(attempt)).await;
-            }
-        }
-        self.settle_late(claim, token, Settling::Complete(record));
+        self.settle(claim, token, Settling::Complete(record)).await;
     }
 
     fn upstream_done(&mut self, started: Instant) {
@@ -915,29 +891,37 @@ where
     }
 
     async fn release(&mut self, claim: &Claim, token: FencingToken) {
+        self.settle(claim, token, Settling::Release).await;
+    }
+
+    /// Completes or releases the key this request holds. A transient store
+    /// error must not turn a known outcome into an unknown one (nor keep a
+    /// released key held), so the call is retried: briefly here, while the
+    /// client waits, then in the background (see [`Self::settle_late`]).
+    async fn settle(&mut self, claim: &Claim, token: FencingToken, settling: Settling) {
         for attempt in 0..INLINE_SETTLE_ATTEMPTS {
-            match timed(&self.settings, &mut self.log, "release", |s| {
-                s.release(&claim.key, token)
+            let result = timed(&self.settings, &mut self.log, settling.op(), |s| {
+                settling.call(s, &claim.key, token)
             })
+            .await;
+            let metrics = &self.log.metrics;
+            if settled(
+                &self.settings,
+                metrics,
+                &claim.key,
+                &settling,
+                result,
+                attempt,
+            )
             .await
             {
-                Ok(()) => {
-                    self.log.metrics.key_released();
-                    return;
-                }
-                Err(StoreError::Fenced) => return,
-                Err(e @ StoreError::Corrupt(_)) => {
-                    return tracing::error!(error = %e, "could not release the key");
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, attempt, "could not release the key");
-                }
+                return;
             }
             if attempt + 1 < INLINE_SETTLE_ATTEMPTS {
                 tokio::time::sleep(settle_backoff(attempt)).await;
             }
         }
-        self.settle_late(claim, token, Settling::Release);
+        self.settle_late(claim, token, settling);
     }
 
     /// Goes on settling the key in a task of its own once the client has
@@ -960,51 +944,29 @@ where
         self.settings.tasks.spawn(async move {
             // The gauge goes down before the slot is free.
             let _held = (counted, permit);
-            let mut attempt = 0;
-            loop {
+            for attempt in INLINE_SETTLE_ATTEMPTS.. {
                 let remaining = lease_ends.saturating_duration_since(Instant::now());
-                let wait = settle_backoff(INLINE_SETTLE_ATTEMPTS - 1 + attempt);
-                tokio::time::sleep(wait.min(remaining)).await;
-                if Instant::now() >= lease_ends {
+                tokio::time::sleep(settle_backoff(attempt - 1).min(remaining)).await;
+                // One call at a time, waited for until the lease ends rather
+                // than `store.timeout`: a call given up on can still be
+                // queued in the store (the embedded store's writer), and a
+                // new one each time would queue a copy of the record each.
+                let limit = lease_ends.saturating_duration_since(Instant::now());
+                if limit.is_zero() {
                     tracing::error!(
                         key = %key.to_hex(),
                         "gave up settling the key: its lease ended, and the next retry settles it per on_stale"
                     );
                     return;
                 }
-                attempt += 1;
-                let call = async {
-                    match &settling {
-                        Settling::Complete(record) => settings.store.complete(&key, token, record).await,
-                        Settling::Release => settings.store.release(&key, token).await,
-                    }
-                };
-                // One call at a time, waited for until the lease ends rather
-                // than `store.timeout`: a call given up on can still be
-                // queued in the store (the embedded store's writer), and a
-                // new one each time would queue a copy of the record each.
-                let limit = lease_ends.saturating_duration_since(Instant::now());
-                match bounded(&settings, settling.op(), limit, call).await {
-                    Ok(()) => {
-                        if matches!(settling, Settling::Release) {
-                            route_metrics.key_released();
-                        }
+                let call = settling.call(&*settings.store, &key, token);
+                let result = bounded(&settings, settling.op(), limit, call).await;
+                let stored = result.is_ok();
+                if settled(&settings, &route_metrics, &key, &settling, result, attempt).await {
+                    if stored {
                         tracing::warn!(key = %key.to_hex(), op = settling.op(), attempt, "settled the key after the store came back");
-                        return;
                     }
-                    Err(StoreError::Fenced) => {
-                        if let Settling::Complete(record) = &settling {
-                            fenced(&settings, &key, record).await;
-                        }
-                        return;
-                    }
-                    Err(e @ StoreError::Corrupt(_)) => {
-                        // Asking again will not change what the store holds.
-                        return tracing::error!(error = %e, op = settling.op(), "could not settle the key");
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, op = settling.op(), attempt, "could not settle the key");
-                    }
+                    return;
                 }
             }
         });
@@ -1033,6 +995,55 @@ impl Settling {
         match self {
             Settling::Complete(_) => "complete",
             Settling::Release => "release",
+        }
+    }
+
+    async fn call(
+        &self,
+        store: &dyn crate::store::Store,
+        key: &RecordKey,
+        token: FencingToken,
+    ) -> Result<(), StoreError> {
+        match self {
+            Settling::Complete(record) => store.complete(key, token, record).await,
+            Settling::Release => store.release(key, token).await,
+        }
+    }
+}
+
+/// Whether one settling call's `result` ends the settling: it succeeded,
+/// or the store says the key is not this request's any more, or holds
+/// something asking again will not change. Otherwise it is logged, to be
+/// tried again.
+async fn settled(
+    settings: &Settings,
+    route_metrics: &RouteMetrics,
+    key: &RecordKey,
+    settling: &Settling,
+    result: Result<(), StoreError>,
+    attempt: u32,
+) -> bool {
+    let op = settling.op();
+    match result {
+        Ok(()) => {
+            if let Settling::Release = settling {
+                route_metrics.key_released();
+            }
+            true
+        }
+        Err(StoreError::Fenced) => {
+            if let Settling::Complete(record) = settling {
+                fenced(settings, key, record).await;
+            }
+            true
+        }
+        Err(e @ StoreError::Corrupt(_)) => {
+            tracing::error!(error = %e, op, "could not settle the key");
+            true
+        }
+        Err(e) => {
+            tracing::error!(error = %e, op, attempt, "could not settle the key");
+            false
         }
     }
 }
