@@ -481,26 +481,7 @@ impl Config {
             },
             Err(e) => problems.push(format!("upstream.url: `{}`: {e}", self.upstream.url)),
         }
-        if self.upstream.timeout.is_zero() {
-            problems.push("upstream.timeout: must be greater than zero".into());
-        }
-        if self.upstream.connect_timeout.is_zero() {
-            problems.push("upstream.connect_timeout: must be greater than zero".into());
-        }
-        if self.store.purge_interval.is_zero() {
-            problems.push("store.purge_interval: must be greater than zero".into());
-        }
-        if self.upstream.pool_idle_timeout.is_zero() {
-            problems.push("upstream.pool_idle_timeout: must be greater than zero".into());
-        }
-        if let Some(ca) = &self.upstream.ca_file {
-            if !ca.is_file() {
-                problems.push(format!("upstream.ca_file: {} is not a file", ca.display()));
-            }
-        }
-        if self.store.timeout.is_zero() {
-            problems.push("store.timeout: must be greater than zero".into());
-        }
+        // Every one of these must be set, and none is meant to be a day.
         for (field, value) in [
             ("upstream.timeout", self.upstream.timeout),
             ("upstream.connect_timeout", self.upstream.connect_timeout),
@@ -509,14 +490,20 @@ impl Config {
                 self.upstream.pool_idle_timeout,
             ),
             ("store.timeout", self.store.timeout),
-            ("drain_timeout", self.drain_timeout),
-            ("request_body_timeout", self.request_body_timeout),
             ("store.purge_interval", self.store.purge_interval),
+            ("request_body_timeout", self.request_body_timeout),
         ] {
+            if value.is_zero() {
+                problems.push(format!("{field}: must be greater than zero"));
+            }
             check_at_most_a_day(field, value, &mut problems);
         }
-        if self.request_body_timeout.is_zero() {
-            problems.push("request_body_timeout: must be greater than zero".into());
+        // Zero is allowed: stop at once.
+        check_at_most_a_day("drain_timeout", self.drain_timeout, &mut problems);
+        if let Some(ca) = &self.upstream.ca_file {
+            if !ca.is_file() {
+                problems.push(format!("upstream.ca_file: {} is not a file", ca.display()));
+            }
         }
         if self.max_in_flight == 0 {
             problems.push("max_in_flight: must be greater than zero".into());
@@ -755,7 +742,7 @@ fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<St
         .clone()
         .into_iter()
         .filter(|e| e.metadata.as_ref().is_some_and(|m| m.name == ENV_SOURCE))
-        .filter_map(|e| match &e.kind {
+        .flat_map(|e| match &e.kind {
             figment::error::Kind::UnknownField(field, _) => {
                 // The path ends with the field already.
                 let mut path = e.path.clone();
@@ -766,8 +753,7 @@ fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<St
                 // The variable itself, or every variable under an unknown
                 // section (`IDEMPROXY_FOO__BAR` when `foo` is no field).
                 let under = format!("{name}__");
-                let named: Vec<String> = vars
-                    .iter()
+                vars.iter()
                     .filter(|(k, _)| {
                         k.strip_prefix("IDEMPROXY_").is_some_and(|rest| {
                             let rest = rest.to_ascii_lowercase();
@@ -775,12 +761,10 @@ fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<St
                         })
                     })
                     .map(|(k, _)| k.clone())
-                    .collect();
-                Some(named)
+                    .collect()
             }
-            _ => None,
+            _ => Vec::new(),
         })
-        .flatten()
         .collect()
 }
 
@@ -938,11 +922,35 @@ mod tests {
         c.upstream.url = "http://api.internal/v1?x=1".into();
         let err = c.validate().expect_err("query").to_string();
         assert!(err.contains("must not have a query"), "{err}");
-        // A zero purge interval would panic in the purger's interval.
-        let mut c = Config::default();
-        c.store.purge_interval = Duration::ZERO;
-        let err = c.validate().expect_err("zero interval").to_string();
-        assert!(err.contains("store.purge_interval"), "{err}");
+        // Zero is refused where it would break something (a zero purge
+        // interval panics in the purger's `interval`); drain_timeout may be.
+        type Field = fn(&mut Config) -> &mut Duration;
+        let fields: [(&str, Field); 6] = [
+            ("upstream.timeout", |c| &mut c.upstream.timeout),
+            ("upstream.connect_timeout", |c| {
+                &mut c.upstream.connect_timeout
+            }),
+            ("upstream.pool_idle_timeout", |c| {
+                &mut c.upstream.pool_idle_timeout
+            }),
+            ("store.timeout", |c| &mut c.store.timeout),
+            ("store.purge_interval", |c| &mut c.store.purge_interval),
+            ("request_body_timeout", |c| &mut c.request_body_timeout),
+        ];
+        for (name, field) in fields {
+            let mut c = Config::default();
+            *field(&mut c) = Duration::ZERO;
+            let err = c.validate().expect_err(name).to_string();
+            assert!(
+                err.contains(&format!("{name}: must be greater than zero")),
+                "{err}"
+            );
+        }
+        let c = Config {
+            drain_timeout: Duration::ZERO,
+            ..Config::default()
+        };
+        assert!(c.validate().is_ok());
     }
 
     #[test]
