@@ -149,12 +149,12 @@ pub trait Store: Send + Sync + 'static {
 
 pub type SharedStore = Arc<dyn Store>;
 
-/// A new claim of `begin.key` made at `now`, with a fresh fencing token.
-pub fn new_claim(begin: &Begin, now: UnixMillis) -> PendingRecord {
+/// A new claim of `begin.key` made at `now`, held with `token`.
+pub fn new_claim(begin: &Begin, now: UnixMillis, token: FencingToken) -> PendingRecord {
     let lease_expires_at = now.saturating_add(millis(begin.lease));
     PendingRecord {
         fingerprint: begin.fingerprint,
-        token: FencingToken::random(),
+        token,
         created_at: now,
         lease_expires_at,
         // An abandoned claim is kept as long as a completion would be, so
@@ -165,14 +165,18 @@ pub fn new_claim(begin: &Begin, now: UnixMillis) -> PendingRecord {
 
 /// The decision `begin` makes, shared by all stores so that they cannot
 /// drift apart. `existing` is the live (unexpired) record, if any; returns
-/// the outcome and the record to write, if the key changes.
+/// the outcome and the record to write, if the key changes. A claim it
+/// makes is held with `token`: a fresh one per `begin` call
+/// ([`FencingToken::random`]), which the Redis store keeps across its
+/// attempts to recognise its own claim read back.
 pub fn decide_begin(
     begin: &Begin,
     existing: Option<Record>,
     now: UnixMillis,
+    token: FencingToken,
 ) -> (BeginOutcome, Option<Record>) {
     let claim = |took_over: bool| {
-        let claim = new_claim(begin, now);
+        let claim = new_claim(begin, now, token);
         (
             BeginOutcome::Acquired {
                 token: claim.token,

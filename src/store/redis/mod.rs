@@ -628,19 +628,24 @@ impl Store for RedisStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         let key = self.redis_key(&begin.key);
         let mut conn = self.conn();
-        // The claims this call wrote or tried to write, and whether each
-        // took a stale claim over. The cluster client sends a command again
-        // when the connection broke before its reply came, so a `SET` or a
-        // `swap` that did run can come back as a failure, and the next read
-        // then finds this call's own claim (see [`own_claim`]).
-        // On the stack: this runs for every first execution.
-        let mut ours = OwnClaims::default();
+        // One token for every claim this call writes, its takeovers
+        // included. The cluster client sends a command again when the
+        // connection broke before its reply came, so a `SET` or a `swap`
+        // that did run can come back as a failure, and the next read then
+        // finds this call's own claim: without the token to recognise it,
+        // the request got 425 for its own claim, nobody held the key, and
+        // it settled as `outcome-unknown` once the lease ran out, though
+        // nothing had been sent upstream.
+        let token = FencingToken::random();
+        // Whether a takeover was written: the claim read back came from it
+        // then (or, after a failed one, from a later `SET`: the claim is
+        // this call's either way; `took_over` only feeds a metric).
+        let mut took_over = false;
         for _ in 0..BEGIN_ATTEMPTS {
             let now = now_millis();
             // The claim to write if the key is free: prepared here, because
             // its token is random and its encoding is Rust's.
-            let claim = new_claim(begin, now);
-            ours.push(claim.token, false);
+            let claim = new_claim(begin, now, token);
             let current: Option<Vec<u8>> = redis::cmd("SET")
                 .arg(&key)
                 .arg(stored_pending(&claim))
@@ -659,20 +664,17 @@ impl Store for RedisStore {
             };
             let current = Bytes::from(current);
             let existing = read_stored(&current)?;
-            if let Some(acquired) = own_claim(&existing, ours.as_slice()) {
-                return Ok(acquired);
-            }
-            // Expired by this proxy's clock: absent, whenever Redis reclaims it.
-            let live = (existing.expires_at() > now).then_some(existing);
-            let (outcome, replacement) = decide_begin(begin, live, now);
+            let (outcome, replacement) = decide_read(begin, existing, now, token, took_over);
             let Some(replacement) = replacement else {
                 return Ok(outcome);
             };
-            if let (BeginOutcome::Acquired { token, took_over }, Record::Pending(_)) =
-                (&outcome, &replacement)
-            {
-                ours.push(*token, *took_over);
-            }
+            took_over |= matches!(
+                outcome,
+                BeginOutcome::Acquired {
+                    took_over: true,
+                    ..
+                }
+            );
             let swapped: i64 = SCRIPTS
                 .swap
                 .key(&key)
@@ -779,51 +781,22 @@ fn eviction_warning(policy: Option<&str>, maxmemory: Option<&str>) -> Option<Str
     ))
 }
 
-/// The claims one `begin` wrote or tried to write (two per attempt at
-/// most: its own, and a takeover's), with whether each took a stale claim
-/// over.
-struct OwnClaims {
-    claims: [(FencingToken, bool); 2 * BEGIN_ATTEMPTS],
-    len: usize,
-}
-
-impl Default for OwnClaims {
-    fn default() -> Self {
-        Self {
-            claims: [(FencingToken(0), false); 2 * BEGIN_ATTEMPTS],
-            len: 0,
-        }
+/// What `begin` makes of the record a `SET … NX GET` read back: this
+/// call's own claim (`token`: a command the cluster client sent twice),
+/// or [`decide_begin`]'s decision on it, the record absent once expired by
+/// this proxy's clock (whenever Redis reclaims it).
+fn decide_read(
+    begin: &Begin,
+    existing: Record,
+    now: UnixMillis,
+    token: FencingToken,
+    took_over: bool,
+) -> (BeginOutcome, Option<Record>) {
+    if matches!(&existing, Record::Pending(p) if p.token == token) {
+        return (BeginOutcome::Acquired { token, took_over }, None);
     }
-}
-
-impl OwnClaims {
-    fn push(&mut self, token: FencingToken, took_over: bool) {
-        if let Some(slot) = self.claims.get_mut(self.len) {
-            *slot = (token, took_over);
-            self.len += 1;
-        }
-    }
-
-    fn as_slice(&self) -> &[(FencingToken, bool)] {
-        self.claims.get(..self.len).unwrap_or_default()
-    }
-}
-
-/// `Acquired` when `existing` is a claim this `begin` wrote itself: `ours`
-/// holds the tokens of the claims it wrote or tried to write, with whether
-/// each took a stale claim over. Tokens are 128 random bits, so a match is
-/// never another request's claim. Without this, a claim whose `SET` the
-/// cluster client sent twice (the connection broke before the first reply)
-/// read as another request in flight: the request got 425 for its own
-/// claim, nobody held the key, and it settled as `outcome-unknown` once the
-/// lease ran out, though nothing had been sent upstream.
-fn own_claim(existing: &Record, ours: &[(FencingToken, bool)]) -> Option<BeginOutcome> {
-    let Record::Pending(pending) = existing else {
-        return None;
-    };
-    ours.iter()
-        .find(|(token, _)| *token == pending.token)
-        .map(|&(token, took_over)| BeginOutcome::Acquired { token, took_over })
+    let live = (existing.expires_at() > now).then_some(existing);
+    decide_begin(begin, live, now, token)
 }
 
 /// The header of a stored value (see "Layout" above), with room for the
@@ -1119,46 +1092,6 @@ mod tests {
     use crate::idempotency::record::{Fingerprint, Outcome};
 
     #[test]
-    fn a_claim_of_this_begin_read_back_is_acquired_not_in_flight() {
-        let pending = |token| {
-            Record::Pending(PendingRecord {
-                fingerprint: Fingerprint([1; 32]),
-                token: FencingToken(token),
-                created_at: 1,
-                lease_expires_at: u64::MAX,
-                expires_at: u64::MAX,
-            })
-        };
-        let ours = [(FencingToken(7), false), (FencingToken(9), true)];
-        // The first SET ran, its reply was lost, the resent one read it.
-        assert_eq!(
-            own_claim(&pending(7), &ours),
-            Some(BeginOutcome::Acquired {
-                token: FencingToken(7),
-                took_over: false
-            })
-        );
-        // A takeover's swap ran, but was reported as lost.
-        assert_eq!(
-            own_claim(&pending(9), &ours),
-            Some(BeginOutcome::Acquired {
-                token: FencingToken(9),
-                took_over: true
-            })
-        );
-        // Anyone else's claim is theirs.
-        assert_eq!(own_claim(&pending(8), &ours), None);
-        let done = Record::Completed(CompletedRecord {
-            fingerprint: Fingerprint([1; 32]),
-            created_at: 1,
-            completed_at: 2,
-            expires_at: u64::MAX,
-            outcome: Outcome::NotStored { status: 201 },
-        });
-        assert_eq!(own_claim(&done, &ours), None);
-    }
-
-    #[test]
     fn an_evicting_policy_with_a_memory_limit_is_warned_about() {
         assert_eq!(eviction_warning(Some("noeviction"), Some("1000")), None);
         // No limit, nothing is ever evicted.
@@ -1175,6 +1108,37 @@ mod tests {
         }
         // Nothing said, nothing known: the caller logs that it cannot check.
         assert_eq!(eviction_warning(None, None), None);
+    }
+
+    #[test]
+    fn a_claim_of_this_begin_read_back_is_acquired_not_in_flight() {
+        let begin = Begin {
+            key: RecordKey::from_bytes([1; 32]),
+            fingerprint: Fingerprint([1; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+            on_stale: crate::store::OnStale::Store,
+        };
+        let now = now_millis();
+        let claimed = |token| Record::Pending(new_claim(&begin, now, FencingToken(token)));
+        // The `SET` ran, its reply was lost, the one sent again read it.
+        for took_over in [false, true] {
+            assert_eq!(
+                decide_read(&begin, claimed(7), now, FencingToken(7), took_over),
+                (
+                    BeginOutcome::Acquired {
+                        token: FencingToken(7),
+                        took_over
+                    },
+                    None
+                )
+            );
+        }
+        // Anyone else's live claim is theirs.
+        assert!(matches!(
+            decide_read(&begin, claimed(8), now, FencingToken(7), false),
+            (BeginOutcome::InFlight { .. }, None)
+        ));
     }
 
     #[test]
