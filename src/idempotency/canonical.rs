@@ -496,6 +496,16 @@ impl<'de> EntrySeed<'_, 'de> {
         self.0.tape.push(entry);
         Ok(())
     }
+
+    /// An integer literal, `value` as the double it reads as: inexact past
+    /// [`EXACT_INTEGERS`] in `magnitude`.
+    fn push_integer<E>(self, magnitude: u64, value: f64) -> Result<(), E> {
+        if magnitude > EXACT_INTEGERS {
+            self.0.inexact = true;
+            return self.push(Entry::Inexact(value));
+        }
+        self.push(Entry::Number(value))
+    }
 }
 
 impl<'de> DeserializeSeed<'de> for EntrySeed<'_, 'de> {
@@ -530,19 +540,11 @@ impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
     }
 
     fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-        if v.unsigned_abs() > EXACT_INTEGERS {
-            self.0.inexact = true;
-            return self.push(Entry::Inexact(v as f64));
-        }
-        self.push(Entry::Number(v as f64))
+        self.push_integer(v.unsigned_abs(), v as f64)
     }
 
     fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-        if v > EXACT_INTEGERS {
-            self.0.inexact = true;
-            return self.push(Entry::Inexact(v as f64));
-        }
-        self.push(Entry::Number(v as f64))
+        self.push_integer(v, v as f64)
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
