@@ -235,19 +235,13 @@ impl Metrics {
     }
 
     /// Counts a key settled in the background until the guard drops.
-    pub fn settling(self: &Arc<Self>) -> SettlingGuard {
-        self.settling.inc();
-        SettlingGuard {
-            metrics: self.clone(),
-        }
+    pub fn settling(&self) -> GaugeGuard {
+        GaugeGuard::new(&self.settling)
     }
 
     /// Counts an execution against the upstream until the guard drops.
-    pub fn executing(self: &Arc<Self>) -> InFlightGuard {
-        self.in_flight.inc();
-        InFlightGuard {
-            metrics: self.clone(),
-        }
+    pub fn executing(&self) -> GaugeGuard {
+        GaugeGuard::new(&self.in_flight)
     }
 
     /// The Prometheus text exposition of every series.
@@ -288,24 +282,21 @@ impl RouteMetrics {
     }
 }
 
-pub struct InFlightGuard {
-    metrics: Arc<Metrics>,
-}
+/// One up on a gauge for as long as it lives ([`Metrics::executing`],
+/// [`Metrics::settling`]).
+pub struct GaugeGuard(Gauge);
 
-/// Held by a background settling task (see [`Metrics::settling`]).
-pub struct SettlingGuard {
-    metrics: Arc<Metrics>,
-}
-
-impl Drop for SettlingGuard {
-    fn drop(&mut self) {
-        self.metrics.settling.dec();
+impl GaugeGuard {
+    fn new(gauge: &Gauge) -> Self {
+        gauge.inc();
+        // A clone shares the gauge's value.
+        Self(gauge.clone())
     }
 }
 
-impl Drop for InFlightGuard {
+impl Drop for GaugeGuard {
     fn drop(&mut self) {
-        self.metrics.in_flight.dec();
+        self.0.dec();
     }
 }
 

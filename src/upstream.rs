@@ -182,7 +182,7 @@ impl Upstream {
             .authority()
             .cloned()
             .ok_or_else(|| format!("upstream.url `{}`: has no host", config.url))?;
-        if authority.as_str().contains('@') || crate::config::has_user_info(&config.url) {
+        if crate::config::has_user_info(&config.url) {
             // Credentials in the URL would end up in `Host` and in logs
             // (this message included).
             return Err("upstream.url: must not carry credentials (user:password@)".into());
