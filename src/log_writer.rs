@@ -123,7 +123,7 @@ fn flush_loop<W: Write>(shared: &Shared, mut output: W) {
     // capacity and steady-state logging allocates nothing.
     let mut spare = Vec::with_capacity(FLUSH_AT * 2);
     loop {
-        let stopping = {
+        let (stopping, dropped) = {
             let mut state = shared.lock();
             if state.buffer.len() < FLUSH_AT && !state.stopping {
                 state = shared
@@ -136,7 +136,6 @@ fn flush_loop<W: Write>(shared: &Shared, mut output: W) {
             state.signalled = false;
             (state.stopping, std::mem::take(&mut state.dropped))
         };
-        let (stopping, dropped) = stopping;
         if dropped > 0 {
             // Not into the log stream itself: its readers may parse every
             // line (JSON).
