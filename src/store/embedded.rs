@@ -665,8 +665,7 @@ impl Store for EmbeddedStore {
             // An expired record is absent to the decision, but its index
             // entry is still there to replace.
             let old_expiry = stored.as_ref().map(Record::expires_at);
-            let (outcome, new) =
-                decide_begin(&begin, live(stored, now), now, FencingToken::random());
+            let (outcome, new) = decide_begin(&begin, live(stored, now), now, FencingToken::random);
             if let Some(new) = new {
                 replace(
                     tables,

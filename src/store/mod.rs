@@ -166,17 +166,18 @@ pub fn new_claim(begin: &Begin, now: UnixMillis, token: FencingToken) -> Pending
 /// The decision `begin` makes, shared by all stores so that they cannot
 /// drift apart. `existing` is the live (unexpired) record, if any; returns
 /// the outcome and the record to write, if the key changes. A claim it
-/// makes is held with `token`: a fresh one per `begin` call
-/// ([`FencingToken::random`]), which the Redis store keeps across its
-/// attempts to recognise its own claim read back.
+/// makes is held with the token `token` gives: a fresh one per `begin`
+/// call ([`FencingToken::random`]), which the Redis store keeps across its
+/// attempts to recognise its own claim read back. Asked for only when a
+/// claim is made (replays and duplicates draw none).
 pub fn decide_begin(
     begin: &Begin,
     existing: Option<Record>,
     now: UnixMillis,
-    token: FencingToken,
+    token: impl FnOnce() -> FencingToken,
 ) -> (BeginOutcome, Option<Record>) {
     let claim = |took_over: bool| {
-        let claim = new_claim(begin, now, token);
+        let claim = new_claim(begin, now, token());
         (
             BeginOutcome::Acquired {
                 token: claim.token,

@@ -796,7 +796,7 @@ fn decide_read(
         return (BeginOutcome::Acquired { token, took_over }, None);
     }
     let live = (existing.expires_at() > now).then_some(existing);
-    decide_begin(begin, live, now, token)
+    decide_begin(begin, live, now, || token)
 }
 
 /// The header of a stored value (see "Layout" above), with room for the
