@@ -390,6 +390,71 @@ async fn concurrent_begins_on_a_stale_claim_replace_it_once() {
     }
 }
 
+/// A key that other writers change under every compare-and-swap is busy, not
+/// a failed store: `begin` answers in flight, never `Unavailable`, which
+/// `on_store_unavailable = "pass"` would forward unprotected while others
+/// are claiming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_changing_under_every_swap_is_in_flight_not_unavailable() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    // Dead holders' claims to write over the key, each with its own token
+    // and so its own bytes: a swap compares bytes.
+    let mut stale = Vec::new();
+    for _ in 0..64 {
+        let other = new_key();
+        claim(&store, other, Duration::from_millis(1)).await;
+        stale.push(stored_value(&server, &store.redis_key(&other)).await);
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let stale = Arc::new(stale);
+    let key = new_key();
+    let name = store.redis_key(&key);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for offset in 0..4 {
+        let (stale, name, stop) = (Arc::clone(&stale), name.clone(), Arc::clone(&stop));
+        let mut conn = raw(&server.url()).await;
+        writers.push(tokio::spawn(async move {
+            let mut written = offset * 17;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut pipe = redis::pipe();
+                for _ in 0..31 {
+                    pipe.cmd("SET")
+                        .arg(&name)
+                        .arg(&stale[written % stale.len()])
+                        .ignore();
+                    written += 1;
+                }
+                let () = pipe.query_async(&mut conn).await.expect("SET");
+            }
+        }));
+    }
+
+    let mut outcomes = BTreeMap::new();
+    for _ in 0..100 {
+        let outcome = match store.begin(&begin(key, 1, LEASE, OnStale::Retry)).await {
+            Ok(BeginOutcome::Acquired {
+                took_over: true, ..
+            }) => "took the stale claim over",
+            Ok(BeginOutcome::InFlight { lease_expires_at }) => {
+                assert!(lease_expires_at <= now_millis(), "retry at once");
+                "in flight"
+            }
+            other => panic!("expected a takeover or in flight, got {other:?}"),
+        };
+        *outcomes.entry(outcome).or_insert(0) += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for writer in writers {
+        writer.await.expect("writer");
+    }
+    assert!(
+        outcomes.contains_key("in flight"),
+        "the writers never changed the key under every swap of one begin: {outcomes:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_values_are_reported_not_fatal() {
     let server = RedisServer::start();

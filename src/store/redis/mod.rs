@@ -148,7 +148,8 @@ const CLAIM_ID_LEN: usize = 17;
 /// How many times `begin` reads a key again after a `swap` found it changed.
 /// Each retry means another proxy wrote the key in between, which then holds
 /// a fresh claim or a completion, so a second read practically always
-/// settles it; the bound only keeps a pathological loop finite.
+/// settles it; the bound only keeps a pathological loop finite, and a key
+/// still changing after it is answered as in flight.
 const BEGIN_ATTEMPTS: usize = 4;
 
 /// The Redis key of `key` under `prefix`: `<prefix>{<hex>}`. The hash tag
@@ -688,9 +689,17 @@ impl Store for RedisStore {
                 return Ok(outcome);
             }
         }
-        Err(StoreError::Unavailable(format!(
-            "the record changed under each of {BEGIN_ATTEMPTS} attempts to claim it"
-        )))
+        // Another writer changed the key under every swap: it is busy, not
+        // the store. `Unavailable` would let `on_store_unavailable = "pass"`
+        // forward a request whose key others are claiming; in flight sends
+        // it back (or, with `on_in_flight = "wait"`, to look again shortly).
+        tracing::warn!(
+            key = %begin.key.to_hex(),
+            "the record changed under each of {BEGIN_ATTEMPTS} attempts to claim it; answering in flight"
+        );
+        Ok(BeginOutcome::InFlight {
+            lease_expires_at: now_millis(),
+        })
     }
 
     async fn complete(
