@@ -32,8 +32,11 @@ pub mod upstream;
 use std::future::Future;
 use std::sync::Arc;
 
+use axum::body::Body;
+use http::Request;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
+use tower::util::MapRequest;
 use tower::ServiceBuilder;
 use tower_http::request_id::{
     PropagateRequestId, PropagateRequestIdLayer, SetRequestId, SetRequestIdLayer,
@@ -45,15 +48,19 @@ use config::StoreKind;
 use idempotency::{Idempotency, IdempotencyLayer, Policies};
 use metrics::Metrics;
 use proxy::Proxy;
-use request_id::MakeRequestUuidV4;
+use request_id::{drop_oversized_request_id, MakeRequestUuidV4};
 use store::{EmbeddedStore, MemoryStore, SharedStore};
 use upstream::Upstream;
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// The traffic service: request ids (generated when absent, forwarded to the
-/// upstream, returned to the client), then idempotency, then the upstream.
-pub type ProxyService = SetRequestId<PropagateRequestId<Idempotency<Proxy>>, MakeRequestUuidV4>;
+/// The traffic service: request ids (generated when absent or too long,
+/// forwarded to the upstream, returned to the client), then idempotency,
+/// then the upstream.
+pub type ProxyService = MapRequest<
+    SetRequestId<PropagateRequestId<Idempotency<Proxy>>, MakeRequestUuidV4>,
+    fn(Request<Body>) -> Request<Body>,
+>;
 
 /// Everything `run` serves, built without sockets.
 pub struct App {
@@ -82,7 +89,9 @@ impl Stack {
     /// worker's requests use connections its own event loop drives.
     fn build(&self) -> Result<ProxyService, Error> {
         let upstream = Upstream::new(&self.upstream)?;
+        let bound_request_id: fn(Request<Body>) -> Request<Body> = drop_oversized_request_id;
         Ok(ServiceBuilder::new()
+            .map_request(bound_request_id)
             .layer(SetRequestIdLayer::x_request_id(MakeRequestUuidV4))
             .layer(PropagateRequestIdLayer::x_request_id())
             .layer(self.layer.clone())

@@ -1,12 +1,40 @@
-//! `X-Request-Id` for requests that arrive without one.
+//! `X-Request-Id` for requests that arrive without one, or with one too long
+//! to repeat.
+//!
+//! A caller's id is kept and forwarded, and it is written into every log
+//! line of the request. One longer than [`MAX_REQUEST_ID_LEN`] is replaced:
+//! hyper accepts header sections of tens of kilobytes, and a client sending
+//! such an id on every request would fill the logs (and the upstream's)
+//! with it. The longest common ids (W3C `traceparent`, 55 bytes; AWS X-Ray
+//! trace headers, under 100) fit.
 //!
 //! tower-http's `MakeRequestUuid` asks the kernel for 16 random bytes per
 //! request (a `getrandom` syscall each time). Request ids only need to be
 //! unique, so they are drawn from the thread-local generator instead: a
 //! CSPRNG seeded from the OS, no syscall per request. Still UUID v4 text.
 
+use axum::body::Body;
 use http::{HeaderValue, Request};
 use tower_http::request_id::{MakeRequestId, RequestId};
+
+use crate::idempotency::service::X_REQUEST_ID;
+
+/// The longest `X-Request-Id` kept from a caller, in bytes.
+pub const MAX_REQUEST_ID_LEN: usize = 200;
+
+/// Removes an `X-Request-Id` longer than [`MAX_REQUEST_ID_LEN`], so that the
+/// request-id layer after it gives the request a fresh one.
+pub fn drop_oversized_request_id(mut request: Request<Body>) -> Request<Body> {
+    let oversized = request
+        .headers()
+        .get_all(X_REQUEST_ID)
+        .iter()
+        .any(|id| id.len() > MAX_REQUEST_ID_LEN);
+    if oversized {
+        request.headers_mut().remove(X_REQUEST_ID);
+    }
+    request
+}
 
 /// Random (v4) UUIDs from the thread-local generator; see the module docs.
 #[derive(Clone, Copy, Debug, Default)]
@@ -24,6 +52,27 @@ impl MakeRequestId for MakeRequestUuidV4 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_ids_longer_than_the_cap_are_dropped() {
+        for (len, kept) in [
+            (36, true),
+            (MAX_REQUEST_ID_LEN, true),
+            (MAX_REQUEST_ID_LEN + 1, false),
+        ] {
+            let id = "a".repeat(len);
+            let mut request = Request::new(Body::empty());
+            request
+                .headers_mut()
+                .insert(X_REQUEST_ID, HeaderValue::from_str(&id).expect("id"));
+            let request = drop_oversized_request_id(request);
+            assert_eq!(
+                request.headers().get(X_REQUEST_ID).is_some(),
+                kept,
+                "{len} bytes"
+            );
+        }
+    }
 
     #[test]
     fn ids_are_distinct_v4_uuids() {

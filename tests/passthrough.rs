@@ -157,6 +157,24 @@ async fn request_ids_are_generated_when_absent_and_propagated_both_ways() {
         .last_headers("/v1/rid-get")
         .expect("upstream saw it");
     assert_eq!(seen["x-request-id"], "caller-chosen-7");
+
+    // An id too long to repeat in every log line is replaced, not echoed.
+    let oversized = "x".repeat(idemproxy::request_id::MAX_REQUEST_ID_LEN + 1);
+    let reply = client
+        .send(
+            Method::GET,
+            &proxy.url("/v1/rid-long"),
+            &[("x-request-id", oversized.as_str())],
+            "",
+        )
+        .await;
+    assert_eq!(reply.status, 201);
+    let replaced = reply.header("x-request-id").expect("an id").to_string();
+    assert_eq!(replaced.len(), 36, "a UUID instead: {replaced}");
+    let seen = upstream
+        .last_headers("/v1/rid-long")
+        .expect("upstream saw it");
+    assert_eq!(seen["x-request-id"], replaced.as_str());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
