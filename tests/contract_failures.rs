@@ -476,6 +476,60 @@ async fn a_client_that_stops_reading_a_chunked_body_sees_it_cut_off_not_ended() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_does_not_cost_the_stored_response() {
+    // The upstream sends a chunked body under `max_response_bytes` at once;
+    // the client reads the head and then nothing until past the upstream
+    // deadline. Waiting for that client used up the deadline, and the
+    // response, all there in time, was stored as incomplete: every retry
+    // got 502 `response-not-stored` for a call that succeeded.
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.upstream.timeout = Duration::from_secs(1);
+    c.idempotency.max_response_bytes = 32 << 20;
+    let proxy = TestProxy::start(c).await;
+    // More than the sockets and the proxy's channel hold between them: the
+    // client's receive buffer is kept small (no autotuning), the proxy's
+    // send buffer grows to 4 MiB at most (`net.ipv4.tcp_wmem`).
+    let total = 12 << 20;
+    let target = format!("/v1/orders?body_bytes={total}&chunked=1");
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut socket = socket.connect(proxy.addr).await.expect("connect");
+    let request = raw::request(
+        "POST",
+        &target,
+        &[
+            b"idempotency-key: slow-reader-1",
+            b"content-type: application/json",
+        ],
+        b"{}",
+    );
+    socket.write_all(&request).await.expect("write the request");
+    let mut head = vec![0; 1024];
+    let n = socket.read(&mut head).await.expect("the head arrives");
+    assert!(
+        head[..n].starts_with(b"HTTP/1.1 201"),
+        "{}",
+        String::from_utf8_lossy(&head[..n])
+    );
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    drop(socket);
+
+    let client = TestClient::new();
+    let reply = client
+        .post_json(&proxy.url(&target), "slow-reader-1", "{}")
+        .await;
+    assert_eq!(reply.status, 201, "{:?}", reply.headers);
+    assert!(reply.replayed());
+    assert_eq!(reply.body.len(), total);
+    assert!(
+        reply.body[..] == expected_body(total)[..],
+        "the stored body differs"
+    );
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_draining_running_calls_finish_and_no_new_execution_starts() {
     let upstream = TestUpstream::start().await;
     let mut c = config(&upstream.url());

@@ -3,6 +3,7 @@
 //! client has gone. Also the passthrough's response body, which carries its
 //! `max_in_flight` permit while it streams.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use std::future::Future;
 
 use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::{Instant, Sleep};
 
 use super::rejection::Rejection;
@@ -78,6 +80,12 @@ impl BoundedCopy {
         self.chunks.push(data.clone());
     }
 
+    /// Whether the copy is still whole: what [`Self::finish`] gives if the
+    /// body ends now.
+    pub fn is_whole(&self) -> bool {
+        !self.overflowed
+    }
+
     /// The whole body, or `None` if it went over the cap.
     pub fn finish(self) -> Option<Bytes> {
         if self.overflowed {
@@ -122,9 +130,40 @@ impl BodySender {
             .map_err(|_| "the client's body is gone".into())
     }
 
-    /// Sends `frame` if there is room now.
-    pub fn try_send(&self, frame: Result<Frame<Bytes>, BoxError>) {
-        let _ = self.tx.try_send(frame);
+    /// Sends `frame` if there is room now; gives it back otherwise.
+    pub fn try_send(
+        &self,
+        frame: Result<Frame<Bytes>, BoxError>,
+    ) -> Result<(), TrySendError<Result<Frame<Bytes>, BoxError>>> {
+        self.tx.try_send(frame)
+    }
+
+    /// Sends the frames of `backlog` the channel has room for now, without
+    /// waiting; false if the body was dropped.
+    pub fn offer(&self, backlog: &mut VecDeque<Frame<Bytes>>) -> bool {
+        while let Some(frame) = backlog.pop_front() {
+            match self.tx.try_send(Ok(frame)) {
+                Ok(()) => {}
+                Err(TrySendError::Full(Ok(frame))) => {
+                    backlog.push_front(frame);
+                    return true;
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// Sends every frame of `backlog`, waiting for room until `deadline`;
+    /// false if the body was dropped or the deadline came first.
+    pub async fn send_all(&self, backlog: &mut VecDeque<Frame<Bytes>>, deadline: Instant) -> bool {
+        while let Some(frame) = backlog.pop_front() {
+            let sent = tokio::time::timeout_at(deadline, self.send(Ok(frame))).await;
+            if !matches!(sent, Ok(Ok(()))) {
+                return false;
+            }
+        }
+        true
     }
 
     /// The body is complete: the client sees it end after what was sent.

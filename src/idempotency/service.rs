@@ -14,7 +14,7 @@
 //!    keeping a bounded copy, and store it before ending the client's body,
 //!    so the client's next retry finds the record.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -787,6 +787,10 @@ where
         let mut client = Some(tx);
         let mut relayed = 0u64;
         let mut held_frames = Vec::new();
+        // Frames the client could not take yet. While the copy is whole
+        // they are buffers it shares, so this holds no more than
+        // `max_response_bytes` of its own.
+        let mut backlog = VecDeque::new();
         let mut early = early.into_iter();
         let complete_body = loop {
             let frame = if let Some(frame) = early.next() {
@@ -816,11 +820,21 @@ where
                 continue;
             }
             if let Some(tx) = &client {
-                // A client that stops reading must not stall the upstream
-                // read (the result still has to be stored): past the deadline
-                // it is dropped, unfinished, so its body aborts.
-                let sent = tokio::time::timeout_at(deadline, tx.send(Ok(frame))).await;
-                if !matches!(sent, Ok(Ok(()))) {
+                backlog.push_back(frame);
+                let keeps_up = if copy.is_whole() {
+                    // The copy is what gets stored, so a client that stops
+                    // reading must not hold up the upstream read: waiting for
+                    // it would use up the deadline, and a response the
+                    // upstream sent in time would be stored as incomplete.
+                    tx.offer(&mut backlog)
+                } else {
+                    // Past the cap only the status is stored, whatever the
+                    // client does: it sets the pace, up to the deadline,
+                    // after which it is dropped, unfinished, so its body
+                    // aborts.
+                    tx.send_all(&mut backlog, deadline).await
+                };
+                if !keeps_up {
                     client = None;
                 }
             }
@@ -830,22 +844,15 @@ where
             .await;
         if let Some(tx) = client {
             if complete_body {
-                let mut all_sent = true;
-                for frame in held_frames {
-                    let sent = tokio::time::timeout_at(deadline, tx.send(Ok(frame))).await;
-                    if !matches!(sent, Ok(Ok(()))) {
-                        all_sent = false;
-                        break;
-                    }
-                }
-                if all_sent {
+                backlog.extend(held_frames);
+                if tx.send_all(&mut backlog, deadline).await {
                     tx.finish();
                 }
             } else {
                 // Unfinished, the body aborts once the client has read what
                 // was sent; the error says why if there is room for it (a
                 // client that reads nothing must not hold this run).
-                tx.try_send(Err("upstream response body did not complete".into()));
+                let _ = tx.try_send(Err("upstream response body did not complete".into()));
             }
         }
         self.log.finish_streamed(RequestOutcome::Executed);
@@ -1162,7 +1169,7 @@ fn stored_outcome(status: u16, headers: Vec<(String, Bytes)>, body: Option<Bytes
 /// a complete-looking truncated one.
 fn broken_body() -> Body {
     let (tx, body) = channel_body(1);
-    tx.try_send(Err("upstream response body did not complete".into()));
+    let _ = tx.try_send(Err("upstream response body did not complete".into()));
     body
 }
 
