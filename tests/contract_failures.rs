@@ -529,6 +529,89 @@ async fn a_client_that_stops_reading_does_not_cost_the_stored_response() {
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
 
+/// A response relayed without being stored (a status in `release_statuses`,
+/// or forwarded unprotected under `on_store_error = "pass"`) is bounded as
+/// a passthrough's is: its body holds the request's `max_in_flight` slot
+/// while it streams and is cut off at `upstream.timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relayed_bodies_that_stall_hold_their_slot_and_are_cut_off() {
+    let upstream = TestUpstream::start().await;
+    let client = TestClient::new();
+    // 8 chunks of 16 KiB, 500 ms apart: the whole body takes 3.5 s.
+    let stalling = "body_bytes=131072&stream_delay_ms=500";
+    for (case, target, store_fails, head) in [
+        (
+            "released",
+            format!("/v1/released?status=503&{stalling}"),
+            false,
+            "HTTP/1.1 503",
+        ),
+        (
+            "passed",
+            format!("/v1/passed?{stalling}"),
+            true,
+            "HTTP/1.1 201",
+        ),
+    ] {
+        let mut c = config(&upstream.url());
+        c.upstream.timeout = Duration::from_secs(1);
+        c.max_in_flight = 1;
+        c.store.timeout = Duration::from_millis(250);
+        c.idempotency.on_store_error = OnStoreError::Pass;
+        let store = FaultyStore::new();
+        if store_fails {
+            store.set(Fault::Fail);
+        }
+        let proxy = TestProxy::start_with_store(c, store.clone()).await;
+
+        let started = Instant::now();
+        let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+            .await
+            .expect("connect to the proxy");
+        let request = raw::request(
+            "POST",
+            &target,
+            &[
+                b"idempotency-key: stalls-1",
+                b"content-type: application/json",
+            ],
+            b"{}",
+        );
+        socket.write_all(&request).await.expect("write the request");
+        let mut answer = vec![0; 1024];
+        let n = socket.read(&mut answer).await.expect("the head arrives");
+        answer.truncate(n);
+        assert!(
+            answer.starts_with(head.as_bytes()),
+            "{case}: {}",
+            String::from_utf8_lossy(&answer)
+        );
+
+        let meanwhile = client
+            .post_json(&proxy.url("/v1/meanwhile"), "meanwhile-1", "{}")
+            .await;
+        assert_problem(&meanwhile, 503, "overloaded");
+
+        tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut answer))
+            .await
+            .expect("the proxy ends the body")
+            .ok();
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed < Duration::from_millis(3000),
+            "{case}: cut off at upstream.timeout, not streamed to its end ({elapsed:?})"
+        );
+        assert!(answer.len() < 131072, "{case}: the body was all relayed");
+        let after = client
+            .post_json(&proxy.url("/v1/after"), "after-1", "{}")
+            .await;
+        assert_eq!(
+            after.status, 201,
+            "{case}: the slot is free again: {after:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_draining_running_calls_finish_and_no_new_execution_starts() {
     let upstream = TestUpstream::start().await;

@@ -500,6 +500,22 @@ where
         let _ = respond.send(response);
     }
 
+    /// Answers with a response of the upstream's whose body may still be
+    /// arriving, as a passthrough's does: the body holds the request's
+    /// `max_in_flight` slot until it is done and is cut off at `deadline`,
+    /// so an upstream that stalls mid-body cannot hold either for good.
+    fn answer_relayed(
+        self,
+        respond: Responder,
+        outcome: RequestOutcome,
+        response: Response<Body>,
+        deadline: Instant,
+    ) {
+        let Self { log, permit, .. } = self;
+        log.finish(outcome, &response);
+        let _ = respond.send(response.map(|body| holding(body, permit, deadline)));
+    }
+
     fn answer_rejection(self, respond: Responder, outcome: RequestOutcome, rejection: Rejection) {
         let response = rejection.into_response(self.policy.profile);
         self.answer(respond, outcome, response);
@@ -639,6 +655,7 @@ where
         // Forwarded without protection, as the operator chose; the outcome
         // says so in logs and metrics.
         let started = Instant::now();
+        let deadline = started + self.settings.upstream_timeout;
         let result = self.inner.clone().oneshot(request).await;
         self.upstream_done(started);
         let response = result.unwrap_or_else(|e| {
@@ -647,7 +664,12 @@ where
             }
             .into_response(self.policy.profile)
         });
-        self.answer(respond, RequestOutcome::StoreUnavailable, response)
+        self.answer_relayed(
+            respond,
+            RequestOutcome::StoreUnavailable,
+            response,
+            deadline,
+        )
     }
 
     async fn execute(
@@ -690,7 +712,7 @@ where
         let status = response.status().as_u16();
         if self.policy.releases(status) {
             self.release(&claim, token).await;
-            return self.answer(respond, RequestOutcome::Released, response);
+            return self.answer_relayed(respond, RequestOutcome::Released, response, deadline);
         }
         self.stream_and_store(claim, token, response, deadline, respond)
             .await
