@@ -391,9 +391,16 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(Config::default()));
         if let Some(file) = file {
-            if !file.exists() {
+            // A directory (the volume a ConfigMap is mounted on, say)
+            // would read as an empty file to figment: defaults, silently.
+            if !file.is_file() {
+                let why = if file.exists() {
+                    "is not a file"
+                } else {
+                    "does not exist"
+                };
                 return Err(ConfigError::Invalid(vec![format!(
-                    "config file {} does not exist",
+                    "config file {} {why}",
                     file.display()
                 )]));
             }
@@ -408,7 +415,7 @@ impl Config {
         // `workers = "2"` is wrong, whatever the environment does.
         figment
             .extract::<Config>()
-            .map_err(|e| ConfigError::Load(Box::new(e)))?;
+            .map_err(|e| ConfigError::Load(Box::new(without_secrets(e))))?;
         let mut ignored_env = Vec::new();
         let mut config: Config = loop {
             let layered = figment
@@ -426,7 +433,7 @@ impl Config {
                     // not a reason to refuse to start.
                     let strangers = unknown_env_vars(&e, &vars);
                     if strangers.is_empty() {
-                        return Err(ConfigError::Load(Box::new(e)));
+                        return Err(ConfigError::Load(Box::new(without_secrets(e))));
                     }
                     vars.retain(|(k, _)| !strangers.contains(k));
                     ignored_env.extend(strangers);
@@ -545,8 +552,20 @@ impl Config {
                 }
             }
         }
-        if self.admin_token.as_deref() == Some("") {
-            problems.push("admin_token: must not be empty when set".into());
+        match self.admin_token.as_deref() {
+            Some("") => problems.push("admin_token: must not be empty when set".into()),
+            // Sent as `Authorization: Bearer <token>`, which carries visible
+            // ASCII only: any other token could never match, and the key
+            // API would answer 401 for good.
+            Some(token) if !token.bytes().all(|b| b.is_ascii_graphic()) => problems.push(
+                "admin_token: must be visible ASCII without spaces \
+                 (a trailing newline from a secret file?)"
+                    .into(),
+            ),
+            _ => {}
+        }
+        if let Err(why) = check_log_level(&self.log.level) {
+            problems.push(format!("log.level: {why}"));
         }
         validate_policy(
             "idempotency",
@@ -614,6 +633,8 @@ pub fn has_user_info(url: &str) -> bool {
 
 fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
+        // Not a URL: where a password would be is anyone's guess.
+        (None, _) => "<not shown>".into(),
         (Some(scheme_end), Some(at)) if at > scheme_end => {
             let userinfo = &url[scheme_end + 3..at];
             match userinfo.find(':') {
@@ -628,6 +649,75 @@ fn redact_url(url: &str) -> String {
         }
         _ => url.to_string(),
     }
+}
+
+/// The longest `ttl` accepted.
+pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Checks a `log.level` filter: a level (`info`), or comma-separated
+/// `target=level` directives. tracing reads any other word as a target
+/// name, so `warning` would have turned off every log line, the request
+/// lines and startup errors included.
+fn check_log_level(level: &str) -> Result<(), String> {
+    for directive in level.split(',') {
+        let named = directive.rsplit_once('=').map_or(directive, |(_, l)| l);
+        if named
+            .trim()
+            .parse::<tracing::level_filters::LevelFilter>()
+            .is_err()
+        {
+            return Err(format!(
+                "`{directive}` names no level (trace, debug, info, warn, error, off), \
+                 alone or as `target=level`"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// figment's error without anything secret in it: a TOML syntax error
+/// quotes the offending line (`password = "p4ss\word"`), a type error the
+/// value it found (`admin_token = 12345678`). The first loses its quoted
+/// lines (line and column stay); the second, for a secret field, its value.
+fn without_secrets(error: figment::Error) -> figment::Error {
+    use figment::error::Kind;
+    let errors: Vec<figment::Error> = error
+        .into_iter()
+        .map(|mut e| {
+            let secret = e
+                .path
+                .last()
+                .is_some_and(|field| matches!(field.as_str(), "admin_token" | "password" | "url"));
+            let replacement = match &e.kind {
+                Kind::Message(message) => Some(Kind::Message(
+                    message
+                        .lines()
+                        .filter(|line| {
+                            !line
+                                .trim_start()
+                                .trim_start_matches(|c: char| c.is_ascii_digit())
+                                .trim_start()
+                                .starts_with('|')
+                        })
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                )),
+                Kind::InvalidType(_, expected) | Kind::InvalidValue(_, expected) if secret => Some(
+                    Kind::Message(format!("invalid value (not shown), expected {expected}")),
+                ),
+                _ => None,
+            };
+            if let Some(kind) = replacement {
+                e.kind = kind;
+            }
+            e
+        })
+        .collect();
+    errors
+        .into_iter()
+        .rev()
+        .reduce(|older, newer| older.chain(newer))
+        .expect("an error holds at least one")
 }
 
 /// A timeout or margin longer than a day is a typo (`"30d"` for `"30s"`),
@@ -673,6 +763,14 @@ fn validate_policy(
     if p.ttl.is_zero() {
         problems.push(format!("{at}.ttl: must be greater than zero"));
     }
+    // Expiry instants are formatted as HTTP and RFC 3339 dates, which end
+    // in the year 9999; past a year a TTL is a typo anyway.
+    if p.ttl > MAX_TTL {
+        problems.push(format!(
+            "{at}.ttl: {} is longer than a year",
+            humantime::format_duration(p.ttl)
+        ));
+    }
     if p.wait_timeout.is_zero() && p.on_in_flight == OnInFlight::Wait {
         problems.push(format!(
             "{at}.wait_timeout: must be greater than zero with on_in_flight = \"wait\""
@@ -686,6 +784,13 @@ fn validate_policy(
     if p.max_request_bytes == 0 {
         problems.push(format!("{at}.max_request_bytes: must be greater than zero"));
     }
+    // Zero would store no response body at all (every retry 502
+    // `response-not-stored`), not "unlimited".
+    if p.max_response_bytes == 0 {
+        problems.push(format!(
+            "{at}.max_response_bytes: must be greater than zero"
+        ));
+    }
     for h in &p.fingerprint_headers {
         if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
             problems.push(format!(
@@ -694,10 +799,8 @@ fn validate_policy(
         }
     }
     for ptr in &p.fingerprint_ignore {
-        if !ptr.starts_with('/') {
-            problems.push(format!(
-                "{at}.fingerprint_ignore: `{ptr}` is not a JSON pointer (must start with `/`)"
-            ));
+        if let Err(why) = crate::idempotency::fingerprint::validate_pointer(ptr) {
+            problems.push(format!("{at}.fingerprint_ignore: {why}"));
         }
     }
     for s in &p.scope {
@@ -1082,6 +1185,105 @@ require_key = true
             .expect_err("bad duration")
             .to_string();
         assert!(err.contains("timeout"), "{err}");
+    }
+
+    /// Settings that would load and then break quietly at run time: each is
+    /// refused with its field named, and the value next to it is accepted.
+    #[test]
+    fn settings_that_would_fail_quietly_are_refused() {
+        let refused = |what: &str, c: Config, field: &str| {
+            let err = c.validate().expect_err(what).to_string();
+            assert!(err.contains(field), "{what}: {err}");
+        };
+        let accepted = |what: &str, c: Config| {
+            c.validate()
+                .unwrap_or_else(|e| panic!("{what} should be accepted: {e}"));
+        };
+        for (level, ok) in [
+            ("info", true),
+            ("WARN", true),
+            ("idemproxy=debug,info", true),
+            ("info,idemproxy::request=off", true),
+            ("off", true),
+            ("warning", false),
+            ("idemproxy=verbose", false),
+        ] {
+            let mut c = Config::default();
+            c.log.level = level.into();
+            if ok {
+                accepted(level, c);
+            } else {
+                refused(level, c, "log.level");
+            }
+        }
+
+        let mut c = Config::default();
+        c.idempotency.max_response_bytes = 0;
+        refused("no response bytes", c, "idempotency.max_response_bytes");
+
+        let mut c = Config::default();
+        c.idempotency.ttl = MAX_TTL;
+        accepted("a year's ttl", c.clone());
+        c.idempotency.ttl = MAX_TTL + Duration::from_secs(1);
+        refused("ttl past a year", c, "idempotency.ttl");
+
+        let with_token = |token: &str| Config {
+            admin_token: Some(token.into()),
+            ..Config::default()
+        };
+        for token in ["s3cret\n", " s3cret", "s3crét"] {
+            refused(token, with_token(token), "admin_token");
+        }
+        accepted("a plain token", with_token("s3cret-Token_1"));
+
+        let mut c = Config::default();
+        c.idempotency.fingerprint_ignore = vec!["/a~2".into()];
+        refused("a bad escape", c, "idempotency.fingerprint_ignore");
+        let mut c = Config::default();
+        c.idempotency.fingerprint_ignore = vec!["/a~1b/~0".into()];
+        accepted("escapes", c);
+    }
+
+    #[test]
+    fn a_config_path_that_is_a_directory_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = Config::load(Some(dir.path()), env(&[]), &FlagOverrides::default())
+            .expect_err("a directory is no config file")
+            .to_string();
+        assert!(err.contains("is not a file"), "{err}");
+    }
+
+    /// Load errors are printed: a TOML syntax error must not quote the line
+    /// with the secret in it, nor a type error a secret's value.
+    #[test]
+    fn load_errors_do_not_repeat_secrets() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        for (text, secret, still_said) in [
+            ("[store]\npassword = \"p4ss\\word\"\n", "p4ss", "line 2"),
+            ("admin_token = s3cret\n", "s3cret", "line 1"),
+            ("admin_token = 12345678\n", "12345678", "admin_token"),
+            ("[store]\nurl = 42424242\n", "42424242", "url"),
+        ] {
+            std::fs::write(&file, text).expect("write");
+            let err = Config::load(Some(&file), env(&[]), &FlagOverrides::default())
+                .expect_err("invalid")
+                .to_string();
+            assert!(!err.contains(secret), "{text:?} repeated: {err}");
+            assert!(err.contains(still_said), "{text:?}: {err}");
+        }
+        // A field that holds no secret keeps the value in its message.
+        std::fs::write(&file, "workers = \"many\"\n").expect("write");
+        let err = Config::load(Some(&file), env(&[]), &FlagOverrides::default())
+            .expect_err("invalid")
+            .to_string();
+        assert!(err.contains("many"), "{err}");
+
+        assert!(!redact_url("idemproxy:S3cret@redis:6379").contains("S3cret"));
+        assert_eq!(
+            redact_url("redis://u:S3cret@h:6379/0"),
+            "redis://u:<redacted>@h:6379/0"
+        );
     }
 
     #[test]

@@ -422,7 +422,7 @@ fn is_json_media_type(value: &[u8]) -> bool {
 
 /// Checks what `remove_pointer` would otherwise silently ignore, so a typo
 /// in the configuration is reported instead of never matching.
-fn validate_pointer(ptr: &str) -> Result<(), String> {
+pub fn validate_pointer(ptr: &str) -> Result<(), String> {
     if ptr.is_empty() {
         return Err("`` (the empty JSON pointer) would ignore the whole body; \
                     name a member, e.g. `/metadata/sent_at`"
