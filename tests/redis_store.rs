@@ -455,6 +455,41 @@ async fn a_key_changing_under_every_swap_is_in_flight_not_unavailable() {
     );
 }
 
+/// A caller that stops waiting for `remove` (the admin API's timeout) must
+/// not cancel the announcement that follows the deletion: the other
+/// replicas' caches would replay the record for up to a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_given_up_on_is_still_announced() {
+    use futures_util::StreamExt;
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let key = new_key();
+    let token = claim(&store, key, LEASE).await;
+    store
+        .complete(&key, token, &completed(1))
+        .await
+        .expect("complete");
+    let client = redis::Client::open(server.url()).expect("redis url");
+    let (mut sink, mut heard) = client
+        .get_async_pubsub()
+        .await
+        .expect("pubsub connection")
+        .split();
+    sink.subscribe(format!("{}removed", store.key_prefix()))
+        .await
+        .expect("subscribe");
+
+    // Given up on after its first poll, before Redis could answer.
+    let given_up = futures_util::FutureExt::now_or_never(store.remove(&key));
+    assert!(given_up.is_none(), "answered at once: {given_up:?}");
+    let message = tokio::time::timeout(Duration::from_secs(5), heard.next())
+        .await
+        .expect("the removal is announced")
+        .expect("subscribed");
+    assert_eq!(message.get_payload_bytes(), &key.as_bytes()[..]);
+    assert_eq!(store.get(&key).await.expect("get"), None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_values_are_reported_not_fatal() {
     let server = RedisServer::start();

@@ -560,25 +560,52 @@ impl RedisStore {
     /// is gone whatever happens here, so a failure is logged, not returned:
     /// a replica that missed the message replays from its cache for at
     /// most the cache's `max_age` (an operator who retries the removal
-    /// announces it again). Published from a task of its own, so that a
-    /// caller that stops waiting once the record is deleted (the admin
-    /// API's timeout) does not cancel it.
+    /// announces it again).
     async fn announce_removal(&self, key: &RecordKey) {
-        let mut publish = redis::cmd("PUBLISH");
-        publish.arg(self.removals.name()).arg(&key.as_bytes()[..]);
-        let mut conn = self.conn();
-        let key = *key;
-        let published = tokio::spawn(async move {
-            let published = publish.query_async::<i64>(&mut conn).await;
-            if let Err(e) = &published {
-                tracing::warn!(
-                    key = %key.hex(),
-                    error = %e,
-                    "removed, but other replicas were not told: their local caches may replay it for up to a minute"
-                );
+        let published = redis::cmd("PUBLISH")
+            .arg(self.removals.name())
+            .arg(&key.as_bytes()[..])
+            .query_async::<i64>(&mut self.conn())
+            .await;
+        if let Err(e) = &published {
+            tracing::warn!(
+                key = %key.hex(),
+                error = %e,
+                "removed, but other replicas were not told: their local caches may replay it for up to a minute"
+            );
+        }
+    }
+
+    /// Deletes `key`'s record and announces it; whether a live one was
+    /// there.
+    async fn remove_and_announce(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let now = now_millis();
+        let name = self.redis_key(key);
+        let removed: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GETDEL")
+            .arg(&name)
+            .query_async(&mut self.conn())
+            .await;
+        let live = match removed {
+            Ok(None) => false,
+            // A value without a readable expiry counts as live: removing it
+            // is how an operator clears a corrupt record.
+            Ok(Some(value)) => stored_expires_at(&value).is_none_or(|exp| exp > now),
+            // Not a string (a hash of an earlier build, or anything else).
+            Err(e) if e.code() == Some("WRONGTYPE") => {
+                let deleted: i64 = redis::cmd("DEL")
+                    .arg(&name)
+                    .query_async(&mut self.conn())
+                    .await
+                    .map_err(redis_error)?;
+                deleted != 0
             }
-        });
-        let _ = published.await;
+            Err(e) => return Err(redis_error(e)),
+        };
+        // Announced even when nothing was there: a removal whose answer was
+        // lost (its caller timed out after `GETDEL` ran) is retried, finds
+        // nothing, and must still reach the other replicas' caches.
+        self.announce_removal(key).await;
+        Ok(live)
     }
 
     /// The prefix of every key this store writes.
@@ -731,33 +758,14 @@ impl Store for RedisStore {
     }
 
     async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let now = now_millis();
-        let name = self.redis_key(key);
-        let removed: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GETDEL")
-            .arg(&name)
-            .query_async(&mut self.conn())
-            .await;
-        let live = match removed {
-            Ok(None) => false,
-            // A value without a readable expiry counts as live: removing it
-            // is how an operator clears a corrupt record.
-            Ok(Some(value)) => stored_expires_at(&value).is_none_or(|exp| exp > now),
-            // Not a string (a hash of an earlier build, or anything else).
-            Err(e) if e.code() == Some("WRONGTYPE") => {
-                let deleted: i64 = redis::cmd("DEL")
-                    .arg(&name)
-                    .query_async(&mut self.conn())
-                    .await
-                    .map_err(redis_error)?;
-                deleted != 0
-            }
-            Err(e) => return Err(redis_error(e)),
-        };
-        // Announced even when nothing was there: a removal whose answer was
-        // lost (its caller timed out after `GETDEL` ran) is retried, finds
-        // nothing, and must still reach the other replicas' caches.
-        self.announce_removal(key).await;
-        Ok(live)
+        // In a task of its own: a caller that stops waiting (the admin
+        // API's timeout) once Redis has deleted the record must not cancel
+        // the announcement after it, or the other replicas' caches would
+        // replay the record for up to a minute.
+        let (store, key) = (self.clone(), *key);
+        tokio::spawn(async move { store.remove_and_announce(&key).await })
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("remove: {e}")))?
     }
 
     fn watch_removals(&self, invalidator: Invalidator) {
