@@ -839,7 +839,12 @@ impl FlagOverrides {
     }
 }
 
-/// The variables among `vars` that `error` says name no field.
+/// The variables among `vars` that `error` says name no field, and that
+/// may be someone else's: a name without `__`. Kubernetes names its
+/// service variables with single underscores (`IDEMPROXY_PORT`,
+/// `IDEMPROXY_SERVICE_HOST`); `__` is this configuration's own nesting, so
+/// `IDEMPROXY_IDEMPOTENCY__REQUIRE_KEYS` is a typo to refuse, as in the
+/// file, not a stranger to ignore.
 fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<String> {
     error
         .clone()
@@ -860,7 +865,7 @@ fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<St
                     .filter(|(k, _)| {
                         k.strip_prefix("IDEMPROXY_").is_some_and(|rest| {
                             let rest = rest.to_ascii_lowercase();
-                            rest == name || rest.starts_with(&under)
+                            !rest.contains("__") && (rest == name || rest.starts_with(&under))
                         })
                     })
                     .map(|(k, _)| k.clone())
@@ -966,7 +971,7 @@ mod tests {
             env(&[
                 ("IDEMPROXY_PORT", "tcp://10.0.0.7:8080"),
                 ("IDEMPROXY_SERVICE_HOST", "10.0.0.7"),
-                ("IDEMPROXY_STORE__NO_SUCH_FIELD", "x"),
+                ("IDEMPROXY_PORT_8080_TCP_ADDR", "10.0.0.7"),
                 ("IDEMPROXY_CONFIG", "/etc/idemproxy/idemproxy.toml"),
                 ("IDEMPROXY_WORKERS", "3"),
             ]),
@@ -980,23 +985,31 @@ mod tests {
             ignored,
             [
                 "IDEMPROXY_PORT",
-                "IDEMPROXY_SERVICE_HOST",
-                "IDEMPROXY_STORE__NO_SUCH_FIELD"
+                "IDEMPROXY_PORT_8080_TCP_ADDR",
+                "IDEMPROXY_SERVICE_HOST"
             ]
         );
-        // Under a section that does not exist, too.
-        let c = Config::load(
-            None,
-            env(&[
-                ("IDEMPROXY_FOO__BAR", "1"),
-                ("IDEMPROXY_FOO__BAZ__QUX", "2"),
-            ]),
-            &FlagOverrides::default(),
-        )
-        .expect("loads");
-        let mut ignored = c.ignored_env.clone();
-        ignored.sort();
-        assert_eq!(ignored, ["IDEMPROXY_FOO__BAR", "IDEMPROXY_FOO__BAZ__QUX"]);
+        // A name with this configuration's nesting (`__`) is ours, so one
+        // that names no field is a typo, refused as in the file: under a
+        // section that exists or one that does not, beside strangers.
+        for typo in [
+            "IDEMPROXY_IDEMPOTENCY__REQUIRE_KEYS",
+            "IDEMPROXY_STORE__NO_SUCH_FIELD",
+            "IDEMPROXY_FOO__BAR",
+        ] {
+            let err = Config::load(
+                None,
+                env(&[("IDEMPROXY_PORT", "tcp://10.0.0.7:8080"), (typo, "1")]),
+                &FlagOverrides::default(),
+            )
+            .expect_err(typo)
+            .to_string();
+            // The unknown part is named: the field, or the section.
+            let named = typo["IDEMPROXY_".len()..]
+                .split("__")
+                .any(|part| err.contains(&format!("`{}`", part.to_ascii_lowercase())));
+            assert!(err.contains("unknown field") && named, "{typo}: {err}");
+        }
         // A bad value for a field that exists is still an error.
         let err = Config::load(
             None,
