@@ -22,7 +22,7 @@ use tokio::time::Instant;
 const ARRIVAL: Duration = Duration::from_secs(5);
 
 /// The `outcome` values the README lists for `idemproxy_requests_total`.
-const OUTCOMES: [&str; 15] = [
+const OUTCOMES: [&str; 17] = [
     "executed",
     "replayed",
     "mismatch",
@@ -38,6 +38,8 @@ const OUTCOMES: [&str; 15] = [
     "internal",
     "overloaded",
     "shutting_down",
+    "unprotected",
+    "client_closed",
 ];
 
 /// One sample line of the text exposition: `name{labels} value`.
@@ -452,8 +454,56 @@ async fn an_unreachable_upstream_counts_upstream_unreachable_and_a_release() {
     );
 }
 
+/// Every request is counted once, a client that leaves before its answer
+/// too: a passthrough waiting for the upstream (the call is dropped) ends as
+/// `client_closed`, a covered request whose body was still arriving as
+/// `bad_body` (the body broke off), and neither is logged as anything else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_its_answer_is_counted() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+
+    let s = scrape(&client, &proxy).await;
+    let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect");
+    socket
+        .write_all(&support::raw::request(
+            "POST",
+            "/v1/slow?delay_ms=2000",
+            &[b"content-type: application/json"],
+            b"{}",
+        ))
+        .await
+        .expect("write");
+    assert!(
+        upstream
+            .wait_for_executions("/v1/slow", 1, Duration::from_secs(5))
+            .await
+    );
+    drop(socket);
+    let s = expect_one(&client, &proxy, &s, "default", "client_closed", 0.0).await;
+
+    let mut socket = tokio::net::TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect");
+    socket
+        .write_all(
+            b"POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: left-1\r\n\
+              content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"amount\"",
+        )
+        .await
+        .expect("write");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(socket);
+    expect_one(&client, &proxy, &s, "default", "bad_body", 0.0).await;
+    assert_eq!(upstream.executions("/v1/orders"), 0);
+}
+
 /// With `on_store_error = "pass"`, a request forwarded while the store is
-/// down is counted as `store_unavailable` (not `executed`), its failed
+/// down is counted as `unprotected` (not `executed`), its failed
 /// `begin` as a store error, and its unprotected upstream call is timed.
 #[tokio::test]
 async fn a_request_passed_while_the_store_is_down_is_counted_as_such() {
@@ -472,7 +522,7 @@ async fn a_request_passed_while_the_store_is_down_is_counted_as_such() {
     assert_status(&passed, 201, None);
     assert!(!passed.replayed());
     assert_eq!(upstream.executions("/v1/orders"), 1);
-    let after = expect_one(&client, &proxy, &s, "default", "store_unavailable", 0.0).await;
+    let after = expect_one(&client, &proxy, &s, "default", "unprotected", 0.0).await;
     let delta =
         |name: &str, labels: &[(&str, &str)]| after.value(name, labels) - s.value(name, labels);
     assert_eq!(
@@ -651,7 +701,8 @@ async fn a_settled_stale_claim_counts_one_expired_lease() {
         |s: &Scrape, route: &str| s.value("idemproxy_expired_leases_total", &[("route", route)]);
 
     // on_stale = "store": the request settles the key as outcome-unknown and
-    // is answered from that record (a replay), counted once.
+    // is answered from that record, counted once, as `outcome_unknown`: the
+    // alert on that outcome must see a proxy that died mid-call.
     plant_stale_claim(&proxy, "/v1/payments", "stale-1", body).await;
     let s = scrape(&client, &proxy).await;
     assert_eq!(expired(&s, "payments"), 0.0);
@@ -660,7 +711,7 @@ async fn a_settled_stale_claim_counts_one_expired_lease() {
         .await;
     assert_status(&reply, 502, Some("outcome-unknown"));
     assert!(reply.replayed());
-    let s = expect_one(&client, &proxy, &s, "payments", "replayed", 0.0).await;
+    let s = expect_one(&client, &proxy, &s, "payments", "outcome_unknown", 0.0).await;
     assert_eq!(expired(&s, "payments"), 1.0);
     // A later retry replays the settled record: no new expired lease.
     let again = client

@@ -22,8 +22,11 @@ pub enum RequestOutcome {
     BadBody,
     /// Not covered by idempotency: forwarded untouched.
     Passthrough,
-    /// The store failed: rejected, or forwarded unprotected (`on_store_error = "pass"`).
+    /// The store failed; the request was rejected.
     StoreUnavailable,
+    /// The store failed and the request was forwarded without protection
+    /// (`on_store_error = "pass"`): a side effect that may run again.
+    Unprotected,
     /// The upstream could not be reached; the key was released.
     UpstreamUnreachable,
     /// The upstream timed out or broke after the request was sent.
@@ -36,10 +39,15 @@ pub enum RequestOutcome {
     Overloaded,
     /// Turned away before claiming its key: the proxy is draining.
     ShuttingDown,
+    /// The client went away before it had an answer, while the request was
+    /// still the proxy's to drop: its body arriving, or a passthrough
+    /// waiting for the upstream (which is cancelled). A covered execution
+    /// whose client leaves runs on and gets its own outcome.
+    ClientClosed,
 }
 
 impl RequestOutcome {
-    pub const ALL: [RequestOutcome; 15] = [
+    pub const ALL: [RequestOutcome; 17] = [
         RequestOutcome::Executed,
         RequestOutcome::Replayed,
         RequestOutcome::Mismatch,
@@ -49,12 +57,14 @@ impl RequestOutcome {
         RequestOutcome::BadBody,
         RequestOutcome::Passthrough,
         RequestOutcome::StoreUnavailable,
+        RequestOutcome::Unprotected,
         RequestOutcome::UpstreamUnreachable,
         RequestOutcome::OutcomeUnknown,
         RequestOutcome::Released,
         RequestOutcome::Internal,
         RequestOutcome::Overloaded,
         RequestOutcome::ShuttingDown,
+        RequestOutcome::ClientClosed,
     ];
 
     /// Position in [`Self::ALL`].
@@ -73,12 +83,14 @@ impl RequestOutcome {
             RequestOutcome::BadBody => "bad_body",
             RequestOutcome::Passthrough => "passthrough",
             RequestOutcome::StoreUnavailable => "store_unavailable",
+            RequestOutcome::Unprotected => "unprotected",
             RequestOutcome::UpstreamUnreachable => "upstream_unreachable",
             RequestOutcome::OutcomeUnknown => "outcome_unknown",
             RequestOutcome::Released => "released",
             RequestOutcome::Internal => "internal",
             RequestOutcome::Overloaded => "overloaded",
             RequestOutcome::ShuttingDown => "shutting_down",
+            RequestOutcome::ClientClosed => "client_closed",
         }
     }
 }

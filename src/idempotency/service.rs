@@ -584,8 +584,12 @@ where
                 Ok(BeginOutcome::Settled(record)) => {
                     self.log.metrics.lease_expired();
                     tracing::warn!(key = %claim.key.to_hex(), "settled a stale key as outcome-unknown (its holder died mid-call)");
+                    // This request is the one that found the claim abandoned:
+                    // counted as the unknown outcome it answers, so the alert
+                    // on `outcome_unknown` sees a proxy that died mid-call.
+                    // Later retries replay the record.
                     let response = replay(&record, &self.policy);
-                    return self.answer(respond, RequestOutcome::Replayed, response);
+                    return self.answer(respond, RequestOutcome::OutcomeUnknown, response);
                 }
                 Ok(BeginOutcome::Mismatch { state }) => {
                     return self.answer_rejection(
@@ -664,12 +668,7 @@ where
             }
             .into_response(self.policy.profile)
         });
-        self.answer_relayed(
-            respond,
-            RequestOutcome::StoreUnavailable,
-            response,
-            deadline,
-        )
+        self.answer_relayed(respond, RequestOutcome::Unprotected, response, deadline)
     }
 
     async fn execute(
@@ -1265,16 +1264,21 @@ pub struct RequestLog {
     /// `internal`, so the request is in the log and in
     /// `idemproxy_requests_total` all the same, with the status already sent
     /// if there was one, else the 500 the client gets (if it still waits).
-    /// Dropped otherwise, its client went away before an answer: no line, as
-    /// before.
+    /// Dropped unwritten otherwise, its client went away before an answer
+    /// (`client_closed`): every request gets its line and its count.
     written: bool,
 }
 
 impl Drop for RequestLog {
     fn drop(&mut self) {
-        if !self.written && std::thread::panicking() {
+        if self.written {
+            return;
+        }
+        if std::thread::panicking() {
             self.status.get_or_insert(500);
             self.write(RequestOutcome::Internal);
+        } else {
+            self.write(RequestOutcome::ClientClosed);
         }
     }
 }
