@@ -421,8 +421,13 @@ async fn a_running_claim_is_deleted_only_with_force() {
     assert_eq!(forced.status, 200, "{forced:?}");
     assert_problem(&admin.get(&hash).await, 404, "key-not-found");
     // The first request still finishes; its outcome is refused (its claim
-    // is gone), as the operator chose.
+    // is gone), as the operator chose: nothing is stored, and a retry runs.
     assert_eq!(slow.await.expect("slow task").status, 201);
+    assert_problem(&admin.get(&hash).await, 404, "key-not-found");
+    let retry = post(&client, &proxy, target, "stuck-1", TENANT_A).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed(), "{retry:?}");
+    assert_eq!(upstream.executions("/v1/payments"), 2);
 }
 
 #[tokio::test]

@@ -961,10 +961,13 @@ async fn with_on_store_error_pass_requests_are_forwarded_unprotected() {
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(upstream.executions("/v1/orders"), 3);
 
-    // Uncovered requests never touch the store.
+    // Uncovered requests never touch the store (`pass` would answer them
+    // 201 either way: the store's call count tells).
     store.set(Fault::Fail);
+    let calls = store.calls();
     let get = client
         .send(Method::GET, &proxy.url("/v1/orders"), &[JSON], "")
         .await;
     assert_eq!(get.status, 201);
+    assert_eq!(store.calls(), calls, "the GET asked the store");
 }

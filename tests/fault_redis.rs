@@ -57,6 +57,9 @@ async fn a_redis_killed_under_load_means_fast_503s_then_recovery_and_aof_replays
         &redis_server::unique_prefix("redis-down"),
     );
     c.store.timeout = Duration::from_millis(250);
+    // Replays after the restart must come from Redis's AOF, not from the
+    // proxy's own cache.
+    c.store.local_cache_entries = 0;
     let proxy = ProxyProcess::start(c).await;
     let client = TestClient::new();
 

@@ -130,8 +130,8 @@ impl Scrape {
         })
     }
 
-    /// The value of the one sample called `name` with exactly `labels`
-    /// (0 when absent: a labelled series appears on first use).
+    /// The value of the one sample called `name` with exactly `labels`;
+    /// every series the tests read is exported from the start.
     fn value(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         let found: Vec<&Sample> = self
             .matching(name, labels)
@@ -141,7 +141,12 @@ impl Scrape {
             found.len() <= 1,
             "{name} {labels:?} is ambiguous: {found:?}"
         );
-        found.first().map_or(0.0, |s| s.value)
+        // Absent is not zero: a renamed or unexported series must fail the
+        // checks that expect it to stay at zero.
+        found
+            .first()
+            .unwrap_or_else(|| panic!("{name} {labels:?} is not exported"))
+            .value
     }
 
     /// Every `idemproxy_requests_total` series: (route, outcome) → count.

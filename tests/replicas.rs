@@ -78,12 +78,16 @@ async fn redis_store(c: &Config) -> SharedStore {
     }
 }
 
-/// Two replicas on the shared private Redis of this test binary.
+/// Two replicas on the shared private Redis of this test binary, without
+/// the local replay cache: every answer comes from Redis.
+/// (`with_the_local_cache_replays_on_b_stay_correct` runs them with it.)
 async fn two_replicas(upstream: &TestUpstream, name: &str) -> (TestProxy, TestProxy) {
     let server = redis_server::shared();
     let prefix = redis_server::unique_prefix(name);
-    let a = replica(redis_config(&upstream.url(), &server.url(), &prefix)).await;
-    let b = replica(redis_config(&upstream.url(), &server.url(), &prefix)).await;
+    let mut c = redis_config(&upstream.url(), &server.url(), &prefix);
+    c.store.local_cache_entries = 0;
+    let a = replica(c.clone()).await;
+    let b = replica(c).await;
     (a, b)
 }
 
@@ -319,10 +323,13 @@ async fn with_the_local_cache_replays_on_b_stay_correct() {
     let upstream = TestUpstream::start().await;
     let server = redis_server::shared();
     let prefix = redis_server::unique_prefix("cached");
-    let mut c = redis_config(&upstream.url(), &server.url(), &prefix);
-    c.store.local_cache_entries = 1000;
-    let a = replica(c.clone()).await;
-    let b = replica(c).await;
+    let c = redis_config(&upstream.url(), &server.url(), &prefix);
+    let (a, a_cache) = cached_replica(c.clone()).await;
+    let (b, b_cache) = cached_replica(c).await;
+    eventually("both caches hear removals", || {
+        a_cache.is_live() && b_cache.is_live()
+    })
+    .await;
     let client = TestClient::new();
     let path = "/v1/orders?delay_ms=500";
     let other_body = r#"{"amount":1,"currency":"eur"}"#;
@@ -344,6 +351,8 @@ async fn with_the_local_cache_replays_on_b_stay_correct() {
     assert_executed(&first);
     // B replays (from Redis, then from its cache), and so does A (from the
     // record it cached on completion), every time identically.
+    let hits = |cache: &CachedStore| cache.local_cache_hits().unwrap_or(0);
+    let (a_hits, b_hits) = (hits(&a_cache), hits(&b_cache));
     let mut date = None;
     for round in 0..3 {
         for (name, replica) in [("b", &b), ("a", &a)] {
@@ -356,6 +365,12 @@ async fn with_the_local_cache_replays_on_b_stay_correct() {
             assert_eq!(&this, date, "round {round} on {name}");
         }
     }
+    assert!(
+        hits(&a_cache) >= a_hits + 3 && hits(&b_cache) >= b_hits + 2,
+        "the replays came from the caches: a {a_hits} -> {}, b {b_hits} -> {}",
+        hits(&a_cache),
+        hits(&b_cache)
+    );
     // A cached completed record still answers a different body with 409.
     let mismatch = client.post_json(&b.url(path), "k-1", other_body).await;
     assert_problem(&mismatch, 409, "key-reused");

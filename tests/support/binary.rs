@@ -50,6 +50,10 @@ pub struct ProxyProcess {
     _dir: TempDir,
 }
 
+/// What the binary's error says when its port was taken
+/// (`cannot listen on …: Address already in use (os error 98)`).
+const PORT_TAKEN: &str = "Address already in use";
+
 impl ProxyProcess {
     /// Starts the binary with `config`; its `listen` and `admin_listen` are
     /// replaced by free ports. Panics, with the log, if it does not become
@@ -57,11 +61,13 @@ impl ProxyProcess {
     pub async fn start(config: Config) -> ProxyProcess {
         let mut last_error = String::new();
         // A free port can be taken between the check and the child's bind:
-        // try again on other ports then.
+        // try again on other ports then, and only then (any other failure to
+        // start is what a test must see).
         for _ in 0..3 {
             match Self::try_start(config.clone()).await {
                 Ok(process) => return process,
-                Err(e) => last_error = e,
+                Err(e) if e.contains(PORT_TAKEN) => last_error = e,
+                Err(e) => panic!("idemproxy did not start: {e}"),
             }
         }
         panic!("idemproxy did not start: {last_error}");

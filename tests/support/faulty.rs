@@ -4,7 +4,7 @@
 //! [`Fault::None`] models a store that recovered, without restarting the
 //! proxy.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +30,8 @@ pub enum Fault {
 pub struct FaultyStore {
     inner: MemoryStore,
     mode: AtomicU8,
+    /// Calls made through the faults, whatever their mode.
+    calls: AtomicU64,
 }
 
 impl FaultyStore {
@@ -46,7 +48,13 @@ impl FaultyStore {
         &self.inner
     }
 
+    /// How many calls the proxy has made to this store.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
     async fn gate(&self) -> Result<(), StoreError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
         match self.mode.load(Ordering::SeqCst) {
             0 => Ok(()),
             1 => {
