@@ -3,7 +3,8 @@
 //! in flight until its lease runs out, then settled fail-closed as
 //! `outcome-unknown`, never executed again), and a proxy stopped with
 //! SIGTERM while calls are in flight (they finish, are stored, and replay
-//! on another replica).
+//! on another replica). The same SIGKILL on the embedded store (the
+//! default): what was answered survives, what was mid-call fails closed.
 
 mod support;
 
@@ -109,6 +110,82 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
         late.header("idempotency-original-date")
     );
     assert_eq!(executions.total, 1);
+}
+
+/// The default store, one sidecar, SIGKILL: a completion answered before
+/// the crash was fsync'd and replays from the file after a restart; a key
+/// claimed mid-call is in flight until its lease ends, then settled as
+/// `outcome-unknown`; nothing runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_killed_on_the_embedded_store_keeps_its_answers_and_fails_closed() {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut c = support::proxy::config(&upstream.url());
+    c.store.kind = idemproxy::config::StoreKind::Embedded;
+    c.store.path = dir.path().join("data");
+    c.upstream.timeout = Duration::from_secs(4);
+    c.idempotency.lease_margin = Duration::from_millis(500);
+    let lease = Duration::from_millis(4500);
+    let mut first = ProxyProcess::start(c.clone()).await;
+    let client = TestClient::new();
+
+    let done = client
+        .post_json(&first.url("/v1/done"), "done-1", BODY)
+        .await;
+    assert_eq!(done.status, 201, "{done:?}\n{}", first.logs());
+    assert!(!done.replayed());
+
+    let path = "/v1/charges?delay_ms=3000";
+    let sent_at = Instant::now();
+    let doomed = {
+        let addr = first.addr;
+        tokio::spawn(async move {
+            raw_exchange(
+                addr,
+                &raw_post(path, "crash-1", BODY),
+                Duration::from_secs(10),
+            )
+            .await
+        })
+    };
+    assert!(
+        upstream
+            .wait_for_executions(path, 1, Duration::from_secs(5))
+            .await,
+        "the request reached the upstream:\n{}",
+        first.logs()
+    );
+    first.kill();
+    let lost = doomed.await.expect("the first client");
+    assert_eq!(
+        lost.status(),
+        None,
+        "no answer from a killed proxy: {lost:?}"
+    );
+
+    // The sidecar restarts on the same file.
+    let second = ProxyProcess::start(c).await;
+    let replay = client
+        .post_json(&second.url("/v1/done"), "done-1", BODY)
+        .await;
+    assert_eq!(replay.status, 201, "{replay:?}\n{}", second.logs());
+    assert!(replay.replayed(), "answered before the crash: {replay:?}");
+    assert_eq!(replay.body, done.body);
+
+    let url = second.url(path);
+    let early = client.post_json(&url, "crash-1", BODY).await;
+    let early_at = sent_at.elapsed();
+    assert!(
+        early_at < lease - Duration::from_millis(500),
+        "the retry came {early_at:?} after the claim: too late to test the lease"
+    );
+    assert_problem(&early, 425, "in-flight");
+    tokio::time::sleep_until(sent_at + lease + Duration::from_millis(300)).await;
+    let late = client.post_json(&url, "crash-1", BODY).await;
+    assert_problem(&late, 502, "outcome-unknown");
+    let executions = Executions::count(&upstream, ["/v1/done", path]);
+    executions.assert_at_most_once();
+    assert_eq!(executions.total, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
