@@ -416,11 +416,19 @@ impl Config {
         figment
             .extract::<Config>()
             .map_err(|e| ConfigError::Load(Box::new(without_secrets(e))))?;
+        // What the variables are laid over: `IDEMPROXY_ROUTES__0__TTL`
+        // patches the file's first route.
+        let base: figment::value::Dict = figment
+            .extract()
+            .map_err(|e| ConfigError::Load(Box::new(without_secrets(e))))?;
         let mut ignored_env = Vec::new();
         let mut config: Config = loop {
             let layered = figment
                 .clone()
-                .merge(EnvVars { vars: vars.clone() })
+                .merge(EnvVars {
+                    vars: vars.clone(),
+                    base: base.clone(),
+                })
                 .merge(flags.as_provider());
             // Lossy: a variable's value is a string, read as a number or a
             // boolean where the field is one (see `EnvVars`).
@@ -891,6 +899,10 @@ const ENV_SOURCE: &str = "environment variable(s)";
 /// have been dropped.
 struct EnvVars {
     vars: Vec<(String, String)>,
+    /// Defaults and file, for the lists a variable indexes into: such a list
+    /// is given whole, with the variable's change (figment merges tables,
+    /// not list items).
+    base: figment::value::Dict,
 }
 
 impl figment::Provider for EnvVars {
@@ -912,7 +924,9 @@ impl figment::Provider for EnvVars {
                 Ok(parsed @ (Value::Array(..) | Value::Dict(..))) => parsed,
                 _ => Value::from(v.clone()),
             };
-            insert_path(&mut dict, &path, value);
+            let base = Value::from(self.base.clone());
+            insert_path(&mut dict, Some(&base), &path, value)
+                .map_err(|why| figment::Error::from(format!("{k}: {why}")))?;
         }
         let mut map = Map::new();
         map.insert(figment::Profile::Default, dict);
@@ -920,21 +934,51 @@ impl figment::Provider for EnvVars {
     }
 }
 
-fn insert_path(dict: &mut figment::value::Dict, path: &[String], value: figment::value::Value) {
+/// Sets `path` to `value` in `dict`. A list that `path` indexes into (the
+/// next part is a number) starts as `base`'s list at that place, so that
+/// `routes.0.ttl` changes the first route and keeps the others.
+fn insert_path(
+    dict: &mut figment::value::Dict,
+    base: Option<&figment::value::Value>,
+    path: &[String],
+    value: figment::value::Value,
+) -> Result<(), String> {
     use figment::value::{Dict, Value};
-    match path {
-        [] => {}
-        [last] => {
-            dict.insert(last.clone(), value);
-        }
-        [first, rest @ ..] => {
-            let entry = dict
-                .entry(first.clone())
-                .or_insert_with(|| Value::from(Dict::new()));
-            if let Value::Dict(_, inner) = entry {
-                insert_path(inner, rest, value);
+    let [first, rest @ ..] = path else {
+        return Ok(());
+    };
+    if rest.is_empty() {
+        dict.insert(first.clone(), value);
+        return Ok(());
+    }
+    let base = base.and_then(|b| b.find_ref(first));
+    let indexes = rest[0].parse::<usize>().is_ok();
+    let entry = dict.entry(first.clone()).or_insert_with(|| match base {
+        Some(list @ Value::Array(..)) if indexes => list.clone(),
+        _ => Value::from(Dict::new()),
+    });
+    match entry {
+        Value::Dict(_, inner) => insert_path(inner, base, rest, value),
+        Value::Array(_, items) => {
+            let len = items.len();
+            let [index, rest @ ..] = rest else {
+                return Ok(());
+            };
+            let item = index
+                .parse::<usize>()
+                .ok()
+                .and_then(|i| items.get_mut(i))
+                .ok_or_else(|| format!("`{first}` has no item {index} ({len} in the file)"))?;
+            match item {
+                Value::Dict(_, inner) if !rest.is_empty() => insert_path(inner, None, rest, value),
+                _ if rest.is_empty() => {
+                    *item = value;
+                    Ok(())
+                }
+                _ => Err(format!("`{first}` item {index} is not a table")),
             }
         }
+        _ => Ok(()),
     }
 }
 
@@ -1125,6 +1169,58 @@ mod tests {
         assert_eq!(c.idempotency.release_statuses, vec![429, 503]);
         assert_eq!(c.idempotency.ttl, Duration::from_secs(86400));
         assert_eq!(c.store.timeout, Duration::from_millis(250));
+    }
+
+    /// DESIGN: every field can be set from the environment, a route's too:
+    /// `IDEMPROXY_ROUTES__<i>__<field>` changes the file's route `i` and
+    /// leaves the rest of it, and the other routes, as they are.
+    #[test]
+    fn a_route_field_can_be_set_from_the_environment() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(
+            &file,
+            r#"
+[[routes]]
+name = "payments"
+path = "/v1/payments"
+require_key = true
+[[routes]]
+name = "emails"
+path = "/v1/emails"
+"#,
+        )
+        .expect("write");
+        let c = Config::load(
+            Some(&file),
+            env(&[
+                ("IDEMPROXY_ROUTES__1__REQUIRE_KEY", "true"),
+                ("IDEMPROXY_ROUTES__0__TTL", "2h"),
+                ("IDEMPROXY_ROUTES__0__RELEASE_STATUSES", "[429]"),
+            ]),
+            &FlagOverrides::default(),
+        )
+        .expect("loads");
+        assert_eq!(c.routes.len(), 2);
+        let (payments, emails) = (&c.routes[0], &c.routes[1]);
+        assert_eq!(
+            (payments.name.as_str(), emails.name.as_str()),
+            ("payments", "emails")
+        );
+        assert_eq!(payments.require_key, Some(true), "kept from the file");
+        assert_eq!(payments.ttl, Some(Duration::from_secs(7200)));
+        assert_eq!(payments.release_statuses, Some(vec![429]));
+        assert_eq!(emails.require_key, Some(true));
+        assert_eq!(emails.path, "/v1/emails");
+
+        let err = Config::load(
+            Some(&file),
+            env(&[("IDEMPROXY_ROUTES__2__TTL", "2h")]),
+            &FlagOverrides::default(),
+        )
+        .expect_err("there is no third route")
+        .to_string();
+        assert!(err.contains("IDEMPROXY_ROUTES__2__TTL"), "{err}");
     }
 
     #[test]
