@@ -1000,10 +1000,7 @@ mod tests {
         let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/idemproxy.toml");
         let shipped =
             Config::load(Some(&file), env(&[]), &FlagOverrides::default()).expect("file loads");
-        let mut defaults = Config::default();
-        // The file names a placeholder upstream; the default has none.
-        defaults.upstream.url = shipped.upstream.url.clone();
-        assert_eq!(shipped.to_toml(), defaults.to_toml());
+        assert_eq!(shipped.to_toml(), Config::default().to_toml());
     }
 
     #[test]
@@ -1169,6 +1166,27 @@ mod tests {
         assert_eq!(c.idempotency.release_statuses, vec![429, 503]);
         assert_eq!(c.idempotency.ttl, Duration::from_secs(86400));
         assert_eq!(c.store.timeout, Duration::from_millis(250));
+        // The rest of DESIGN's configuration shape, field by field.
+        assert_eq!(c.upstream.url, "http://127.0.0.1:3000");
+        assert_eq!(c.upstream.connect_timeout, Duration::from_secs(2));
+        assert_eq!(c.upstream.timeout, Duration::from_secs(30));
+        assert_eq!(c.store.path, Path::new("idemproxy-data"));
+        assert_eq!(c.store.url, "redis://127.0.0.1:6379");
+        let p = &c.idempotency;
+        assert!(!p.require_key);
+        assert_eq!(p.profile, Profile::Default);
+        assert_eq!(p.on_in_flight, OnInFlight::Reject);
+        assert_eq!(p.wait_timeout, Duration::from_secs(10));
+        assert_eq!(p.on_store_error, OnStoreError::Reject);
+        assert_eq!(p.on_ambiguous, OnAmbiguous::Store);
+        assert_eq!(p.on_stale, OnStale::Store);
+        assert_eq!(
+            (p.max_request_bytes, p.max_response_bytes),
+            (1 << 20, 1 << 20)
+        );
+        assert!(p.fingerprint_headers.is_empty() && p.fingerprint_ignore.is_empty());
+        assert_eq!(p.scope, vec!["header:authorization"]);
+        assert!(c.routes.is_empty());
     }
 
     /// DESIGN: every field can be set from the environment, a route's too:
