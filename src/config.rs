@@ -1003,6 +1003,24 @@ mod tests {
         assert_eq!(shipped.to_toml(), Config::default().to_toml());
     }
 
+    /// The example files the README points to load and validate as they
+    /// are.
+    #[test]
+    fn the_example_configs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+        let mut loaded = 0;
+        for entry in std::fs::read_dir(&dir).expect("config/examples") {
+            let file = entry.expect("entry").path();
+            if file.extension().is_some_and(|e| e == "toml") {
+                if let Err(e) = Config::load(Some(&file), env(&[]), &FlagOverrides::default()) {
+                    panic!("{}: {e}", file.display());
+                }
+                loaded += 1;
+            }
+        }
+        assert!(loaded >= 2, "{loaded} example files");
+    }
+
     #[test]
     fn variables_that_name_no_field_are_ignored_and_reported() {
         // What Kubernetes gives every pod for a Service named `idemproxy`,

@@ -108,6 +108,71 @@ fn check_applies_environment_and_flag_overrides() {
     );
     // Flags win over the environment, which wins over the file.
     assert_eq!(printed.listen.to_string(), "127.0.0.1:18081");
+
+    // Every other flag, as the README's replica example uses them.
+    let (out, stdout, stderr) = run(idemproxy()
+        .arg("check")
+        .arg("--config")
+        .arg(&file)
+        .args(["--admin-listen", "127.0.0.1:19091"])
+        .args(["--upstream", "http://10.1.2.3:8000/base"])
+        .args(["--store", "redis"])
+        .args(["--redis-url", "redis://10.1.2.4:6380/2"]));
+    assert!(out.status.success(), "{:?}\n{stderr}", out.status);
+    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    assert_eq!(printed.admin_listen.to_string(), "127.0.0.1:19091");
+    assert_eq!(printed.upstream.url, "http://10.1.2.3:8000/base");
+    assert_eq!(printed.store.kind, idemproxy::config::StoreKind::Redis);
+    assert_eq!(printed.store.url, "redis://10.1.2.4:6380/2");
+    let (out, stdout, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file).args([
+        "--store",
+        "embedded",
+        "--store-path",
+        "/var/lib/idemproxy",
+    ]));
+    assert!(out.status.success(), "{:?}\n{stderr}", out.status);
+    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    assert_eq!(printed.store.kind, idemproxy::config::StoreKind::Embedded);
+    assert_eq!(printed.store.path, Path::new("/var/lib/idemproxy"));
+    let (out, _, stderr) = run(idemproxy().arg("check").args(["--store", "etcd"]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("etcd"), "{stderr}");
+}
+
+/// `idemproxy probe`, the image's health check: exit 0 on a 2xx answer
+/// only.
+#[test]
+fn probe_exits_zero_on_2xx_only() {
+    use std::io::{Read, Write};
+    let answer_once = |status: &'static str| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().expect("accept");
+            let mut request = [0; 1024];
+            let _ = conn.read(&mut request);
+            let _ = write!(
+                conn,
+                "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            );
+        });
+        (format!("http://{addr}/readyz"), server)
+    };
+    for (status, healthy) in [("200 OK", true), ("503 Service Unavailable", false)] {
+        let (url, server) = answer_once(status);
+        let (out, _, stderr) = run(idemproxy().args(["probe", "--url", &url]));
+        server.join().expect("server thread");
+        assert_eq!(out.status.success(), healthy, "{status}: {stderr}");
+    }
+    // Nothing listening.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let (out, _, _) =
+        run(idemproxy().args(["probe", "--url", &format!("http://127.0.0.1:{port}/readyz")]));
+    assert!(!out.status.success(), "no server, yet healthy");
 }
 
 #[test]
@@ -154,7 +219,7 @@ fn check_refuses_invalid_files_naming_the_field() {
     for (text, field) in cases {
         let file = write(dir.path(), "bad.toml", text);
         let (out, stdout, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file));
-        assert!(!out.status.success(), "{text:?} was accepted:\n{stdout}");
+        assert_eq!(out.status.code(), Some(2), "{text:?}:\n{stdout}{stderr}");
         assert!(stderr.contains(field), "{text:?}: {stderr}");
         assert!(stdout.is_empty(), "nothing printed for an invalid file");
     }
