@@ -285,6 +285,59 @@ async fn method_path_query_and_content_type_are_part_of_the_fingerprint() {
     assert_eq!(upstream.total(), 1);
 }
 
+/// A route's own `scope` and `fingerprint_headers`, through the proxy:
+/// tenants named by another header have separate keys, and a request that
+/// differs only in a fingerprinted header is another request (409), while
+/// an unlisted header changes nothing.
+#[tokio::test]
+async fn a_routes_scope_and_fingerprint_headers_apply() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.routes = vec![idemproxy::config::RouteConfig {
+        name: "transfers".into(),
+        path: "/v1/transfers".into(),
+        scope: Some(vec!["header:x-tenant-id".into()]),
+        fingerprint_headers: Some(vec!["x-account".into()]),
+        ..Default::default()
+    }];
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/transfers");
+    let post = |tenant: &'static str, account: &'static str, other: &'static str| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let headers = [
+                ("idempotency-key", "t-1"),
+                JSON,
+                ("x-tenant-id", tenant),
+                ("x-account", account),
+                ("x-trace", other),
+                // The default scope's header: not this route's scope.
+                ("authorization", other),
+            ];
+            client.send(Method::POST, &url, &headers, "{}").await
+        }
+    };
+
+    let first = post("acme", "acc-1", "a").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(!first.replayed());
+    // Same tenant, same fingerprinted header; other unlisted headers (and
+    // another Authorization, which this route does not scope by): a retry.
+    let retry = post("acme", "acc-1", "b").await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.header("x-upstream-execution"), Some("1"));
+    // Same tenant, another account: the same key for another request.
+    let other_account = post("acme", "acc-2", "a").await;
+    assert_eq!(other_account.status, 409, "{other_account:?}");
+    assert_eq!(other_account.problem(), "key-reused");
+    // Another tenant: a key of its own.
+    let other_tenant = post("globex", "acc-2", "a").await;
+    assert_eq!(other_tenant.status, 201, "{other_tenant:?}");
+    assert!(!other_tenant.replayed());
+    assert_eq!(upstream.executions("/v1/transfers"), 2);
+}
+
 #[tokio::test]
 async fn keys_are_scoped_by_the_authorization_header() {
     let upstream = TestUpstream::start().await;
