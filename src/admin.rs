@@ -34,6 +34,10 @@ pub struct AdminState {
     /// SHA-256 of the configured token, so comparisons take the same time
     /// whatever the guess. `None`: the key API is refused.
     pub token_digest: Option<[u8; 32]>,
+    /// The traffic's executions: closed once the proxy drains, which
+    /// `/readyz` reports so that a load balancer stops sending traffic the
+    /// proxy would only answer 503 `shutting-down`.
+    pub tasks: tokio_util::task::TaskTracker,
 }
 
 impl AdminState {
@@ -52,9 +56,13 @@ pub fn router(state: AdminState) -> Router {
         .with_state(state)
 }
 
-/// Ready when the store answers within its timeout: a proxy that cannot reach
-/// its store would only answer 503, so it should not get traffic.
+/// Ready when the store answers within its timeout and the proxy is not
+/// draining: a proxy that cannot reach its store, or that is shutting down,
+/// would only answer 503, so it should not get traffic.
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
+    if state.tasks.is_closed() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
+    }
     match tokio::time::timeout(state.store_timeout, state.store.ping()).await {
         Ok(Ok(())) => (StatusCode::OK, "ready\n".into()),
         Ok(Err(e)) => (StatusCode::SERVICE_UNAVAILABLE, format!("store: {e}\n")),

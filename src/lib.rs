@@ -116,6 +116,7 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
     };
     let proxy = stack.build()?;
     let admin = admin::router(AdminState {
+        tasks: tasks.clone(),
         store: store.clone(),
         store_timeout: config.store.timeout,
         metrics: metrics.clone(),

@@ -345,7 +345,7 @@ async fn a_key_in_flight_is_pending_with_its_lease() {
     c.idempotency.lease_margin = Duration::from_secs(2);
     let proxy = TestProxy::start(c).await;
     let admin = Admin::bearer(&proxy);
-    let target = "/v1/payments?delay_ms=600";
+    let target = "/v1/payments?hold=slow";
 
     let slow = {
         let (client, url) = (TestClient::new(), proxy.url(target));
@@ -387,6 +387,7 @@ async fn a_key_in_flight_is_pending_with_its_lease() {
     );
     assert_eq!(admin.get(&hash).await.json(), record, "nothing deleted");
 
+    upstream.release("slow");
     let done = slow.await.expect("slow request task");
     assert_eq!(done.status, 201, "{done:?}");
     let completed = admin.get(&hash).await.json();
@@ -405,7 +406,7 @@ async fn a_running_claim_is_deleted_only_with_force() {
     let proxy = TestProxy::start(with_routes(config(&upstream.url()), Some(TOKEN))).await;
     let admin = Admin::bearer(&proxy);
     let client = TestClient::new();
-    let target = "/v1/payments?delay_ms=800";
+    let target = "/v1/payments?hold=stuck";
     let slow = {
         let (client, url) = (client.clone(), proxy.url(target));
         tokio::spawn(async move { post_to(&client, &url, "stuck-1", TENANT_A).await })
@@ -422,6 +423,7 @@ async fn a_running_claim_is_deleted_only_with_force() {
     assert_problem(&admin.get(&hash).await, 404, "key-not-found");
     // The first request still finishes; its outcome is refused (its claim
     // is gone), as the operator chose: nothing is stored, and a retry runs.
+    upstream.release("stuck");
     assert_eq!(slow.await.expect("slow task").status, 201);
     assert_problem(&admin.get(&hash).await, 404, "key-not-found");
     let retry = post(&client, &proxy, target, "stuck-1", TENANT_A).await;

@@ -92,12 +92,13 @@ async fn a_reused_key_with_a_different_body_is_409_while_pending() {
     let upstream = TestUpstream::start().await;
     let proxy = TestProxy::start(config(&upstream.url())).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=600");
+    let url = proxy.url("/v1/orders?hold=first");
 
     let first = first_in_flight(&client, &upstream, &url, "k", r#"{"amount":5}"#).await;
     let reused = client.post_json(&url, "k", r#"{"amount":6}"#).await;
     assert_key_reused(&reused, 409, "pending");
 
+    upstream.release("first");
     let first = first.await.expect("first request task");
     assert_eq!(first.status, 201, "{first:?}");
     assert!(!first.replayed());
@@ -113,11 +114,12 @@ async fn under_the_ietf_profile_a_reused_key_is_422() {
     c.idempotency.profile = Profile::Ietf;
     let proxy = TestProxy::start(c).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=600");
+    let url = proxy.url("/v1/orders?hold=first");
 
     let first = first_in_flight(&client, &upstream, &url, "k", r#"{"amount":5}"#).await;
     let reused = client.post_json(&url, "k", r#"{"amount":6}"#).await;
     assert_key_reused(&reused, 422, "pending");
+    upstream.release("first");
     assert_eq!(first.await.expect("first request task").status, 201);
     let reused = client.post_json(&url, "k", r#"{"amount":6}"#).await;
     assert_key_reused(&reused, 422, "completed");
@@ -129,18 +131,22 @@ async fn the_same_request_in_flight_is_425_with_retry_hints() {
     let upstream = TestUpstream::start().await;
     let proxy = TestProxy::start(config(&upstream.url())).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=600");
+    let url = proxy.url("/v1/orders?hold=first");
 
     let first = first_in_flight(&client, &upstream, &url, "k", "{}").await;
     let started = Instant::now();
     let duplicate = client.post_json(&url, "k", "{}").await;
+    // The first is held at the upstream until released: a duplicate that
+    // waited for it would wait out `wait_timeout` (10 s) first.
     assert!(
-        started.elapsed() < Duration::from_millis(400),
+        started.elapsed() < Duration::from_secs(5),
         "answered at once, not held: {:?}",
         started.elapsed()
     );
     assert_in_flight(&duplicate, 425);
+    assert!(!first.is_finished());
 
+    upstream.release("first");
     let first = first.await.expect("first request task");
     assert_eq!(first.status, 201);
     let after = client.post_json(&url, "k", "{}").await;
@@ -156,11 +162,12 @@ async fn under_the_ietf_profile_the_same_request_in_flight_is_409() {
     c.idempotency.profile = Profile::Ietf;
     let proxy = TestProxy::start(c).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=600");
+    let url = proxy.url("/v1/orders?hold=first");
 
     let first = first_in_flight(&client, &upstream, &url, "k", "{}").await;
     let duplicate = client.post_json(&url, "k", "{}").await;
     assert_in_flight(&duplicate, 409);
+    upstream.release("first");
     assert_eq!(first.await.expect("first request task").status, 201);
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
@@ -173,19 +180,24 @@ async fn with_on_in_flight_wait_the_duplicate_is_held_and_gets_the_replay() {
     c.idempotency.wait_timeout = Duration::from_secs(5);
     let proxy = TestProxy::start(c).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=500");
+    let url = proxy.url("/v1/orders?hold=first");
 
     let first = first_in_flight(&client, &upstream, &url, "k", "{}").await;
-    let started = Instant::now();
-    let duplicate = client.post_json(&url, "k", "{}").await;
-    let held = started.elapsed();
+    let duplicate = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
+    };
+    // Held while the first is: no answer before the upstream lets it go.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !duplicate.is_finished(),
+        "answered while the first was held"
+    );
+    upstream.release("first");
+    let duplicate = duplicate.await.expect("duplicate task");
     assert_eq!(duplicate.status, 201, "{duplicate:?}");
     assert!(duplicate.replayed(), "{duplicate:?}");
     assert_eq!(duplicate.header("x-upstream-execution"), Some("1"));
-    assert!(
-        held >= Duration::from_millis(200),
-        "held until the first finished, got an answer after {held:?}"
-    );
     let first = first.await.expect("first request task");
     assert_eq!(first.status, 201);
     assert!(!first.replayed());
@@ -202,17 +214,21 @@ async fn with_on_in_flight_wait_a_duplicate_held_past_wait_timeout_gets_425() {
     c.idempotency.wait_timeout = wait;
     let proxy = TestProxy::start(c).await;
     let client = TestClient::new();
-    let url = proxy.url("/v1/orders?delay_ms=1200");
+    let url = proxy.url("/v1/orders?hold=first");
 
     let first = first_in_flight(&client, &upstream, &url, "k", "{}").await;
     let started = Instant::now();
     let duplicate = client.post_json(&url, "k", "{}").await;
     let held = started.elapsed();
     assert_in_flight(&duplicate, 425);
+    // The first is held until released (or 30 s): an answer within a few
+    // seconds came from `wait_timeout`.
     assert!(
-        held >= wait && held < wait + Duration::from_millis(700),
+        held >= wait && held < wait + Duration::from_secs(3),
         "held for about wait_timeout ({wait:?}), got {held:?}"
     );
+    assert!(!first.is_finished());
+    upstream.release("first");
     assert_eq!(first.await.expect("first request task").status, 201);
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }

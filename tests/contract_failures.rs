@@ -645,10 +645,24 @@ async fn while_draining_running_calls_finish_and_no_new_execution_starts() {
     );
     let (head, rest) = request.split_at(request.len() - 4);
     arriving.write_all(head).await.expect("write the head");
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Time for the proxy to take the connection (nothing shows it).
+    tokio::time::sleep(Duration::from_millis(300)).await;
 
+    let ready = proxy.admin_url("/readyz");
     let drained = tokio::spawn(proxy.shutdown());
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Draining has begun once readiness says so.
+    let deadline = Instant::now() + ARRIVAL;
+    loop {
+        let reply = client.send(Method::GET, &ready, &[], "").await;
+        if reply.status == 503 && reply.body.starts_with(b"draining") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never reported draining: {reply:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     arriving.write_all(rest).await.expect("write the rest");
     let mut answer = Vec::new();
     tokio::time::timeout(ARRIVAL, arriving.read_to_end(&mut answer))
@@ -703,14 +717,22 @@ async fn a_duplicate_waiting_on_a_running_request_is_not_passed_when_the_store_f
         tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
     };
     assert!(upstream.wait_for_executions("/v1/orders", 1, ARRIVAL).await);
+    let calls = store.calls();
     let duplicate = {
         let (client, url) = (client.clone(), url.clone());
         tokio::spawn(async move { client.post_json(&url, "k", "{}").await })
     };
-    // The duplicate's first look finds the first request running (a store
-    // call away: ample time even on a loaded machine); then the store goes
-    // down while it waits.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The duplicate's first look (past the gate, so answered by the store)
+    // finds the first request running; then the store goes down while it
+    // waits.
+    let deadline = Instant::now() + ARRIVAL;
+    while store.calls() == calls {
+        assert!(
+            Instant::now() < deadline,
+            "the duplicate never asked the store"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     store.set(Fault::Fail);
     let duplicate = duplicate.await.expect("duplicate task");
     store.set(Fault::None);

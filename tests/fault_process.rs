@@ -42,6 +42,9 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
     c.idempotency.lease_margin = Duration::from_millis(500);
     let lease = Duration::from_millis(4500);
     let mut first = ProxyProcess::start(c.clone()).await;
+    // Another proxy process on the same Redis, started now: its start-up
+    // must not eat into the lease the early retry has to land in.
+    let second = ProxyProcess::start(c.clone()).await;
     let client = TestClient::new();
     let path = "/v1/charges?delay_ms=3000";
 
@@ -75,8 +78,6 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
         "no answer from a killed proxy: {lost:?}"
     );
 
-    // Another proxy process on the same Redis.
-    let second = ProxyProcess::start(c.clone()).await;
     let url = second.url(path);
 
     // Before the lease expires, the key is in flight: the dead proxy might
@@ -123,9 +124,11 @@ async fn a_sidecar_killed_on_the_embedded_store_keeps_its_answers_and_fails_clos
     let mut c = support::proxy::config(&upstream.url());
     c.store.kind = idemproxy::config::StoreKind::Embedded;
     c.store.path = dir.path().join("data");
-    c.upstream.timeout = Duration::from_secs(4);
+    // The restart (after a crash, redb checks the file) happens inside the
+    // lease: leave it room on a loaded machine.
+    c.upstream.timeout = Duration::from_secs(7);
     c.idempotency.lease_margin = Duration::from_millis(500);
-    let lease = Duration::from_millis(4500);
+    let lease = Duration::from_millis(7500);
     let mut first = ProxyProcess::start(c.clone()).await;
     let client = TestClient::new();
 
@@ -135,7 +138,7 @@ async fn a_sidecar_killed_on_the_embedded_store_keeps_its_answers_and_fails_clos
     assert_eq!(done.status, 201, "{done:?}\n{}", first.logs());
     assert!(!done.replayed());
 
-    let path = "/v1/charges?delay_ms=3000";
+    let path = "/v1/charges?delay_ms=6000";
     let sent_at = Instant::now();
     let doomed = {
         let addr = first.addr;

@@ -300,7 +300,7 @@ async fn every_outcome_increments_exactly_one_series_by_one() {
 
     // in_flight: a slow execution runs (gauge 1, nothing counted yet), a
     // duplicate is refused, then the slow one finishes (gauge 0).
-    let slow_url = url("/v1/payments?delay_ms=700");
+    let slow_url = url("/v1/payments?hold=slow");
     let slow = {
         let client = client.clone();
         let slow_url = slow_url.clone();
@@ -317,6 +317,7 @@ async fn every_outcome_increments_exactly_one_series_by_one() {
     let duplicate = client.post_json(&slow_url, "pay-slow", "{}").await;
     assert_status(&duplicate, 425, Some("in-flight"));
     let s = expect_one(&client, &proxy, &running, "payments", "in_flight", 1.0).await;
+    upstream.release("slow");
     let slow = slow.await.expect("slow request task");
     assert_status(&slow, 201, None);
     let s = expect_one(&client, &proxy, &s, "payments", "executed", 0.0).await;

@@ -54,8 +54,11 @@ impl FaultyStore {
     }
 
     async fn gate(&self) -> Result<(), StoreError> {
+        // The mode first: a call counted has its mode, whatever a test sets
+        // once it sees the count move.
+        let mode = self.mode.load(Ordering::SeqCst);
         self.calls.fetch_add(1, Ordering::SeqCst);
-        match self.mode.load(Ordering::SeqCst) {
+        match mode {
             0 => Ok(()),
             1 => {
                 tokio::time::sleep(HANG).await;

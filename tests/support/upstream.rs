@@ -10,6 +10,7 @@
 //! |---|---|
 //! | (none) | `201`, JSON `{"path", "execution", "body_len"}` |
 //! | `delay_ms=N` | wait N ms before the response head |
+//! | `hold=NAME` | wait before the response head until the test calls [`TestUpstream::release`] with NAME (30 s at most) |
 //! | `status=NNN` | respond with that status |
 //! | `reset=1` | read and count the request, then break the connection without a response |
 //! | `body_bytes=N` | an N-byte body (see [`expected_body`]), streamed in chunks, with `Content-Length` |
@@ -73,6 +74,8 @@ struct State {
     connections: std::sync::atomic::AtomicUsize,
     /// Bumped on every counted request, so tests can wait for arrivals.
     arrivals: watch::Sender<usize>,
+    /// Names of `hold=` requests the test has let go.
+    released: watch::Sender<std::collections::HashSet<String>>,
 }
 
 impl State {
@@ -134,6 +137,7 @@ impl TestUpstream {
             counts: Mutex::new(Counts::default()),
             connections: Default::default(),
             arrivals: watch::channel(0).0,
+            released: watch::channel(Default::default()).0,
         });
         let https = tls.is_some();
         let task = tokio::spawn(accept_loop(listener, tls, state.clone()));
@@ -182,6 +186,15 @@ impl TestUpstream {
     /// The body of the last request to `path`.
     pub fn last_body(&self, path: &str) -> Option<Bytes> {
         self.last_request(path).map(|r| r.body)
+    }
+
+    /// Lets every `hold=NAME` request answer, now and from now on: a test
+    /// keeps a request in flight for exactly as long as it needs, however
+    /// slow the machine, instead of guessing a `delay_ms`.
+    pub fn release(&self, name: &str) {
+        self.state.released.send_modify(|released| {
+            released.insert(name.to_owned());
+        });
     }
 
     /// Waits until `path` has been executed at least `n` times; false if
@@ -306,6 +319,7 @@ where
 #[derive(Default)]
 struct Controls {
     delay: Option<Duration>,
+    hold: Option<String>,
     status: Option<u16>,
     reset: bool,
     body_bytes: Option<usize>,
@@ -324,6 +338,7 @@ impl Controls {
             let flag = v == "1" || v == "true";
             match k {
                 "delay_ms" => c.delay = v.parse().ok().map(Duration::from_millis),
+                "hold" => c.hold = Some(v),
                 "status" => c.status = v.parse().ok(),
                 "reset" => c.reset = flag,
                 "body_bytes" => c.body_bytes = v.parse().ok(),
@@ -403,6 +418,14 @@ async fn handle(
 
     if let Some(delay) = controls.delay {
         tokio::time::sleep(delay).await;
+    }
+    if let Some(name) = &controls.hold {
+        let mut released = state.released.subscribe();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(30),
+            released.wait_for(|names| names.contains(name)),
+        )
+        .await;
     }
     if controls.reset {
         // hyper drops an HTTP/1 connection (no response written) and resets
