@@ -310,9 +310,12 @@ async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
         .await;
     assert_eq!(first.status, 503, "{first:?}");
     assert_eq!(first.problem(), "store-unavailable", "{first:?}");
+    // At store.timeout (100 ms), not when Redis resumes (600 ms; the 503
+    // itself shows the begin had not run by then).
     assert!(
-        started.elapsed() < Duration::from_millis(500),
-        "answered at once"
+        started.elapsed() < Duration::from_millis(550),
+        "answered at store.timeout: {:?}",
+        started.elapsed()
     );
     assert_eq!(upstream.executions("/v1/late"), 0);
 

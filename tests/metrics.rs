@@ -765,7 +765,7 @@ async fn readiness_follows_the_store_and_liveness_does_not() {
             let took = started.elapsed();
             assert_eq!(readyz.status, ready, "{fault:?}: {readyz:?}");
             // A hanging store is given up on at store.timeout.
-            assert!(took < Duration::from_millis(1000), "{fault:?}: {took:?}");
+            assert!(took < Duration::from_secs(3), "{fault:?}: {took:?}");
             if fault == Fault::Hang {
                 assert!(took >= Duration::from_millis(250), "{took:?}");
             }
