@@ -3,15 +3,13 @@
 
 mod support;
 
-use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use idemproxy::Config;
 use support::proxy::TestClient;
 use support::upstream::TestUpstream;
-use tokio::time::Instant;
 
 const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
 
@@ -243,80 +241,24 @@ fn check_refuses_invalid_files_naming_the_field() {
     assert!(stderr.contains("missing.toml"), "{stderr}");
 }
 
-fn free_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("ephemeral address")
-}
-
-/// Kills the child if the test fails before it exits by itself.
-struct Running(Option<Child>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(child) = &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_serves_replays_and_exits_cleanly_on_sigterm() {
+    use support::binary::ProxyProcess;
     let upstream = TestUpstream::start().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let listen = free_addr();
-    let admin = free_addr();
-    let file = write(
-        dir.path(),
-        "idemproxy.toml",
-        &format!(
-            "listen = \"{listen}\"\nadmin_listen = \"{admin}\"\ndrain_timeout = \"3s\"\n\
-             [upstream]\nurl = \"{}\"\n[store]\nkind = \"memory\"\n[log]\nlevel = \"warn\"\n",
-            upstream.url()
-        ),
-    );
-    let log = dir.path().join("idemproxy.log");
-    let log_file = std::fs::File::create(&log).expect("log file");
-    let child = idemproxy()
-        .arg("--config")
-        .arg(&file)
-        .stdin(Stdio::null())
-        .stdout(log_file.try_clone().expect("log file"))
-        .stderr(log_file)
-        .spawn()
-        .expect("start idemproxy");
-    let pid = child.id();
-    let mut running = Running(Some(child));
-    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
-
-    // Ready when /healthz answers on the admin port.
+    let mut c = support::proxy::config(&upstream.url());
+    c.drain_timeout = Duration::from_secs(3);
+    c.log.level = "warn".into();
+    // Started on ports below the ephemeral range, healthy on /healthz.
+    let mut proxy = ProxyProcess::start(c).await;
     let client = TestClient::new();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if tokio::net::TcpStream::connect(admin).await.is_ok() {
-            break;
-        }
-        if let Some(child) = &mut running.0 {
-            if let Some(status) = child.try_wait().expect("poll the child") {
-                panic!("idemproxy exited early with {status}:\n{}", logs());
-            }
-        }
-        assert!(Instant::now() < deadline, "no admin listener:\n{}", logs());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let health = client
-        .send(
-            http::Method::GET,
-            &format!("http://{admin}/healthz"),
-            &[],
-            "",
-        )
+        .send(http::Method::GET, &proxy.admin_url("/healthz"), &[], "")
         .await;
     assert_eq!(health.status, 200, "{health:?}");
 
-    let url = format!("http://{listen}/v1/orders");
+    let url = proxy.url("/v1/orders");
     let first = client.post_json(&url, "smoke-1", r#"{"amount":5}"#).await;
-    assert_eq!(first.status, 201, "{first:?}\n{}", logs());
+    assert_eq!(first.status, 201, "{first:?}\n{}", proxy.logs());
     assert!(!first.replayed());
     let retry = client.post_json(&url, "smoke-1", r#"{"amount":5}"#).await;
     assert_eq!(retry.status, 201);
@@ -325,27 +267,9 @@ async fn the_binary_serves_replays_and_exits_cleanly_on_sigterm() {
     assert_eq!(upstream.executions("/v1/orders"), 1);
     drop(client);
 
-    let killed = Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status()
-        .expect("run kill");
-    assert!(killed.success());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let status = loop {
-        let child = running.0.as_mut().expect("child");
-        if let Some(status) = child.try_wait().expect("poll the child") {
-            running.0 = None;
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "still running 5 s after SIGTERM:\n{}",
-            logs()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert!(status.success(), "exit status {status}:\n{}", logs());
+    proxy.terminate();
+    let status = proxy.wait_exit(Duration::from_secs(5)).await;
+    assert!(status.success(), "exit status {status}:\n{}", proxy.logs());
 }
 
 /// The one line per request, as the binary writes it to a file in each
