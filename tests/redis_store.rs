@@ -662,7 +662,15 @@ async fn unreachable_redis_fails_connect_with_unavailable() {
 /// read-only replica) fails at startup, saying why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_redis_fails_connect_with_its_reason() {
-    let master_port = redis_server::free_port().to_string();
+    // A master that never answers, on a port held for the whole test: a
+    // port merely free could go to another test's Redis, which this replica
+    // would then sync from, adding commands to that test's counts.
+    let master = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the master's port");
+    let master_port = master
+        .local_addr()
+        .expect("master address")
+        .port()
+        .to_string();
     let replica = RedisServer::start_with(RedisOptions {
         extra_args: vec!["--replicaof".into(), "127.0.0.1".into(), master_port],
         ..RedisOptions::default()
