@@ -154,11 +154,17 @@ async fn password_from_env_acl_users_and_wrong_passwords() {
         ..RedisOptions::default()
     });
 
-    // The default user, password read from the variable `password_env` names.
-    let var = format!("IDEMPROXY_TEST_REDIS_PASSWORD_{}", std::process::id());
-    std::env::set_var(&var, "default-secret");
+    // The default user, password read from the variable `password_env`
+    // names (set by .cargo/config.toml: setting it here would race with the
+    // other threads reading the environment).
+    let var = "TEST_REDIS_DEFAULT_PASSWORD";
+    assert_eq!(
+        std::env::var(var).as_deref(),
+        Ok("default-secret"),
+        "set in .cargo/config.toml"
+    );
     let from_env = StoreConfig {
-        password_env: Some(var.clone()),
+        password_env: Some(var.into()),
         ..config(server.url())
     };
     let store = RedisStore::connect(&from_env)
@@ -223,9 +229,13 @@ async fn password_from_env_acl_users_and_wrong_passwords() {
     }
 
     // A variable that is not set is a clear error too.
-    std::env::remove_var(&var);
-    match RedisStore::connect(&from_env).await {
-        Err(StoreError::Unavailable(message)) => assert!(message.contains(&var), "{message}"),
+    let unset = "TEST_REDIS_PASSWORD_NOBODY_SETS";
+    let from_unset = StoreConfig {
+        password_env: Some(unset.into()),
+        ..config(server.url())
+    };
+    match RedisStore::connect(&from_unset).await {
+        Err(StoreError::Unavailable(message)) => assert!(message.contains(unset), "{message}"),
         other => panic!("expected Unavailable, got {other:?}"),
     }
 }
