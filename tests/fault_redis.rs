@@ -3,7 +3,8 @@
 //! append-only file. While it is down, covered requests are answered 503
 //! `store-unavailable` quickly and never reach the upstream; once it is
 //! back, the same proxy process serves again, and keys completed before the
-//! crash still replay.
+//! crash still replay. The same for one master of a Redis Cluster: only its
+//! slots fail, closed.
 
 mod support;
 
@@ -460,4 +461,131 @@ async fn a_redis_that_may_evict_records_is_named_in_the_log_at_startup() {
     let client = TestClient::new();
     let reply = client.post_json(&proxy.url("/v1/orders"), "k", BODY).await;
     assert_eq!(reply.status, 201, "{reply:?}");
+}
+
+/// A Redis Cluster master dies, with no replica to take over its slots:
+/// keys in those slots are answered 503 `store-unavailable` within the
+/// bound and execute nothing, keys in the other masters' slots are served
+/// throughout (the cluster runs with `cluster-require-full-coverage no`),
+/// and once the node is back with its append-only file the keys it held
+/// replay. Nothing executes twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_master_lost_fails_its_slots_closed_and_spares_the_others() {
+    use support::proxy::{config, TestProxy};
+    let mut cluster = redis_server::RedisCluster::start_with(
+        3,
+        RedisOptions {
+            extra_args: [
+                "--cluster-require-full-coverage",
+                "no",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ]
+            .map(String::from)
+            .to_vec(),
+            ..RedisOptions::default()
+        },
+    );
+    let upstream = TestUpstream::start().await;
+    let prefix = redis_server::unique_prefix("cluster-loss");
+    let mut c = config(&upstream.url());
+    c.store.kind = idemproxy::config::StoreKind::RedisCluster;
+    c.store.urls = cluster.urls();
+    c.store.key_prefix = prefix.clone();
+    c.store.timeout = Duration::from_millis(250);
+    // Replays must come from Redis, not from the proxy's own cache.
+    c.store.local_cache_entries = 0;
+    let store = idemproxy::store::RedisStore::connect_cluster(&c.store)
+        .await
+        .expect("connect to the cluster");
+    let proxy = TestProxy::start_with_store(c, std::sync::Arc::new(store)).await;
+    let client = TestClient::new();
+
+    // Keys by the node that holds them; the victim is the second node.
+    let victim = cluster.nodes[1].port();
+    let on_victim = |key: &str| {
+        let record = keys::record_key(&keys::json_post("/v1/x"), key);
+        let name = idemproxy::store::redis::redis_key(&prefix, &record);
+        cluster.node_for(&name).port() == victim
+    };
+    let (mut lost, mut spared) = (Vec::new(), Vec::new());
+    for i in 0.. {
+        let key = format!("c-{i}");
+        let side = if on_victim(&key) {
+            &mut lost
+        } else {
+            &mut spared
+        };
+        if side.len() < 3 {
+            side.push(key);
+        }
+        if lost.len() == 3 && spared.len() == 3 {
+            break;
+        }
+    }
+    let path = |key: &str| format!("/v1/cluster/{key}");
+    let mut completed = Vec::new();
+    for key in lost.iter().chain(&spared) {
+        let reply = client.post_json(&proxy.url(&path(key)), key, BODY).await;
+        assert_eq!(reply.status, 201, "{key}: {reply:?}");
+        completed.push((key.clone(), reply));
+    }
+
+    // Keys never used, one on each side, for after the loss.
+    let fresh_lost = (0..)
+        .map(|i| format!("n-{i}"))
+        .find(|k| on_victim(k))
+        .expect("a key on the lost node");
+    let fresh_spared = (0..)
+        .map(|i| format!("n-{i}"))
+        .find(|k| !on_victim(k))
+        .expect("a key elsewhere");
+    cluster.nodes[1].kill();
+    for (key, first) in &completed {
+        let started = Instant::now();
+        let reply = client.post_json(&proxy.url(&path(key)), key, BODY).await;
+        let took = started.elapsed();
+        if lost.contains(key) {
+            assert_eq!(reply.status, 503, "{key} (lost node): {reply:?}");
+            assert_eq!(slug(&reply).as_deref(), Some("store-unavailable"));
+            assert!(took < DOWN_BOUND, "{key}: answered after {took:?}");
+        } else {
+            assert_eq!(reply.status, 201, "{key} (spared node): {reply:?}");
+            assert!(reply.replayed() && reply.body == first.body, "{reply:?}");
+        }
+    }
+    // New keys: refused on the lost node's slots, executed elsewhere.
+    let refused = client
+        .post_json(&proxy.url(&path(&fresh_lost)), &fresh_lost, BODY)
+        .await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(upstream.executions(&path(&fresh_lost)), 0);
+    let served = client
+        .post_json(&proxy.url(&path(&fresh_spared)), &fresh_spared, BODY)
+        .await;
+    assert_eq!(served.status, 201, "{served:?}");
+    assert!(!served.replayed());
+
+    // The node comes back with its AOF: what it held replays.
+    cluster.nodes[1].restart();
+    cluster.wait_ok();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for (key, first) in completed.iter().filter(|(k, _)| lost.contains(k)) {
+        let reply = loop {
+            let reply = client.post_json(&proxy.url(&path(key)), key, BODY).await;
+            if reply.status != 503 || Instant::now() > deadline {
+                break reply;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(reply.status, 201, "{key} after the restart: {reply:?}");
+        assert!(reply.replayed() && reply.body == first.body, "{reply:?}");
+    }
+    let mut paths: Vec<String> = lost.iter().chain(&spared).map(|k| path(k)).collect();
+    paths.push(path(&fresh_spared));
+    let executions = Executions::count(&upstream, paths.iter().map(String::as_str));
+    executions.assert_at_most_once();
+    assert_eq!(executions.total, 7);
 }
