@@ -17,7 +17,7 @@ use support::faulty::{Fault, FaultyStore};
 use support::keys;
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::raw;
-use support::upstream::{expected_body, unused_port_url, TestUpstream};
+use support::upstream::{expected_body, unused_port_url, TestUpstream, CHUNK};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
@@ -487,16 +487,10 @@ async fn a_client_that_stops_reading_does_not_cost_the_stored_response() {
     // Ample for the upstream to send it all through a debug build on a
     // loaded machine; the client then stalls past it.
     c.upstream.timeout = Duration::from_secs(3);
-    c.idempotency.max_response_bytes = 32 << 20;
+    c.idempotency.max_response_bytes = 128 << 20;
     let proxy = TestProxy::start(c).await;
-    // More than the sockets and the proxy's channel hold between them: the
-    // client's receive buffer is kept small (no autotuning), the proxy's
-    // send buffer grows to 4 MiB at most (`net.ipv4.tcp_wmem`).
-    let total = 8 << 20;
+    let total = beyond_socket_buffers();
     let target = format!("/v1/orders?body_bytes={total}&chunked=1");
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
-    let mut socket = socket.connect(proxy.addr).await.expect("connect");
     let request = raw::request(
         "POST",
         &target,
@@ -506,14 +500,7 @@ async fn a_client_that_stops_reading_does_not_cost_the_stored_response() {
         ],
         b"{}",
     );
-    socket.write_all(&request).await.expect("write the request");
-    let mut head = vec![0; 1024];
-    let n = socket.read(&mut head).await.expect("the head arrives");
-    assert!(
-        head[..n].starts_with(b"HTTP/1.1 201"),
-        "{}",
-        String::from_utf8_lossy(&head[..n])
-    );
+    let (socket, _head) = slow_reader(proxy.addr, &request).await;
     // Past the upstream deadline.
     tokio::time::sleep(Duration::from_millis(4000)).await;
     drop(socket);
@@ -529,6 +516,94 @@ async fn a_client_that_stops_reading_does_not_cost_the_stored_response() {
         reply.body[..] == expected_body(total)[..],
         "the stored body differs"
     );
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
+/// A body longer than the sockets between the proxy and a client that stops
+/// reading can hold (the proxy's send buffer grows to `tcp_wmem`'s maximum,
+/// the client's receive buffer is kept at 4 KiB), so that the rest waits in
+/// the proxy: twice that maximum and 4 MiB more, in whole chunks.
+fn beyond_socket_buffers() -> usize {
+    let wmem_max = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_wmem")
+        .ok()
+        .and_then(|text| text.split_whitespace().nth(2)?.parse::<usize>().ok())
+        .unwrap_or(4 << 20);
+    (2 * wmem_max + (4 << 20)).div_ceil(CHUNK) * CHUNK
+}
+
+/// Connects with a 4 KiB receive buffer (no autotuning), sends `request`
+/// and returns the socket with what the first read got (the head).
+async fn slow_reader(
+    addr: std::net::SocketAddr,
+    request: &[u8],
+) -> (tokio::net::TcpStream, Vec<u8>) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut socket = socket.connect(addr).await.expect("connect");
+    socket.write_all(request).await.expect("write the request");
+    let mut head = vec![0; 1024];
+    let n = socket.read(&mut head).await.expect("the head arrives");
+    head.truncate(n);
+    assert!(
+        head.starts_with(b"HTTP/1.1 201"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    (socket, head)
+}
+
+/// Frames the client could not take wait in the proxy while it reads the
+/// upstream on; once the client reads again they go to it at once, not
+/// when the upstream sends its next frame (a stream of events may pause
+/// for long between them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_waited_for_a_slow_client_reaches_it_before_the_upstreams_next_frame() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.upstream.timeout = Duration::from_secs(30);
+    c.idempotency.max_response_bytes = 128 << 20;
+    let proxy = TestProxy::start(c).await;
+    let total = beyond_socket_buffers();
+    let target = format!("/v1/orders?body_bytes={total}&chunked=1&hold_tail=tail");
+    let request = raw::request(
+        "POST",
+        &target,
+        &[
+            b"idempotency-key: catch-up-1",
+            b"content-type: application/json",
+        ],
+        b"{}",
+    );
+    let (mut socket, head) = slow_reader(proxy.addr, &request).await;
+    // The sockets and the proxy's channel fill up; the rest waits.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // All but the last chunk, which the upstream holds back: the head, then
+    // each chunk as hyper frames it (`4000\r\n`, 16 KiB, `\r\n`).
+    let head_len = head
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("the whole head in the first read")
+        + 4;
+    let wanted = head_len + (total / CHUNK - 1) * (CHUNK + 8);
+    let mut got = head.len();
+    let mut buf = vec![0; 64 * 1024];
+    tokio::time::timeout(Duration::from_secs(15), async {
+        while got < wanted {
+            let n = socket.read(&mut buf).await.expect("read");
+            assert!(n > 0, "the body ended early at {got} bytes");
+            got += n;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("stuck at {got} of {wanted} bytes until the upstream's next frame"));
+
+    upstream.release("tail");
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(15), socket.read_to_end(&mut rest))
+        .await
+        .expect("the body ends once the tail comes")
+        .expect("read the rest");
+    assert!(rest.ends_with(b"\r\n0\r\n\r\n"), "a clean end");
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
 

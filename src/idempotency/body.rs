@@ -154,6 +154,19 @@ impl BodySender {
         true
     }
 
+    /// Waits for room and sends the first frame of `backlog`; false if the
+    /// body was dropped. Cancel-safe: the frame leaves `backlog` only with
+    /// room to go to.
+    pub async fn send_front(&self, backlog: &mut VecDeque<Frame<Bytes>>) -> bool {
+        let Ok(room) = self.tx.reserve().await else {
+            return false;
+        };
+        if let Some(frame) = backlog.pop_front() {
+            room.send(Ok(frame));
+        }
+        true
+    }
+
     /// Sends every frame of `backlog`, waiting for room until `deadline`;
     /// false if the body was dropped or the deadline came first.
     pub async fn send_all(&self, backlog: &mut VecDeque<Frame<Bytes>>, deadline: Instant) -> bool {

@@ -818,7 +818,25 @@ where
                 // Already in the copy.
                 frame
             } else {
-                match tokio::time::timeout_at(deadline, upstream_body.frame()).await {
+                let read = loop {
+                    let Some(tx) = client.as_ref().filter(|_| !backlog.is_empty()) else {
+                        break tokio::time::timeout_at(deadline, upstream_body.frame()).await;
+                    };
+                    // What the client could not take yet goes to it as it
+                    // makes room, while the upstream is read: a client that
+                    // catches up must not wait for the upstream's next frame
+                    // (a stream of events may pause between them).
+                    let fed = tokio::select! {
+                        read = tokio::time::timeout_at(deadline, upstream_body.frame()) => Err(read),
+                        sent = tx.send_front(&mut backlog) => Ok(sent),
+                    };
+                    match fed {
+                        Err(read) => break read,
+                        Ok(true) => {}
+                        Ok(false) => client = None,
+                    }
+                };
+                match read {
                     Err(_elapsed) => break false,
                     Ok(None) => break true,
                     Ok(Some(Err(e))) => {

@@ -17,6 +17,7 @@
 //! | `chunked=1` | that body without `Content-Length` (chunked over HTTP/1.1) |
 //! | `stream_delay_ms=N` | wait N ms between body chunks |
 //! | `abort_body=1` | send the head and part of the body, then break the connection |
+//! | `hold_tail=NAME` | with `body_bytes`: send all but the last chunk at once, the last once the test calls [`TestUpstream::release`] with NAME |
 //! | `header=name:value` | add a response header (repeatable, percent-decoded) |
 //!
 //! Every request is counted per path (without the query) as soon as it has
@@ -320,6 +321,7 @@ where
 struct Controls {
     delay: Option<Duration>,
     hold: Option<String>,
+    hold_tail: Option<String>,
     status: Option<u16>,
     reset: bool,
     body_bytes: Option<usize>,
@@ -339,6 +341,7 @@ impl Controls {
             match k {
                 "delay_ms" => c.delay = v.parse().ok().map(Duration::from_millis),
                 "hold" => c.hold = Some(v),
+                "hold_tail" => c.hold_tail = Some(v),
                 "status" => c.status = v.parse().ok(),
                 "reset" => c.reset = flag,
                 "body_bytes" => c.body_bytes = v.parse().ok(),
@@ -420,12 +423,7 @@ async fn handle(
         tokio::time::sleep(delay).await;
     }
     if let Some(name) = &controls.hold {
-        let mut released = state.released.subscribe();
-        let _ = tokio::time::timeout(
-            Duration::from_secs(30),
-            released.wait_for(|names| names.contains(name)),
-        )
-        .await;
+        until_released(&state, name).await;
     }
     if controls.reset {
         // hyper drops an HTTP/1 connection (no response written) and resets
@@ -461,7 +459,8 @@ async fn handle(
         if !controls.chunked {
             builder = builder.header("content-length", total.to_string());
         }
-        streamed_body(total, controls.stream_delay, controls.abort_body)
+        let tail = controls.hold_tail.map(|name| (state.clone(), name));
+        streamed_body(total, controls.stream_delay, controls.abort_body, tail)
     } else {
         builder = builder.header("content-type", "application/json");
         let json = serde_json::json!({
@@ -476,41 +475,65 @@ async fn handle(
     builder.body(body).map_err(std::io::Error::other)
 }
 
+/// Waits until the test releases `name` (30 s at most).
+async fn until_released(state: &State, name: &str) {
+    let mut released = state.released.subscribe();
+    let _ = tokio::time::timeout(
+        Duration::from_secs(30),
+        released.wait_for(|names| names.contains(name)),
+    )
+    .await;
+}
+
 /// `total` bytes in chunks of [`CHUNK`], `delay` between chunks; with
 /// `abort`, an error after the first chunk (at most half the body), which
-/// makes hyper break the connection mid-body.
-fn streamed_body(total: usize, delay: Option<Duration>, abort: bool) -> ResponseBody {
+/// makes hyper break the connection mid-body; with `tail`, the last chunk
+/// only once the test releases that name.
+fn streamed_body(
+    total: usize,
+    delay: Option<Duration>,
+    abort: bool,
+    tail: Option<(Arc<State>, String)>,
+) -> ResponseBody {
     let first_limit = if abort {
         (total / 2).clamp(1, CHUNK)
     } else {
         CHUNK
     };
     // The state is the number of bytes sent; `usize::MAX` once aborted.
-    let stream = futures_util::stream::unfold(0usize, move |sent| async move {
-        if sent == usize::MAX || (!abort && sent >= total) {
-            return None;
-        }
-        if sent > 0 {
-            // Before an abort, always pause: hyper writes out the head and
-            // the first chunk only when the body stops being ready; an error
-            // right away would discard them unsent.
-            let pause = if abort {
-                Some(delay.unwrap_or(Duration::from_millis(20)))
-            } else {
-                delay
-            };
-            if let Some(d) = pause {
-                tokio::time::sleep(d).await;
+    let stream = futures_util::stream::unfold(0usize, move |sent| {
+        let tail = tail.clone();
+        async move {
+            if sent == usize::MAX || (!abort && sent >= total) {
+                return None;
             }
-            if abort {
-                let broken = std::io::Error::other("body aborted by the test");
-                return Some((Err(broken), usize::MAX));
+            if let Some((state, name)) = &tail {
+                if sent > 0 && sent + CHUNK >= total {
+                    until_released(state, name).await;
+                }
             }
+            if sent > 0 {
+                // Before an abort, always pause: hyper writes out the head and
+                // the first chunk only when the body stops being ready; an error
+                // right away would discard them unsent.
+                let pause = if abort {
+                    Some(delay.unwrap_or(Duration::from_millis(20)))
+                } else {
+                    delay
+                };
+                if let Some(d) = pause {
+                    tokio::time::sleep(d).await;
+                }
+                if abort {
+                    let broken = std::io::Error::other("body aborted by the test");
+                    return Some((Err(broken), usize::MAX));
+                }
+            }
+            let limit = if sent == 0 { first_limit } else { CHUNK };
+            let len = limit.min(total - sent);
+            let chunk: Vec<u8> = (sent..sent + len).map(body_byte).collect();
+            Some((Ok(Frame::data(Bytes::from(chunk))), sent + len))
         }
-        let limit = if sent == 0 { first_limit } else { CHUNK };
-        let len = limit.min(total - sent);
-        let chunk: Vec<u8> = (sent..sent + len).map(body_byte).collect();
-        Some((Ok(Frame::data(Bytes::from(chunk))), sent + len))
     });
     StreamBody::new(stream).boxed_unsync()
 }
