@@ -694,8 +694,8 @@ fn without_secrets(error: figment::Error) -> figment::Error {
         .map(|mut e| {
             let secret = e
                 .path
-                .last()
-                .is_some_and(|field| matches!(field.as_str(), "admin_token" | "password" | "url"));
+                .iter()
+                .any(|field| matches!(field.as_str(), "admin_token" | "password" | "url" | "urls"));
             let replacement = match &e.kind {
                 Kind::Message(message) => Some(Kind::Message(
                     message
@@ -866,14 +866,12 @@ fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<St
                     path.push(field.clone());
                 }
                 let name = path.join("__");
-                // The variable itself, or every variable under an unknown
-                // section (`IDEMPROXY_FOO__BAR` when `foo` is no field).
-                let under = format!("{name}__");
+                // The variable itself; one with `__` is never a stranger.
                 vars.iter()
                     .filter(|(k, _)| {
                         k.strip_prefix("IDEMPROXY_").is_some_and(|rest| {
                             let rest = rest.to_ascii_lowercase();
-                            !rest.contains("__") && (rest == name || rest.starts_with(&under))
+                            !rest.contains("__") && rest == name
                         })
                     })
                     .map(|(k, _)| k.clone())
@@ -915,7 +913,12 @@ impl figment::Provider for EnvVars {
     ) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
         use figment::value::{Dict, Map, Value};
         let mut dict = Dict::new();
-        for (k, v) in &self.vars {
+        // Whole values before the fields set inside them, whatever the
+        // environment's order: `IDEMPROXY_ROUTES` first, then
+        // `IDEMPROXY_ROUTES__0__TTL` changes its first route.
+        let mut vars: Vec<&(String, String)> = self.vars.iter().collect();
+        vars.sort_by_key(|(k, _)| k.matches("__").count());
+        for (k, v) in vars {
             let Some(rest) = k.strip_prefix("IDEMPROXY_") else {
                 continue;
             };
@@ -978,7 +981,9 @@ fn insert_path(
                 _ => Err(format!("`{first}` item {index} is not a table")),
             }
         }
-        _ => Ok(()),
+        _ => Err(format!(
+            "`{first}` is set whole by another variable: it has no fields to set"
+        )),
     }
 }
 
@@ -1257,6 +1262,34 @@ path = "/v1/emails"
         .expect_err("there is no third route")
         .to_string();
         assert!(err.contains("IDEMPROXY_ROUTES__2__TTL"), "{err}");
+
+        // The whole list from the environment, and a field of it, in either
+        // order: the field applies to the list the variable gave.
+        for reversed in [false, true] {
+            let mut vars = env(&[
+                ("IDEMPROXY_ROUTES", r#"[{name = "env", path = "/env"}]"#),
+                ("IDEMPROXY_ROUTES__0__TTL", "2h"),
+            ]);
+            if reversed {
+                vars.reverse();
+            }
+            let c = Config::load(Some(&file), vars, &FlagOverrides::default()).expect("loads");
+            assert_eq!(c.routes.len(), 1, "reversed: {reversed}");
+            assert_eq!(c.routes[0].name, "env");
+            assert_eq!(c.routes[0].ttl, Some(Duration::from_secs(7200)));
+        }
+        // A section given as a plain value has no fields to set.
+        let err = Config::load(
+            None,
+            env(&[
+                ("IDEMPROXY_STORE", "x"),
+                ("IDEMPROXY_STORE__URL", "redis://h"),
+            ]),
+            &FlagOverrides::default(),
+        )
+        .expect_err("store is a value and a table")
+        .to_string();
+        assert!(err.contains("IDEMPROXY_STORE__URL"), "{err}");
     }
 
     #[test]
@@ -1409,6 +1442,11 @@ require_key = true
             ("admin_token = s3cret\n", "s3cret", "line 1"),
             ("admin_token = 12345678\n", "12345678", "admin_token"),
             ("[store]\nurl = 42424242\n", "42424242", "url"),
+            (
+                "[store]\nurls = \"redis://:s3cretpw@node:6379\"\n",
+                "s3cretpw",
+                "urls",
+            ),
         ] {
             std::fs::write(&file, text).expect("write");
             let err = Config::load(Some(&file), env(&[]), &FlagOverrides::default())

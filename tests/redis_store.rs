@@ -402,7 +402,7 @@ async fn concurrent_begins_on_a_stale_claim_replace_it_once() {
 
 /// A key that other writers change under every compare-and-swap is busy, not
 /// a failed store: `begin` answers in flight, never `Unavailable`, which
-/// `on_store_unavailable = "pass"` would forward unprotected while others
+/// `on_store_error = "pass"` would forward unprotected while others
 /// are claiming the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_changing_under_every_swap_is_in_flight_not_unavailable() {

@@ -717,7 +717,7 @@ impl Store for RedisStore {
             }
         }
         // Another writer changed the key under every swap: it is busy, not
-        // the store. `Unavailable` would let `on_store_unavailable = "pass"`
+        // the store. `Unavailable` would let `on_store_error = "pass"`
         // forward a request whose key others are claiming; in flight sends
         // it back (or, with `on_in_flight = "wait"`, to look again shortly).
         tracing::warn!(
