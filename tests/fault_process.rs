@@ -254,3 +254,47 @@ async fn sigterm_drains_in_flight_calls_which_then_replay_on_another_replica() {
     assert_eq!(executions.total, CALLS);
     assert_eq!(upstream.total(), CALLS);
 }
+
+/// A covered call still at the upstream when the drain deadline passes is
+/// cut off with the process: its key is left to end as `outcome-unknown` by
+/// its lease, and its log line says `outcome_unknown`, not that its client
+/// left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_off_by_the_drain_deadline_is_logged_as_outcome_unknown() {
+    let upstream = TestUpstream::start().await;
+    let mut c = support::proxy::config(&upstream.url());
+    c.drain_timeout = Duration::from_millis(500);
+    c.log.level = "info".into();
+    c.log.format = idemproxy::config::LogFormat::Json;
+    let mut proxy = ProxyProcess::start(c).await;
+    let cut = {
+        let addr = proxy.addr;
+        tokio::spawn(async move {
+            raw_exchange(
+                addr,
+                &raw_post("/v1/held?hold=never", "cut-1", BODY),
+                Duration::from_secs(10),
+            )
+            .await
+        })
+    };
+    assert!(
+        upstream
+            .wait_for_executions("/v1/held", 1, Duration::from_secs(5))
+            .await,
+        "the call reached the upstream:\n{}",
+        proxy.logs()
+    );
+    proxy.terminate();
+    let status = proxy.wait_exit(Duration::from_secs(10)).await;
+    assert!(status.success(), "exit status {status}:\n{}", proxy.logs());
+    let _ = cut.await;
+    let logs = proxy.logs();
+    let outcomes: Vec<String> = logs
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|line| line["target"] == "idemproxy::request")
+        .map(|line| line["outcome"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(outcomes, ["outcome_unknown"], "{logs}");
+}

@@ -683,6 +683,7 @@ where
         let _executing = self.settings.metrics.executing();
         let deadline = Instant::now() + self.settings.upstream_timeout;
         let started = Instant::now();
+        self.log.unsettled = true;
         let result = self.inner.clone().oneshot(request).await;
         self.upstream_done(started);
         let response = match result {
@@ -961,13 +962,16 @@ where
             )
             .await
             {
+                self.log.unsettled = false;
                 return;
             }
             if attempt + 1 < INLINE_SETTLE_ATTEMPTS {
                 tokio::time::sleep(settle_backoff(attempt)).await;
             }
         }
+        // Settled in the background from here.
         self.settle_late(claim, token, settling);
+        self.log.unsettled = false;
     }
 
     /// Goes on settling the key in a task of its own once the client has
@@ -1285,6 +1289,12 @@ pub struct RequestLog {
     /// Dropped unwritten otherwise, its client went away before an answer
     /// (`client_closed`): every request gets its line and its count.
     written: bool,
+    /// Set while a covered request is at the upstream and its key not yet
+    /// settled. A run dropped then (the drain deadline passed, the runtime
+    /// stopped) leaves its key to end as `outcome-unknown` by its lease,
+    /// and is logged and counted so (`outcome_unknown`), not as a client
+    /// that left.
+    unsettled: bool,
 }
 
 impl Drop for RequestLog {
@@ -1295,6 +1305,8 @@ impl Drop for RequestLog {
         if std::thread::panicking() {
             self.status.get_or_insert(500);
             self.write(RequestOutcome::Internal);
+        } else if self.unsettled {
+            self.write(RequestOutcome::OutcomeUnknown);
         } else {
             self.write(RequestOutcome::ClientClosed);
         }
@@ -1318,6 +1330,7 @@ impl RequestLog {
             store: Duration::ZERO,
             upstream: None,
             written: false,
+            unsettled: false,
         }
     }
 

@@ -718,14 +718,30 @@ impl Store for RedisStore {
         }
         // Another writer changed the key under every swap: it is busy, not
         // the store. `Unavailable` would let `on_store_error = "pass"`
-        // forward a request whose key others are claiming; in flight sends
-        // it back (or, with `on_in_flight = "wait"`, to look again shortly).
+        // forward a request whose key others are claiming. One more read
+        // decides what needs no write: this call's own claim (a swap whose
+        // answer was lost, sent again by the cluster client, finds its own
+        // value and reports a change), a completion, another request's live
+        // claim or a different request. Anything else is answered in flight
+        // (425, or another look under `on_in_flight = "wait"`).
+        let now = now_millis();
+        let current: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .map_err(redis_error)?;
+        if let Some(current) = current {
+            let existing = read_stored(&Bytes::from(current))?;
+            if let (outcome, None) = decide_read(begin, existing, now, token, took_over) {
+                return Ok(outcome);
+            }
+        }
         tracing::warn!(
             key = %begin.key.to_hex(),
             "the record changed under each of {BEGIN_ATTEMPTS} attempts to claim it; answering in flight"
         );
         Ok(BeginOutcome::InFlight {
-            lease_expires_at: now_millis(),
+            lease_expires_at: now,
         })
     }
 
