@@ -692,10 +692,12 @@ fn without_secrets(error: figment::Error) -> figment::Error {
     let errors: Vec<figment::Error> = error
         .into_iter()
         .map(|mut e| {
-            let secret = e
-                .path
-                .iter()
-                .any(|field| matches!(field.as_str(), "admin_token" | "password" | "url" | "urls"));
+            // A secret field, or the section holding some given as a plain
+            // value (`IDEMPROXY_STORE=redis://:pw@h`).
+            let secret =
+                e.path.iter().any(|field| {
+                    matches!(field.as_str(), "admin_token" | "password" | "url" | "urls")
+                }) || e.path.last().is_some_and(|field| field == "store");
             let replacement = match &e.kind {
                 Kind::Message(message) => Some(Kind::Message(
                     message
@@ -1461,6 +1463,16 @@ require_key = true
             .expect_err("invalid")
             .to_string();
         assert!(err.contains("many"), "{err}");
+
+        // A URL given to the store section itself, from the environment.
+        let err = Config::load(
+            None,
+            env(&[("IDEMPROXY_STORE", "redis://:s3cretpw@h:6379")]),
+            &FlagOverrides::default(),
+        )
+        .expect_err("store is a table")
+        .to_string();
+        assert!(!err.contains("s3cretpw") && err.contains("store"), "{err}");
 
         assert!(!redact_url("idemproxy:S3cret@redis:6379").contains("S3cret"));
         assert_eq!(

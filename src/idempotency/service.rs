@@ -834,7 +834,11 @@ where
                     match fed {
                         Err(read) => break read,
                         Ok(true) => {}
-                        Ok(false) => client = None,
+                        Ok(false) => {
+                            // Gone: what waited for it is only the copy's now.
+                            client = None;
+                            backlog.clear();
+                        }
                     }
                 };
                 match read {
@@ -876,6 +880,7 @@ where
                 };
                 if !keeps_up {
                     client = None;
+                    backlog.clear();
                 }
             }
         };

@@ -725,11 +725,12 @@ impl Store for RedisStore {
         // claim or a different request. Anything else is answered in flight
         // (425, or another look under `on_in_flight = "wait"`).
         let now = now_millis();
+        // A failed read is answered in flight too, not as the store failing.
         let current: Option<Vec<u8>> = redis::cmd("GET")
             .arg(&key)
             .query_async(&mut conn)
             .await
-            .map_err(redis_error)?;
+            .unwrap_or(None);
         if let Some(current) = current {
             let existing = read_stored(&Bytes::from(current))?;
             if let (outcome, None) = decide_read(begin, existing, now, token, took_over) {
