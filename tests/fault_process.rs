@@ -33,6 +33,39 @@ fn assert_problem(reply: &Reply, status: u16, slug: &str) {
     assert_eq!(reply.problem(), slug, "{reply:?}");
 }
 
+/// Sends `key`'s request to `proxy` and kills the proxy (SIGKILL) once the
+/// upstream has the request; the client gets no answer. Returns when the
+/// request was sent.
+async fn killed_mid_call(
+    proxy: &mut ProxyProcess,
+    upstream: &TestUpstream,
+    path: &'static str,
+    key: &'static str,
+) -> Instant {
+    let sent_at = Instant::now();
+    let doomed = {
+        let addr = proxy.addr;
+        tokio::spawn(async move {
+            raw_exchange(addr, &raw_post(path, key, BODY), Duration::from_secs(10)).await
+        })
+    };
+    assert!(
+        upstream
+            .wait_for_executions(path, 1, Duration::from_secs(5))
+            .await,
+        "the request reached the upstream:\n{}",
+        proxy.logs()
+    );
+    proxy.kill();
+    let lost = doomed.await.expect("the first client");
+    assert_eq!(
+        lost.status(),
+        None,
+        "no answer from a killed proxy: {lost:?}"
+    );
+    sent_at
+}
+
 /// The first answer to `key` past `lease_end` that is not 425: the lease
 /// began when the dead proxy called `begin`, a moment after the request was
 /// sent (`lease_end` counts from the send), so a retry right at the end may
@@ -68,33 +101,8 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
 
     // The first request: its proxy dies while the upstream works on it, so
     // its client gets no answer (the connection breaks).
-    let sent_at = Instant::now();
-    let doomed = {
-        let addr = first.addr;
-        tokio::spawn(async move {
-            raw_exchange(
-                addr,
-                &raw_post(path, "crash-1", BODY),
-                Duration::from_secs(10),
-            )
-            .await
-        })
-    };
-    assert!(
-        upstream
-            .wait_for_executions(path, 1, Duration::from_secs(5))
-            .await,
-        "the request reached the upstream:\n{}",
-        first.logs()
-    );
     let pid = first.pid();
-    first.kill();
-    let lost = doomed.await.expect("the first client");
-    assert_eq!(
-        lost.status(),
-        None,
-        "no answer from a killed proxy: {lost:?}"
-    );
+    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1").await;
 
     let url = second.url(path);
 
@@ -156,32 +164,7 @@ async fn a_sidecar_killed_on_the_embedded_store_keeps_its_answers_and_fails_clos
     assert!(!done.replayed());
 
     let path = "/v1/charges?delay_ms=6000";
-    let sent_at = Instant::now();
-    let doomed = {
-        let addr = first.addr;
-        tokio::spawn(async move {
-            raw_exchange(
-                addr,
-                &raw_post(path, "crash-1", BODY),
-                Duration::from_secs(10),
-            )
-            .await
-        })
-    };
-    assert!(
-        upstream
-            .wait_for_executions(path, 1, Duration::from_secs(5))
-            .await,
-        "the request reached the upstream:\n{}",
-        first.logs()
-    );
-    first.kill();
-    let lost = doomed.await.expect("the first client");
-    assert_eq!(
-        lost.status(),
-        None,
-        "no answer from a killed proxy: {lost:?}"
-    );
+    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1").await;
 
     // The sidecar restarts on the same file.
     let second = ProxyProcess::start(c).await;

@@ -57,6 +57,17 @@ async fn claim(store: &dyn Store, key: RecordKey, lease: Duration) -> FencingTok
     }
 }
 
+/// A new key, claimed and completed with fingerprint 1.
+async fn completed_key(store: &RedisStore) -> RecordKey {
+    let key = new_key();
+    let token = claim(store, key, LEASE).await;
+    store
+        .complete(&key, token, &completed(1))
+        .await
+        .expect("complete");
+    key
+}
+
 fn assert_corrupt<T: std::fmt::Debug>(what: &str, result: Result<T, StoreError>) {
     assert!(
         matches!(result, Err(StoreError::Corrupt(_))),
@@ -473,12 +484,7 @@ async fn a_removal_given_up_on_is_still_announced() {
     use futures_util::StreamExt;
     let server = RedisServer::start();
     let store = connect(&server).await;
-    let key = new_key();
-    let token = claim(&store, key, LEASE).await;
-    store
-        .complete(&key, token, &completed(1))
-        .await
-        .expect("complete");
+    let key = completed_key(&store).await;
     let client = redis::Client::open(server.url()).expect("redis url");
     let (mut sink, mut heard) = client
         .get_async_pubsub()
@@ -895,12 +901,7 @@ async fn rediss_with_a_private_ca() {
     let store = RedisStore::connect(&trusted)
         .await
         .expect("connect over TLS");
-    let key = new_key();
-    let token = claim(&store, key, LEASE).await;
-    store
-        .complete(&key, token, &completed(1))
-        .await
-        .expect("complete");
+    let key = completed_key(&store).await;
     assert!(matches!(
         store.begin(&begin(key, 2, LEASE, OnStale::Store)).await,
         Ok(BeginOutcome::Mismatch {
