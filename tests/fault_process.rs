@@ -66,11 +66,28 @@ async fn killed_mid_call(
     sent_at
 }
 
-/// The first answer to `key` past `lease_end` that is not 425: the lease
-/// began when the dead proxy called `begin`, a moment after the request was
-/// sent (`lease_end` counts from the send), so a retry right at the end may
-/// still find it running.
-async fn after_the_lease(client: &TestClient, url: &str, key: &str, lease_end: Instant) -> Reply {
+/// Retries of `key`, whose proxy died holding it (request sent at
+/// `sent_at`): one before the lease ends, which finds it in flight (the dead
+/// proxy might still be running it, for all the new one knows), and the
+/// first after it that is not 425 (returned for the caller to check: the
+/// key settled fail-closed). The lease began when the dead proxy called
+/// `begin`, a moment after the send, so a retry right at its end may still
+/// find it running.
+async fn in_flight_then_settled(
+    client: &TestClient,
+    url: &str,
+    key: &str,
+    sent_at: Instant,
+    lease: Duration,
+) -> (Reply, Duration, Reply) {
+    let early = client.post_json(url, key, BODY).await;
+    let early_at = sent_at.elapsed();
+    assert!(
+        early_at < lease - Duration::from_millis(500),
+        "the retry came {early_at:?} after the claim: too late to test the lease"
+    );
+    assert_problem(&early, 425, "in-flight");
+    let lease_end = sent_at + lease;
     tokio::time::sleep_until(lease_end).await;
     // The claim was made a moment after the send: well within 2 s of it on
     // any machine, and a lease much longer than configured fails.
@@ -78,7 +95,7 @@ async fn after_the_lease(client: &TestClient, url: &str, key: &str, lease_end: I
     loop {
         let reply = client.post_json(url, key, BODY).await;
         if reply.status != 425 || Instant::now() > give_up {
-            return reply;
+            return (early, early_at, reply);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -106,19 +123,8 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
 
     let url = second.url(path);
 
-    // Before the lease expires, the key is in flight: the dead proxy might
-    // still be running it, for all the new one knows.
-    let early = client.post_json(&url, "crash-1", BODY).await;
-    let early_at = sent_at.elapsed();
-    assert!(
-        early_at < lease - Duration::from_millis(500),
-        "the retry came {early_at:?} after the claim: too late to test the lease"
-    );
-    assert_problem(&early, 425, "in-flight");
-
-    // After the lease (and after the upstream finished its delayed call),
-    // the key is settled fail-closed: outcome unknown, never re-executed.
-    let late = after_the_lease(&client, &url, "crash-1", sent_at + lease).await;
+    let (early, early_at, late) =
+        in_flight_then_settled(&client, &url, "crash-1", sent_at, lease).await;
     // The settlement is stored: another retry gets the same answer.
     let again = client.post_json(&url, "crash-1", BODY).await;
     let executions = Executions::count(&upstream, [path]);
@@ -176,14 +182,7 @@ async fn a_sidecar_killed_on_the_embedded_store_keeps_its_answers_and_fails_clos
     assert_eq!(replay.body, done.body);
 
     let url = second.url(path);
-    let early = client.post_json(&url, "crash-1", BODY).await;
-    let early_at = sent_at.elapsed();
-    assert!(
-        early_at < lease - Duration::from_millis(500),
-        "the retry came {early_at:?} after the claim: too late to test the lease"
-    );
-    assert_problem(&early, 425, "in-flight");
-    let late = after_the_lease(&client, &url, "crash-1", sent_at + lease).await;
+    let (_, _, late) = in_flight_then_settled(&client, &url, "crash-1", sent_at, lease).await;
     assert_problem(&late, 502, "outcome-unknown");
     let executions = Executions::count(&upstream, ["/v1/done", path]);
     executions.assert_at_most_once();
