@@ -145,12 +145,13 @@ const HEADER_LEN: usize = 25;
 /// compares with the caller's claim.
 const CLAIM_ID_LEN: usize = 17;
 
-/// How many times `begin` reads a key again after a `swap` found it changed.
-/// Each retry means another proxy wrote the key in between, which then holds
-/// a fresh claim or a completion, so a second read practically always
-/// settles it; the bound only keeps a pathological loop finite, and a key
-/// still changing after it is answered as in flight.
-const BEGIN_ATTEMPTS: usize = 4;
+/// How many times `begin` reads a key, each read after the first following
+/// a `swap` that found it changed. Each change means another proxy wrote the
+/// key in between, which then holds a fresh claim or a completion, so a
+/// second read practically always settles it; the bound only keeps a
+/// pathological loop finite, and a key that would still need a write at the
+/// last read is answered as in flight.
+const BEGIN_ATTEMPTS: usize = 5;
 
 /// The Redis key of `key` under `prefix`: `<prefix>{<hex>}`. The hash tag
 /// (the part in braces) makes the cluster slot depend on the record key only.
@@ -669,7 +670,7 @@ impl Store for RedisStore {
         // then (or, after a failed one, from a later `SET`: the claim is
         // this call's either way; `took_over` only feeds a metric).
         let mut took_over = false;
-        for _ in 0..BEGIN_ATTEMPTS {
+        for attempt in 1..=BEGIN_ATTEMPTS {
             let now = now_millis();
             // The claim to write if the key is free: prepared here, because
             // its token is random and its encoding is Rust's.
@@ -696,6 +697,9 @@ impl Store for RedisStore {
             let Some(replacement) = replacement else {
                 return Ok(outcome);
             };
+            if attempt == BEGIN_ATTEMPTS {
+                break;
+            }
             took_over |= matches!(
                 outcome,
                 BeginOutcome::Acquired {
@@ -718,31 +722,19 @@ impl Store for RedisStore {
         }
         // Another writer changed the key under every swap: it is busy, not
         // the store. `Unavailable` would let `on_store_error = "pass"`
-        // forward a request whose key others are claiming. One more read
-        // decides what needs no write: this call's own claim (a swap whose
-        // answer was lost, sent again by the cluster client, finds its own
-        // value and reports a change), a completion, another request's live
-        // claim or a different request. Anything else is answered in flight
-        // (425, or another look under `on_in_flight = "wait"`).
-        let now = now_millis();
-        // A failed read is answered in flight too, not as the store failing.
-        let current: Option<Vec<u8>> = redis::cmd("GET")
-            .arg(&key)
-            .query_async(&mut conn)
-            .await
-            .unwrap_or(None);
-        if let Some(current) = current {
-            let existing = read_stored(&Bytes::from(current))?;
-            if let (outcome, None) = decide_read(begin, existing, now, token, took_over) {
-                return Ok(outcome);
-            }
-        }
+        // forward a request whose key others are claiming; in flight sends
+        // it back (425, or another look under `on_in_flight = "wait"`). The
+        // last read already decided what needs no write: this call's own
+        // claim (a swap whose answer was lost, sent again by the cluster
+        // client, finds its own value and reports a change), a completion,
+        // another request's live claim, a different request.
         tracing::warn!(
             key = %begin.key.to_hex(),
-            "the record changed under each of {BEGIN_ATTEMPTS} attempts to claim it; answering in flight"
+            "the record changed under each of {} attempts to claim it; answering in flight",
+            BEGIN_ATTEMPTS - 1
         );
         Ok(BeginOutcome::InFlight {
-            lease_expires_at: now,
+            lease_expires_at: now_millis(),
         })
     }
 
