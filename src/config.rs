@@ -861,20 +861,16 @@ fn unknown_env_vars(error: &figment::Error, vars: &[(String, String)]) -> Vec<St
         .into_iter()
         .filter(|e| e.metadata.as_ref().is_some_and(|m| m.name == ENV_SOURCE))
         .flat_map(|e| match &e.kind {
-            figment::error::Kind::UnknownField(field, _) => {
-                // The path ends with the field already.
-                let mut path = e.path.clone();
-                if path.last() != Some(field) {
-                    path.push(field.clone());
-                }
-                let name = path.join("__");
-                // The variable itself; one with `__` is never a stranger.
+            // Only a top-level field can be a stranger's: a variable under
+            // a section has `__` in its name. (The path ends with the field,
+            // or is empty.)
+            figment::error::Kind::UnknownField(field, _)
+                if e.path.len() <= 1 && e.path.iter().all(|p| p == field) =>
+            {
                 vars.iter()
                     .filter(|(k, _)| {
-                        k.strip_prefix("IDEMPROXY_").is_some_and(|rest| {
-                            let rest = rest.to_ascii_lowercase();
-                            !rest.contains("__") && rest == name
-                        })
+                        k.strip_prefix("IDEMPROXY_")
+                            .is_some_and(|rest| rest.eq_ignore_ascii_case(field))
                     })
                     .map(|(k, _)| k.clone())
                     .collect()
@@ -920,6 +916,7 @@ impl figment::Provider for EnvVars {
         // `IDEMPROXY_ROUTES__0__TTL` changes its first route.
         let mut vars: Vec<&(String, String)> = self.vars.iter().collect();
         vars.sort_by_key(|(k, _)| k.matches("__").count());
+        let base = Value::from(self.base.clone());
         for (k, v) in vars {
             let Some(rest) = k.strip_prefix("IDEMPROXY_") else {
                 continue;
@@ -929,7 +926,6 @@ impl figment::Provider for EnvVars {
                 Ok(parsed @ (Value::Array(..) | Value::Dict(..))) => parsed,
                 _ => Value::from(v.clone()),
             };
-            let base = Value::from(self.base.clone());
             insert_path(&mut dict, Some(&base), &path, value)
                 .map_err(|why| figment::Error::from(format!("{k}: {why}")))?;
         }
@@ -973,7 +969,7 @@ fn insert_path(
                 .parse::<usize>()
                 .ok()
                 .and_then(|i| items.get_mut(i))
-                .ok_or_else(|| format!("`{first}` has no item {index} ({len} in the file)"))?;
+                .ok_or_else(|| format!("`{first}` has no item {index} (it has {len})"))?;
             match item {
                 Value::Dict(_, inner) if !rest.is_empty() => insert_path(inner, None, rest, value),
                 _ if rest.is_empty() => {
