@@ -4,6 +4,7 @@
 //! `max_in_flight` permit while it streams.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,8 +15,6 @@ use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use std::future::Future;
-
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::{Instant, Sleep};

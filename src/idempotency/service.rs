@@ -951,7 +951,24 @@ where
     /// released key held), so the call is retried: briefly here, while the
     /// client waits, then in the background (see [`Self::settle_late`]).
     async fn settle(&mut self, claim: &Claim, token: FencingToken, settling: Settling) {
+        if !self.settle_inline(claim, token, &settling).await {
+            self.settle_late(claim, token, settling);
+        }
+        // Settled, now or by `settle_late`.
+        self.log.unsettled = false;
+    }
+
+    /// The tries made while the client waits; whether they settled the key.
+    async fn settle_inline(
+        &mut self,
+        claim: &Claim,
+        token: FencingToken,
+        settling: &Settling,
+    ) -> bool {
         for attempt in 0..INLINE_SETTLE_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(settle_backoff(attempt - 1)).await;
+            }
             let result = timed(&self.settings, &mut self.log, settling.op(), |s| {
                 settling.call(s, &claim.key, token)
             })
@@ -961,22 +978,16 @@ where
                 &self.settings,
                 metrics,
                 &claim.key,
-                &settling,
+                settling,
                 result,
                 attempt,
             )
             .await
             {
-                self.log.unsettled = false;
-                return;
-            }
-            if attempt + 1 < INLINE_SETTLE_ATTEMPTS {
-                tokio::time::sleep(settle_backoff(attempt)).await;
+                return true;
             }
         }
-        // Settled in the background from here.
-        self.settle_late(claim, token, settling);
-        self.log.unsettled = false;
+        false
     }
 
     /// Goes on settling the key in a task of its own once the client has
