@@ -215,7 +215,7 @@ impl<'a> Document<'a> {
             Some(Entry::Bool(true)) => out.put(b"true"),
             Some(Entry::Bool(false)) => out.put(b"false"),
             Some(Entry::Number(n) | Entry::Inexact(n)) => write_number(*n, out),
-            Some(Entry::String(s)) => write_string(s, out),
+            Some(Entry::String(s)) => write_parsed_string(s, out),
             Some(Entry::Array { .. }) => {
                 out.put(b"[");
                 for (i, element) in self.elements(NodeId(at)).enumerate() {
@@ -232,7 +232,10 @@ impl<'a> Document<'a> {
                     if i > 0 {
                         out.put(b",");
                     }
-                    write_string(self.name(name), out);
+                    match self.tape.get(name) {
+                        Some(Entry::String(s)) => write_parsed_string(s, out),
+                        _ => write_string("", out),
+                    }
                     out.put(b":");
                     self.write_node(name + 1, out);
                 }
@@ -426,6 +429,23 @@ fn format_decimal(negative: bool, mut digits: u64, scale: usize, buf: &mut [u8; 
         }
     }
     buf.get(at..).unwrap_or_default()
+}
+
+/// A string of the parsed document. One borrowed from the body had no
+/// escape in the JSON text, so it holds no `"`, no `\\` and no control
+/// character (JSON text cannot carry them unescaped): its canonical form is
+/// its text between quotes, with nothing to look for. Most strings of an
+/// API request are such; only those that had escapes are scanned.
+fn write_parsed_string<S: Sink + ?Sized>(s: &Cow<'_, str>, out: &mut S) {
+    match s {
+        Cow::Borrowed(text) => {
+            debug_assert!(!text.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\'));
+            out.put(b"\"");
+            out.put(text.as_bytes());
+            out.put(b"\"");
+        }
+        Cow::Owned(text) => write_string(text, out),
+    }
 }
 
 /// Strings as ECMAScript's `JSON.stringify` writes them (RFC 8785
@@ -833,6 +853,24 @@ mod tests {
                 Entry::String(Cow::Owned(_)),
             ] if esc == "esc"
         ));
+    }
+
+    /// A borrowed string is written between quotes as it is, unscanned: that
+    /// holds only because JSON text cannot carry a quote, a backslash or a
+    /// control character in a string without an escape, which makes it owned.
+    #[test]
+    fn strings_written_unscanned_are_those_without_escapes() {
+        for raw in [&b"[\"a\x01b\"]"[..], b"[\"tab\there\"]", b"[\"nl\nx\"]"] {
+            assert!(Document::parse(raw).is_err(), "{raw:?}");
+        }
+        let doc = Document::parse(br#"{"q\"k":"a\\b","p":"\u0001 \t","x":"plain \u00e9"}"#)
+            .expect("JSON");
+        let mut out = Vec::new();
+        doc.write(&mut out);
+        assert_eq!(
+            String::from_utf8(out).expect("UTF-8"),
+            "{\"p\":\"\\u0001 \\t\",\"q\\\"k\":\"a\\\\b\",\"x\":\"plain \u{e9}\"}"
+        );
     }
 
     #[test]
