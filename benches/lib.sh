@@ -25,11 +25,12 @@ need_tools() {
 
 # Builds the release binary and the fixed-rate load generator, makes the
 # scratch directory and stops everything in it at exit: the start of every
-# script of the rig. Sets BIN, LOADGEN, WORK and PIDS.
+# script of the rig. Sets BIN, LOADGEN, FLOOR, WORK and PIDS.
 start_rig() {
-  cargo build --release --locked --quiet --bin idemproxy --example loadgen
+  cargo build --release --locked --quiet --bin idemproxy --example loadgen --example bare_forward
   BIN=target/release/idemproxy
   LOADGEN=target/release/examples/loadgen
+  FLOOR=target/release/examples/bare_forward
   WORK=$(mktemp -d)
   PIDS=()
   trap stop_rig EXIT
@@ -88,6 +89,15 @@ start_proxy() {
   env IDEMPROXY_LOG__LEVEL=info "$@" "$BIN" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
     --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "redis://127.0.0.1:${RP:-6379}" >"$WORK/$name.log" 2>&1 &
   PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
+}
+
+# start_floor PORT: examples/bare_forward in front of the upstream, the
+# floor of idemproxy's stack (hyper's server and hyper-util's pooled
+# client on one current-thread runtime per CPU, nothing else); pid in
+# $WORK/floor.pid.
+start_floor() {
+  "$FLOOR" "127.0.0.1:$1" "http://127.0.0.1:$UP" >"$WORK/floor.log" 2>&1 &
+  PIDS+=($!); echo $! >"$WORK/floor.pid"; wait_port "$1"
 }
 
 # Stops what the rig started: $PIDS, and the nginx masters by pid file.

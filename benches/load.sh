@@ -4,6 +4,9 @@
 #   idemproxy on the memory store  vs  idemproxy on a private Redis  vs
 #   idemproxy on the embedded store (the default: an fsync'd redb file,
 #   here in a scratch directory),
+# and, for the unique-key traffic, the floor of idemproxy's own stack
+# (examples/bare_forward: hyper's server and hyper-util's client, one
+# current-thread runtime per CPU, forwarding and nothing else),
 # all in front of the same fast upstream (nginx `return 201`), each proxy
 # with the default configuration. Replays also run against a Redis-backed
 # proxy without the local replay cache (`local_cache_entries = 0`), which
@@ -42,10 +45,13 @@ need_tools nginx wrk redis-server
 
 start_rig
 
-UP=$(free_port); NG=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); IE=$(free_port); RP=$(free_port)
+UP=$(free_port); NG=$(free_port); FL=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); IE=$(free_port); RP=$(free_port)
 
 start_upstream
 start_control "$NG"
+# What any proxy on hyper and tokio pays before doing anything of its own:
+# the ceiling for idemproxy on this machine.
+start_floor "$FL"
 
 start_redis "$RP"
 
@@ -57,8 +63,8 @@ start_proxy redis-nocache "$IC" redis IDEMPROXY_STORE__LOCAL_CACHE_ENTRIES=0
 # fsync (grouped with the others in flight) on this machine's disk.
 start_proxy embedded "$IE" embedded IDEMPROXY_STORE__PATH="$WORK/embedded-data"
 
-declare -A URL=([nginx]="http://127.0.0.1:$NG" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-nocache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE")
-TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-embedded)
+declare -A URL=([nginx]="http://127.0.0.1:$NG" [hyper-floor]="http://127.0.0.1:$FL" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-nocache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE")
+TARGETS=(nginx hyper-floor idemproxy-memory idemproxy-redis idemproxy-embedded)
 REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-redis-nocache idemproxy-embedded)
 if [ "$WORKERS1" = 1 ]; then
   # One traffic worker instead of one per CPU: on two cores that the load
@@ -93,6 +99,7 @@ ticks() {
 proxy_pids() {
   case $1 in
     nginx) cat "$WORK/control.pid"; pgrep -P "$(cat "$WORK/control.pid")" ;;
+    hyper-floor) cat "$WORK/floor.pid" ;;
     idemproxy-memory) cat "$WORK/memory.pid" ;;
     idemproxy-memory-1w) cat "$WORK/memory-1w.pid" ;;
     idemproxy-redis) cat "$WORK/redis.pid" ;;
@@ -232,6 +239,10 @@ def verdict(name, ok, shown):
 for t, goal in (("idemproxy-redis", 0.8), ("idemproxy-memory", 1.0)):
     v = ratio[("unique", t)]
     verdict(f"unique keys, {t} >= {goal}x nginx", v >= goal, f"{v:.3f}x")
+if ("unique", "hyper-floor") in ratio:
+    # Not a target: what the same stack reaches doing nothing but forwarding,
+    # so the most any first execution or passthrough can reach here.
+    print(f"  {'(ceiling) hyper-floor, forwarding only':<46} {ratio[('unique', 'hyper-floor')]:>11.3f}x")
 for t in ("idemproxy-memory", "idemproxy-redis", "idemproxy-embedded"):
     v = ratio[("replay", t)]
     verdict(f"replays, {t} >= 1.5x nginx", v >= 1.5, f"{v:.3f}x")
