@@ -215,7 +215,7 @@ impl<'a> Document<'a> {
             Some(Entry::Bool(true)) => out.put(b"true"),
             Some(Entry::Bool(false)) => out.put(b"false"),
             Some(Entry::Number(n) | Entry::Inexact(n)) => write_number(*n, out),
-            Some(Entry::String(s)) => write_parsed_string(s, out),
+            Some(Entry::String(_)) => write_tape_string(self.tape.get(at), out),
             Some(Entry::Array { .. }) => {
                 out.put(b"[");
                 for (i, element) in self.elements(NodeId(at)).enumerate() {
@@ -232,10 +232,7 @@ impl<'a> Document<'a> {
                     if i > 0 {
                         out.put(b",");
                     }
-                    match self.tape.get(name) {
-                        Some(Entry::String(s)) => write_parsed_string(s, out),
-                        _ => write_string("", out),
-                    }
+                    write_tape_string(self.tape.get(name), out);
                     out.put(b":");
                     self.write_node(name + 1, out);
                 }
@@ -431,20 +428,23 @@ fn format_decimal(negative: bool, mut digits: u64, scale: usize, buf: &mut [u8; 
     buf.get(at..).unwrap_or_default()
 }
 
-/// A string of the parsed document. One borrowed from the body had no
+/// A string of the parsed document, a value or a member name. One
+/// borrowed from the body had no
 /// escape in the JSON text, so it holds no `"`, no `\\` and no control
 /// character (JSON text cannot carry them unescaped): its canonical form is
 /// its text between quotes, with nothing to look for. Most strings of an
 /// API request are such; only those that had escapes are scanned.
-fn write_parsed_string<S: Sink + ?Sized>(s: &Cow<'_, str>, out: &mut S) {
-    match s {
-        Cow::Borrowed(text) => {
+fn write_tape_string<S: Sink + ?Sized>(entry: Option<&Entry<'_>>, out: &mut S) {
+    match entry {
+        Some(Entry::String(Cow::Borrowed(text))) => {
             debug_assert!(!text.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\'));
             out.put(b"\"");
             out.put(text.as_bytes());
             out.put(b"\"");
         }
-        Cow::Owned(text) => write_string(text, out),
+        Some(Entry::String(Cow::Owned(text))) => write_string(text, out),
+        // Names are always strings; the fallback only keeps this total.
+        _ => write_string("", out),
     }
 }
 
