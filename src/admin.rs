@@ -20,10 +20,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::idempotency::record::{from_millis, now_millis, Outcome, Record, RecordKey};
+use crate::idempotency::record::{from_millis, Outcome, Record, RecordKey};
 use crate::idempotency::Policies;
 use crate::metrics::Metrics;
-use crate::store::SharedStore;
+use crate::store::{Removal, Removed, SharedStore};
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -203,41 +203,39 @@ async fn delete_key(
     // A claim whose lease runs is a request executing now (or one whose
     // proxy died moments ago): deleted, its retry would execute while the
     // first may still run, and the first's outcome would be refused. Only
-    // `?force=true` goes ahead; an expired claim is stuck and goes.
+    // `?force=true` goes ahead; an expired claim is stuck and goes. The
+    // store decides in the same step as it deletes, so a request that
+    // claims the key just before keeps its claim.
     let force = query
         .as_deref()
         .is_some_and(|q| q.split('&').any(|pair| pair == "force=true"));
-    if !force {
-        let record = tokio::time::timeout(state.store_timeout, state.store.get(&key))
-            .await
-            .map_err(|_| store_problem("no answer in time"))?
-            .map_err(store_problem)?;
-        if let Some(Record::Pending(claim)) = record {
-            if claim.lease_expires_at > now_millis() {
-                return Err(AdminProblem {
-                    status: StatusCode::CONFLICT,
-                    slug: "key-in-flight",
-                    detail: format!(
-                        "A request holds this key and its lease runs until {}: deleting it now would let a retry execute while the first may still be running. Wait for the lease to end, or add ?force=true.",
-                        httpdate::fmt_http_date(from_millis(claim.lease_expires_at))
-                    ),
-                });
-            }
-        }
-    }
-    let removed = tokio::time::timeout(state.store_timeout, state.store.remove(&key))
+    let removal = if force {
+        Removal::Any
+    } else {
+        Removal::UnlessLeased
+    };
+    let removed = tokio::time::timeout(state.store_timeout, state.store.remove(&key, removal))
         .await
         .map_err(|_| store_problem("no answer in time"))?
         .map_err(store_problem)?;
-    if removed {
-        tracing::warn!(key_hash = %key.to_hex(), "key deleted through the admin API");
-        Ok(Json(json!({ "key_hash": key.to_hex(), "deleted": true })))
-    } else {
-        Err(AdminProblem {
+    match removed {
+        Removed::Deleted => {
+            tracing::warn!(key_hash = %key.to_hex(), "key deleted through the admin API");
+            Ok(Json(json!({ "key_hash": key.to_hex(), "deleted": true })))
+        }
+        Removed::Absent => Err(AdminProblem {
             status: StatusCode::NOT_FOUND,
             slug: "key-not-found",
             detail: "No record for this key.".into(),
-        })
+        }),
+        Removed::Leased { until } => Err(AdminProblem {
+            status: StatusCode::CONFLICT,
+            slug: "key-in-flight",
+            detail: format!(
+                "A request holds this key and its lease runs until {}: deleting it now would let a retry execute while the first may still be running. Wait for the lease to end, or add ?force=true.",
+                httpdate::fmt_http_date(from_millis(until))
+            ),
+        }),
     }
 }
 

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use http::Method;
 use idemproxy::config::{Config, RouteConfig};
 use idemproxy::idempotency::record::{CompletedRecord, FencingToken, Record, RecordKey};
-use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Store, StoreError};
+use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Removal, Removed, Store, StoreError};
 use serde_json::{json, Value};
 use support::keys;
 use support::proxy::{config, Reply, TestClient, TestProxy};
@@ -554,8 +554,8 @@ impl Store for SlowComplete {
         self.0.get(key).await
     }
 
-    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        self.0.remove(key).await
+    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
+        self.0.remove(key, removal).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -15,7 +15,9 @@ use idemproxy::idempotency::record::{
     now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnknownCause,
 };
 use idemproxy::store::redis::{open, redis_key};
-use idemproxy::store::{BeginOutcome, CachedStore, OnStale, RedisStore, Store, StoreError};
+use idemproxy::store::{
+    BeginOutcome, CachedStore, OnStale, RedisStore, Removal, Removed, Store, StoreError,
+};
 
 #[path = "support/redis_server.rs"]
 mod redis_server;
@@ -501,7 +503,7 @@ async fn a_removal_given_up_on_is_still_announced() {
         .expect("subscribe");
 
     // Given up on after its first poll, before Redis could answer.
-    let given_up = futures_util::FutureExt::now_or_never(store.remove(&key));
+    let given_up = futures_util::FutureExt::now_or_never(store.remove(&key, Removal::Any));
     assert!(given_up.is_none(), "answered at once: {given_up:?}");
     let message = tokio::time::timeout(Duration::from_secs(5), heard.next())
         .await
@@ -588,7 +590,10 @@ async fn corrupt_values_are_reported_not_fatal() {
 
     // Removing needs no decoding: it is how an operator clears them.
     for key in unreadable_keys.into_iter().chain([string, strange]) {
-        assert!(store.remove(&key).await.expect("remove"));
+        assert_eq!(
+            store.remove(&key, Removal::Any).await.expect("remove"),
+            Removed::Deleted
+        );
         assert_eq!(store.get(&key).await.expect("get"), None);
         claim(&store, key, LEASE).await;
     }

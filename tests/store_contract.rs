@@ -15,8 +15,8 @@ use idemproxy::idempotency::record::{
 };
 use idemproxy::store::embedded::{FILE_NAME, RECORDS_TABLE};
 use idemproxy::store::{
-    Begin, BeginOutcome, CachedStore, EmbeddedStore, MemoryStore, OnStale, RedisStore, SharedStore,
-    Store, StoreError,
+    Begin, BeginOutcome, CachedStore, EmbeddedStore, MemoryStore, OnStale, RedisStore, Removal,
+    Removed, SharedStore, Store, StoreError,
 };
 use tempfile::TempDir;
 
@@ -122,6 +122,7 @@ macro_rules! contract {
                     completed_record_expires,
                     abandoned_claim_expires,
                     get_remove_ping,
+                    a_running_claim_is_removed_only_by_force,
                     concurrent_begins_acquire_once,
                 );
             }
@@ -457,8 +458,9 @@ mod cases {
 
         tokio::time::sleep(Duration::from_millis(700)).await;
         assert_eq!(store.get(&key).await.expect("get"), None);
-        assert!(
-            !store.remove(&key).await.expect("remove"),
+        assert_eq!(
+            store.remove(&key, Removal::Any).await.expect("remove"),
+            Removed::Absent,
             "an expired record reads as absent to remove too"
         );
         let again = store
@@ -492,11 +494,26 @@ mod cases {
 
         let key = new_key();
         assert_eq!(store.get(&key).await.expect("get"), None);
-        assert!(!store.remove(&key).await.expect("remove"));
+        assert_eq!(
+            store.remove(&key, Removal::Any).await.expect("remove"),
+            Removed::Absent
+        );
 
         let token = claim(&*store, key, 1, LONG_LEASE).await;
-        assert!(store.remove(&key).await.expect("remove a pending record"));
-        assert!(!store.remove(&key).await.expect("remove again"));
+        assert_eq!(
+            store
+                .remove(&key, Removal::Any)
+                .await
+                .expect("remove a pending record"),
+            Removed::Deleted
+        );
+        assert_eq!(
+            store
+                .remove(&key, Removal::Any)
+                .await
+                .expect("remove again"),
+            Removed::Absent
+        );
         assert_eq!(store.get(&key).await.expect("get"), None);
         assert_fenced(
             store.complete(&key, token, &completed(1, TTL)).await,
@@ -508,18 +525,106 @@ mod cases {
             .complete(&key, token, &completed(1, TTL))
             .await
             .expect("complete");
-        assert!(store.remove(&key).await.expect("remove a completed record"));
-        assert!(!store.remove(&key).await.expect("remove again"));
+        assert_eq!(
+            store
+                .remove(&key, Removal::Any)
+                .await
+                .expect("remove a completed record"),
+            Removed::Deleted
+        );
+        assert_eq!(
+            store
+                .remove(&key, Removal::Any)
+                .await
+                .expect("remove again"),
+            Removed::Absent
+        );
         claim(&*store, key, 2, LONG_LEASE).await;
 
         // Other keys are untouched by all of this.
         let bystander = new_key();
         claim(&*store, bystander, 1, LONG_LEASE).await;
-        assert!(store.remove(&key).await.expect("remove"));
+        assert_eq!(
+            store.remove(&key, Removal::Any).await.expect("remove"),
+            Removed::Deleted
+        );
         assert!(matches!(
             store.get(&bystander).await.expect("get"),
             Some(Record::Pending(_))
         ));
+    }
+
+    pub async fn a_running_claim_is_removed_only_by_force(store: SharedStore) {
+        // A request executing now keeps its claim against a guarded removal.
+        let key = new_key();
+        let token = claim(&*store, key, 1, LONG_LEASE).await;
+        let lease_expires_at = match store.get(&key).await.expect("get") {
+            Some(Record::Pending(p)) => p.lease_expires_at,
+            other => panic!("expected a claim, got {other:?}"),
+        };
+        assert_eq!(
+            store
+                .remove(&key, Removal::UnlessLeased)
+                .await
+                .expect("guarded remove"),
+            Removed::Leased {
+                until: lease_expires_at
+            }
+        );
+        // Still its holder's: it completes, and a completion goes unforced.
+        store
+            .complete(&key, token, &completed(1, TTL))
+            .await
+            .expect("complete after a refused removal");
+        assert_eq!(
+            store
+                .remove(&key, Removal::UnlessLeased)
+                .await
+                .expect("guarded remove"),
+            Removed::Deleted
+        );
+        assert_eq!(store.get(&key).await.expect("get"), None);
+        assert_eq!(
+            store
+                .remove(&key, Removal::UnlessLeased)
+                .await
+                .expect("guarded remove of nothing"),
+            Removed::Absent
+        );
+
+        // A claim past its lease is stuck (its proxy died): it goes unforced.
+        let stuck = new_key();
+        claim(&*store, stuck, 1, SHORT_LEASE).await;
+        tokio::time::sleep(PAST_SHORT_LEASE).await;
+        assert_eq!(
+            store
+                .remove(&stuck, Removal::UnlessLeased)
+                .await
+                .expect("guarded remove"),
+            Removed::Deleted
+        );
+        acquired(
+            store
+                .begin(&begin(stuck, 2, LONG_LEASE, OnStale::Store))
+                .await
+                .expect("begin"),
+            false,
+        );
+
+        // Forced, a running claim goes, and its holder is fenced.
+        let forced = new_key();
+        let token = claim(&*store, forced, 1, LONG_LEASE).await;
+        assert_eq!(
+            store
+                .remove(&forced, Removal::Any)
+                .await
+                .expect("forced remove"),
+            Removed::Deleted
+        );
+        assert_fenced(
+            store.complete(&forced, token, &completed(1, TTL)).await,
+            "complete after a forced removal",
+        );
     }
 
     pub async fn concurrent_begins_acquire_once(store: SharedStore) {
@@ -846,7 +951,10 @@ mod embedded_only {
 
         // Removing needs no decoding: it is how an operator clears them.
         for key in [garbled, empty, future] {
-            assert!(store.remove(&key).await.expect("remove"));
+            assert_eq!(
+                store.remove(&key, Removal::Any).await.expect("remove"),
+                Removed::Deleted
+            );
             assert_eq!(store.get(&key).await.expect("get"), None);
         }
         acquired(

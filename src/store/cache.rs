@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use quick_cache::sync::Cache;
 
-use super::{Begin, BeginOutcome, SharedStore, Store, StoreError};
+use super::{Begin, BeginOutcome, Removal, Removed, SharedStore, Store, StoreError};
 use crate::idempotency::record::{
     now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey,
 };
@@ -365,7 +365,7 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         self.inner.get(key).await
     }
 
-    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
         // Reported as a removal through another process is. Before: no
         // replay is answered from the cache once the removal started.
         // After: a `begin` that read the record from the store before the
@@ -374,7 +374,7 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         // (the admin API's `store.timeout`) once the store has removed it.
         self.shared.removed(key);
         let _after = RemovedOnDrop(&self.shared, *key);
-        self.inner.remove(key).await
+        self.inner.remove(key, removal).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -451,14 +451,14 @@ mod tests {
         async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
             self.inner.get(key).await
         }
-        async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
             self.removes.fetch_add(1, Ordering::SeqCst);
             let hold = self.hold_next_remove.lock().expect("lock").take();
             let Some([before, after]) = hold else {
-                return self.inner.remove(key).await;
+                return self.inner.remove(key, removal).await;
             };
             let _ = before.await;
-            let removed = self.inner.remove(key).await;
+            let removed = self.inner.remove(key, removal).await;
             let _ = after.await;
             removed
         }
@@ -684,7 +684,10 @@ mod tests {
     async fn remove_invalidates() {
         let (inner, store) = cached(16);
         let k = complete_new_key(&store, &completed(1, TTL)).await;
-        assert!(store.remove(&k).await.expect("remove"));
+        assert_eq!(
+            store.remove(&k, Removal::Any).await.expect("remove"),
+            Removed::Deleted
+        );
         assert_eq!(inner.removes.load(Ordering::SeqCst), 1);
         assert!(store.is_empty());
         // Free again, for any fingerprint.
@@ -771,7 +774,10 @@ mod tests {
         // The begin read the record before the removal; its answer comes
         // back after the removal finished.
         let outcome = begin_around(&inner, &store, k, async {
-            assert!(store.remove(&k).await.expect("remove"));
+            assert_eq!(
+                store.remove(&k, Removal::Any).await.expect("remove"),
+                Removed::Deleted
+            );
         })
         .await;
         assert!(matches!(outcome, BeginOutcome::Completed(_)));
@@ -791,7 +797,7 @@ mod tests {
         let (go_on, before) = tokio::sync::oneshot::channel();
         let (_never, after) = tokio::sync::oneshot::channel();
         *inner.hold_next_remove.lock().expect("lock") = Some([before, after]);
-        let mut removal = Box::pin(store.remove(&k));
+        let mut removal = Box::pin(store.remove(&k, Removal::Any));
         // The first report is made; the store has not removed the record.
         assert!((&mut removal).now_or_never().is_none());
         // A begin reads the record now; then the store removes it, and the

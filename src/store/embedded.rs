@@ -62,7 +62,10 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
-use super::{check_owner, decide_begin, Begin, BeginOutcome, Store, StoreError};
+use super::{
+    check_owner, decide_begin, running_lease, Begin, BeginOutcome, Removal, Removed, Store,
+    StoreError,
+};
 use crate::idempotency::record::{
     now_millis, CompletedRecord, FencingToken, Record, RecordKey, UnixMillis,
 };
@@ -719,19 +722,33 @@ impl Store for EmbeddedStore {
         .await
     }
 
-    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
         let key = *key;
+        // In the writer, which decides every `begin` too: the check and the
+        // deletion are one step of the one writer.
         self.write(Waited::Either, move |tables| {
             let Some(value) = tables.records.get(key.as_bytes()).map_err(storage)? else {
-                return Ok(false);
+                return Ok(Removed::Absent);
             };
+            let now = now_millis();
             // Removing is how an operator clears a record that no longer
-            // decodes, so it must not need to decode it. Its index entry, if
-            // any, is then left for the purger, which skips it.
-            let old_expiry = Record::decode(value.value()).ok().map(|r| r.expires_at());
+            // decodes, so it must not need to decode it (one that does not is
+            // no running claim). Its index entry, if any, is then left for
+            // the purger, which skips it.
+            let old = Record::decode(value.value()).ok();
             drop(value);
+            if removal == Removal::UnlessLeased {
+                if let Some(until) = old.as_ref().and_then(|r| running_lease(r, now)) {
+                    return Ok(Removed::Leased { until });
+                }
+            }
+            let old_expiry = old.map(|r| r.expires_at());
             delete(tables, &key, old_expiry)?;
-            Ok(old_expiry.is_none_or(|expires_at| expires_at > now_millis()))
+            Ok(if old_expiry.is_none_or(|expires_at| expires_at > now) {
+                Removed::Deleted
+            } else {
+                Removed::Absent
+            })
         })
         .await
     }
@@ -1167,8 +1184,10 @@ mod tests {
                         Ok(BeginOutcome::InFlight { .. })
                     ),
                     _ => matches!(
-                        store.remove(&RecordKey::from_bytes([3; 32])).await,
-                        Ok(false)
+                        store
+                            .remove(&RecordKey::from_bytes([3; 32]), Removal::Any)
+                            .await,
+                        Ok(Removed::Absent)
                     ),
                 }
             });
@@ -1179,7 +1198,7 @@ mod tests {
         assert_eq!(store.commit_count(), commits);
 
         // A group that writes still commits.
-        store.remove(&done).await.expect("remove");
+        store.remove(&done, Removal::Any).await.expect("remove");
         assert_eq!(store.commit_count(), commits + 1);
     }
 
@@ -1208,7 +1227,10 @@ mod tests {
             .await
             .expect("complete");
         store.release(&keys[1], tokens[1]).await.expect("release");
-        assert!(store.remove(&keys[2]).await.expect("remove"));
+        assert_eq!(
+            store.remove(&keys[2], Removal::Any).await.expect("remove"),
+            Removed::Deleted
+        );
         tokio::time::sleep(Duration::from_millis(60)).await;
         token(
             store

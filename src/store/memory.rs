@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{check_owner, decide_begin, Begin, BeginOutcome, Store, StoreError};
+use super::{
+    check_owner, decide_begin, running_lease, Begin, BeginOutcome, Removal, Removed, Store,
+    StoreError,
+};
 use crate::idempotency::record::{
     now_millis, CompletedRecord, FencingToken, Record, RecordKey, UnixMillis,
 };
@@ -192,11 +195,27 @@ impl Store for MemoryStore {
         read(&self.shard(key), key, now)
     }
 
-    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
         let now = now_millis();
+        // Checked and removed under one lock of the shard, as `begin`
+        // decides under it: no claim can come between the two.
+        let mut records = self.shard(key);
+        if removal == Removal::UnlessLeased {
+            // A record that does not decode is no running claim: removing it
+            // is how an operator clears it.
+            let running = records
+                .get(key)
+                .and_then(|stored| stored.record().ok())
+                .and_then(|record| running_lease(&record, now));
+            if let Some(until) = running {
+                return Ok(Removed::Leased { until });
+            }
+        }
         // An expired record goes too, but did not count as there.
-        let removed = self.shard(key).remove(key);
-        Ok(removed.is_some_and(|stored| stored.expires_at > now))
+        Ok(match records.remove(key) {
+            Some(stored) if stored.expires_at > now => Removed::Deleted,
+            _ => Removed::Absent,
+        })
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -115,9 +115,11 @@ pub trait Store: Send + Sync + 'static {
     /// Reads a record as it is (expired records read as absent).
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError>;
 
-    /// Deletes a record whatever its state (operator reconciliation).
-    /// Returns whether there was one.
-    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError>;
+    /// Deletes a record (operator reconciliation), unless `removal` keeps
+    /// it. The check and the deletion are one atomic step: a request that
+    /// claims the key in between cannot lose its claim to a removal that
+    /// was meant for the record before it.
+    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError>;
 
     /// Checks that the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;
@@ -219,6 +221,38 @@ pub fn decide_begin(
                 )
             }
         },
+    }
+}
+
+/// Which records [`Store::remove`] deletes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// Whatever the record holds (the admin API's `?force=true`).
+    Any,
+    /// Anything but a claim whose lease still runs: that is a request
+    /// executing now (or one whose proxy died moments ago), and with its
+    /// claim gone a retry would execute beside it.
+    UnlessLeased,
+}
+
+/// What [`Store::remove`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Removed {
+    /// A live record was there and is gone.
+    Deleted,
+    /// Nothing live was there (an expired record is dropped all the same).
+    Absent,
+    /// A claim whose lease runs until `until` was left in place
+    /// ([`Removal::UnlessLeased`]).
+    Leased { until: UnixMillis },
+}
+
+/// The lease end of `record` if it is a claim whose lease runs at `now`:
+/// what [`Removal::UnlessLeased`] keeps.
+pub fn running_lease(record: &Record, now: UnixMillis) -> Option<UnixMillis> {
+    match record {
+        Record::Pending(claim) if claim.lease_expires_at > now => Some(claim.lease_expires_at),
+        _ => None,
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemproxy::idempotency::record::{CompletedRecord, FencingToken, Record, RecordKey};
-use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Store, StoreError};
+use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Removal, Removed, Store, StoreError};
 
 /// How long a hanging call sleeps: far past any `store.timeout` in tests.
 pub const HANG: Duration = Duration::from_secs(30);
@@ -96,9 +96,9 @@ impl Store for FaultyStore {
         self.inner.get(key).await
     }
 
-    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
         self.gate().await?;
-        self.inner.remove(key).await
+        self.inner.remove(key, removal).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -40,7 +40,11 @@
 //!   only if it is still exactly what was read, else `begin` starts over.
 //! - `complete` and `release` are one `EVALSHA` of `settle.lua` each, with
 //!   the fencing-token check inside the script.
-//! - `get` is one `GET`, `remove` one `GETDEL`, `ping` one `PING`.
+//! - `get` is one `GET`, `ping` one `PING`. A forced `remove` is one
+//!   `GETDEL`; the guarded one (the admin API's `DELETE` without
+//!   `?force=true`) is a `GET`, then `remove.lua`, which deletes the value
+//!   only if it is still exactly what was read and found to be no running
+//!   claim.
 //!
 //! Scripts are preloaded at connect, so the first call does not pay for a
 //! `NOSCRIPT` retry; after a Redis restart [`redis::Script`] reloads them
@@ -106,7 +110,10 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 
 use self::removals::RemovalChannel;
 use super::cache::Invalidator;
-use super::{decide_begin, new_claim, Begin, BeginOutcome, SharedStore, Store, StoreError};
+use super::{
+    decide_begin, new_claim, running_lease, Begin, BeginOutcome, Removal, Removed, SharedStore,
+    Store, StoreError,
+};
 use crate::config::{StoreConfig, StoreKind};
 use crate::idempotency::record::{
     now_millis, CompletedRecord, FencingToken, PendingRecord, Record, RecordKey, UnixMillis,
@@ -131,12 +138,18 @@ const RECONNECT_RETRIES: usize = 2;
 struct Scripts {
     settle: Script,
     swap: Script,
+    remove: Script,
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     settle: Script::new(include_str!("settle.lua")),
     swap: Script::new(include_str!("swap.lua")),
+    remove: Script::new(include_str!("remove.lua")),
 });
+
+/// Reads of a key that a guarded removal makes before it gives up: each
+/// one after the first follows a value that changed under `remove.lua`.
+const REMOVE_ATTEMPTS: usize = 5;
 
 /// Bytes before the record in a stored value (see "Layout" above).
 const HEADER_LEN: usize = 25;
@@ -250,7 +263,7 @@ impl Connector {
         loop {
             let attempt = async {
                 let mut conn = self.connect().await?;
-                for script in [&SCRIPTS.settle, &SCRIPTS.swap] {
+                for script in [&SCRIPTS.settle, &SCRIPTS.swap, &SCRIPTS.remove] {
                     script.load_async(&mut conn).await?;
                 }
                 Ok::<_, RedisError>(conn)
@@ -577,9 +590,30 @@ impl RedisStore {
         }
     }
 
-    /// Deletes `key`'s record and announces it; whether a live one was
-    /// there.
-    async fn remove_and_announce(&self, key: &RecordKey) -> Result<bool, StoreError> {
+    /// Deletes `key`'s record unless `removal` keeps it, and announces the
+    /// removal to the other replicas' caches.
+    async fn remove_and_announce(
+        &self,
+        key: &RecordKey,
+        removal: Removal,
+    ) -> Result<Removed, StoreError> {
+        let removed = match removal {
+            Removal::Any => self.delete_any(key).await?,
+            Removal::UnlessLeased => self.delete_unless_leased(key).await?,
+        };
+        // A running claim left in place changed nothing to announce. Any
+        // other answer is announced even when nothing was there: a removal
+        // whose answer was lost (its caller timed out after the deletion
+        // ran) is retried, finds nothing, and must still reach the other
+        // replicas' caches.
+        if !matches!(removed, Removed::Leased { .. }) {
+            self.announce_removal(key).await;
+        }
+        Ok(removed)
+    }
+
+    /// `GETDEL`, whatever the key holds.
+    async fn delete_any(&self, key: &RecordKey) -> Result<Removed, StoreError> {
         let now = now_millis();
         let name = self.redis_key(key);
         let removed: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GETDEL")
@@ -602,11 +636,58 @@ impl RedisStore {
             }
             Err(e) => return Err(redis_error(e)),
         };
-        // Announced even when nothing was there: a removal whose answer was
-        // lost (its caller timed out after `GETDEL` ran) is retried, finds
-        // nothing, and must still reach the other replicas' caches.
-        self.announce_removal(key).await;
-        Ok(live)
+        Ok(if live {
+            Removed::Deleted
+        } else {
+            Removed::Absent
+        })
+    }
+
+    /// Reads the key, and deletes what it read only if that is no running
+    /// claim and the key still holds it (`remove.lua`): a request that
+    /// claimed the key after the read keeps its claim. A key that changed
+    /// under the script is read again.
+    async fn delete_unless_leased(&self, key: &RecordKey) -> Result<Removed, StoreError> {
+        let name = self.redis_key(key);
+        for _ in 0..REMOVE_ATTEMPTS {
+            let now = now_millis();
+            let read: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GET")
+                .arg(&name)
+                .query_async(&mut self.conn())
+                .await;
+            let value = match read {
+                Ok(None) => return Ok(Removed::Absent),
+                Ok(Some(value)) => Bytes::from(value),
+                // Not a string, so no record of this store's, nor a claim.
+                Err(e) if e.code() == Some("WRONGTYPE") => return self.delete_any(key).await,
+                Err(e) => return Err(redis_error(e)),
+            };
+            // A value that does not decode is no running claim: removing it
+            // is how an operator clears it.
+            let running = read_stored(&value)
+                .ok()
+                .and_then(|record| running_lease(&record, now));
+            if let Some(until) = running {
+                return Ok(Removed::Leased { until });
+            }
+            let deleted: i64 = SCRIPTS
+                .remove
+                .key(&name)
+                .arg(&value[..])
+                .invoke_async(&mut self.conn())
+                .await
+                .map_err(redis_error)?;
+            if deleted == 1 {
+                return Ok(if stored_expires_at(&value).is_none_or(|exp| exp > now) {
+                    Removed::Deleted
+                } else {
+                    Removed::Absent
+                });
+            }
+        }
+        Err(StoreError::Unavailable(format!(
+            "the key changed under each of {REMOVE_ATTEMPTS} attempts to remove it: it is in use, try again"
+        )))
     }
 
     /// The prefix of every key this store writes.
@@ -766,13 +847,13 @@ impl Store for RedisStore {
         Ok((record.expires_at() > now).then_some(record))
     }
 
-    async fn remove(&self, key: &RecordKey) -> Result<bool, StoreError> {
+    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
         // In a task of its own: a caller that stops waiting (the admin
         // API's timeout) once Redis has deleted the record must not cancel
         // the announcement after it, or the other replicas' caches would
         // replay the record for up to a minute.
         let (store, key) = (self.clone(), *key);
-        tokio::spawn(async move { store.remove_and_announce(&key).await })
+        tokio::spawn(async move { store.remove_and_announce(&key, removal).await })
             .await
             .map_err(|e| StoreError::Unavailable(format!("remove: {e}")))?
     }
