@@ -16,14 +16,12 @@ use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criteri
 use http::{HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use idemproxy::config::Config;
+use idemproxy::core::{CompletedRecord, Fingerprint, Outcome, Record, StoredResponse};
+use idemproxy::forward::UpstreamError;
 use idemproxy::idempotency::fingerprint::FingerprintRules;
 use idemproxy::idempotency::key::parse_key;
-use idemproxy::idempotency::record::{
-    CompletedRecord, Fingerprint, Outcome, Record, StoredResponse,
-};
-use idemproxy::idempotency::{IdempotencyLayer, Policies};
+use idemproxy::idempotency::IdempotencyLayer;
 use idemproxy::store::MemoryStore;
-use idemproxy::upstream::UpstreamError;
 use tower::{Layer, ServiceExt};
 
 /// A JSON object of about `size` bytes with nested fields, like a tool call's
@@ -61,7 +59,7 @@ fn key_parsing(c: &mut Criterion) {
 }
 
 fn fingerprints(c: &mut Criterion) {
-    let rules = FingerprintRules::new(&[], &["/metadata/sent_at".into()]).expect("rules");
+    let rules = FingerprintRules::parse(&[], &["/metadata/sent_at".into()]).expect("rules");
     let mut group = c.benchmark_group("fingerprint");
     for size in [1024, 64 * 1024] {
         let body = json_body(size);
@@ -150,7 +148,7 @@ fn middleware(c: &mut Criterion) {
         .build()
         .expect("runtime");
     let config = Config::default();
-    let policies = Policies::from_config(&config).expect("policies");
+    let policies = idemproxy::policies(&config).expect("policies");
     let upstream = tower::service_fn(|_req: Request<Body>| async {
         let mut response = Response::new(Body::from(r#"{"id":"pay_1","status":"succeeded"}"#));
         *response.status_mut() = http::StatusCode::CREATED;
@@ -227,7 +225,7 @@ fn middleware(c: &mut Criterion) {
 /// human and JSON formats as they come, and idemproxy's (what the binary
 /// uses: the human one when stdout is no terminal).
 fn log_line(c: &mut Criterion) {
-    use idemproxy::log_format::{JsonLines, PlainFields, PlainLines};
+    use idemproxy::observe::log_format::{JsonLines, PlainFields, PlainLines};
     let route: Arc<str> = "payments".into();
     let event = || {
         tracing::info!(

@@ -20,9 +20,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::idempotency::record::{from_millis, Outcome, Record, RecordKey};
+use crate::core::{from_millis, Outcome, Record, RecordKey};
+use crate::http::Problem;
 use crate::idempotency::Policies;
-use crate::metrics::Metrics;
+use crate::observe::metrics::Metrics;
 use crate::store::{Removal, Removed, SharedStore};
 
 #[derive(Clone)]
@@ -82,7 +83,7 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
     }
     state
         .metrics
-        .sync_log_lines_dropped(crate::log_writer::dropped_lines());
+        .sync_log_lines_dropped(crate::observe::log_writer::dropped_lines());
     (
         [(
             header::CONTENT_TYPE,
@@ -101,18 +102,8 @@ struct AdminProblem {
 
 impl IntoResponse for AdminProblem {
     fn into_response(self) -> Response {
-        let body = json!({
-            "type": format!("urn:idemproxy:problem:{}", self.slug),
-            "title": self.status.canonical_reason().unwrap_or("Error"),
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
-        let mut response = (
-            self.status,
-            [(header::CONTENT_TYPE, "application/problem+json")],
-            body.to_string(),
-        )
-            .into_response();
+        let title = self.status.canonical_reason().unwrap_or("Error");
+        let mut response = Problem::new(self.status, self.slug, title, self.detail).into_response();
         if self.status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()

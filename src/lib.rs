@@ -2,13 +2,19 @@
 //! semantics, so at-least-once callers get at-most-once side effects.
 //!
 //! The request path, outside in:
-//! 1. [`server`] accepts connections (HTTP/1.1, h2c) and tags each request
-//!    with the peer address;
-//! 2. [`idempotency`] decides per request: pass through, reject, replay from
+//! 1. [`server`] accepts connections (HTTP/1.1, h2c, TLS) and tags each
+//!    request with the peer address;
+//! 2. [`observe`]'s request ids are set and propagated;
+//! 3. [`idempotency`] decides per request: pass through, reject, replay from
 //!    the [`store`], or execute once and store the outcome;
-//! 3. [`proxy`] forwards to the upstream through the pooled client of
-//!    [`upstream`], which classifies failures by whether the request could
-//!    have executed.
+//! 4. [`forward`] sends it to the upstream and classifies failures by
+//!    whether the request could have executed.
+//!
+//! The modules are layers that import one way only (README, "Layout";
+//! `tests/architecture.rs` holds them to it): [`core`] and [`config`] are
+//! leaves; [`http`], [`observe`], [`store`], [`forward`], [`idempotency`],
+//! [`server`] and [`admin`] build on the ones before them; this file and
+//! [`settings`] are the composition root, the only readers of [`Config`].
 //!
 //! [`app`] builds that stack from a [`Config`] without any socket, so tests
 //! drive it in-process; [`run`] binds the listeners and serves until
@@ -16,24 +22,23 @@
 
 pub mod admin;
 pub mod config;
+pub mod core;
 pub mod demo;
+pub mod forward;
+pub mod http;
 pub mod idempotency;
-pub mod log_format;
-pub mod log_writer;
-pub mod metrics;
-pub mod proxy;
-pub mod request_id;
+pub mod observe;
 pub mod server;
+mod settings;
 pub mod store;
 #[cfg(test)]
 mod testing;
-pub mod upstream;
 
 use std::future::Future;
 use std::sync::Arc;
 
+use ::http::Request;
 use axum::body::Body;
-use http::Request;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 use tower::util::MapRequest;
@@ -44,13 +49,12 @@ use tower_http::request_id::{
 
 use admin::AdminState;
 pub use config::Config;
-use config::StoreKind;
+use config::{ConfigError, StoreKind, UpstreamConfig};
+use forward::{Forward, Upstream};
 use idempotency::{Idempotency, IdempotencyLayer, Policies};
-use metrics::Metrics;
-use proxy::Proxy;
-use request_id::{drop_oversized_request_id, MakeRequestUuidV4};
+use observe::request_id::{drop_oversized_request_id, MakeRequestUuidV4};
+use observe::Metrics;
 use store::{EmbeddedStore, MemoryStore, SharedStore};
-use upstream::Upstream;
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -58,7 +62,7 @@ pub type Error = Box<dyn std::error::Error + Send + Sync>;
 /// forwarded to the upstream, returned to the client), then idempotency,
 /// then the upstream.
 pub type ProxyService = MapRequest<
-    SetRequestId<PropagateRequestId<Idempotency<Proxy>>, MakeRequestUuidV4>,
+    SetRequestId<PropagateRequestId<Idempotency<Forward>>, MakeRequestUuidV4>,
     fn(Request<Body>) -> Request<Body>,
 >;
 
@@ -80,7 +84,7 @@ pub struct App {
 /// What a worker thread needs to build its own traffic stack.
 struct Stack {
     layer: IdempotencyLayer,
-    upstream: config::UpstreamConfig,
+    upstream: UpstreamConfig,
 }
 
 impl Stack {
@@ -95,13 +99,29 @@ impl Stack {
             .layer(SetRequestIdLayer::x_request_id(MakeRequestUuidV4))
             .layer(PropagateRequestIdLayer::x_request_id())
             .layer(self.layer.clone())
-            .service(Proxy::new(upstream, self.upstream.timeout)))
+            .service(Forward::new(upstream, self.upstream.timeout)))
     }
+}
+
+/// Checks `config` whole: its own checks and every value the parts parse,
+/// each problem named by its field.
+pub fn validate(config: &Config) -> Result<(), ConfigError> {
+    let problems = settings::problems(config);
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(problems))
+    }
+}
+
+/// The routes' policies as `config` sets them.
+pub fn policies(config: &Config) -> Result<Policies, ConfigError> {
+    settings::policies(config).map_err(ConfigError::Invalid)
 }
 
 /// Builds the service stack for `config` on `store`.
 pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
-    let policies = Policies::from_config(config)?;
+    let policies = policies(config)?;
     let metrics = Metrics::new();
     let layer = IdempotencyLayer::new(policies.clone(), store.clone())
         .store_timeout(config.store.timeout)
@@ -123,7 +143,11 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
         policies: Arc::new(policies),
         token_digest: AdminState::token_digest(config.admin_token.as_deref()),
     });
-    let tls = config.tls.as_ref().map(server::tls_acceptor).transpose()?;
+    let tls = config
+        .tls
+        .as_ref()
+        .map(|tls| server::tls_acceptor(&tls.cert_file, &tls.key_file))
+        .transpose()?;
     Ok(App {
         proxy,
         admin,

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use idemproxy::config::{Config, FlagOverrides, LogFormat, StoreKind};
-use idemproxy::log_format::{JsonLines, PlainFields, PlainLines};
-use idemproxy::log_writer::{BatchedWriter, FlushGuard};
+use idemproxy::observe::log_format::{JsonLines, PlainFields, PlainLines};
+use idemproxy::observe::log_writer::{BatchedWriter, FlushGuard};
 use tracing_subscriber::fmt::format::JsonFields;
 
 #[derive(Parser)]
@@ -112,7 +112,9 @@ fn main() -> ExitCode {
     } else {
         flags
     };
-    let config = match Config::load_from_process(cli.flags.config.as_deref(), &flags) {
+    let loaded = Config::load_from_process(cli.flags.config.as_deref(), &flags)
+        .and_then(|config| idemproxy::validate(&config).map(|()| config));
+    let config = match loaded {
         Ok(config) => config,
         Err(e) => {
             eprintln!("idemproxy: {e}");
@@ -194,7 +196,7 @@ async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {
     idemproxy::run(config, shutdown_signal()).await
 }
 
-/// Logs go to stdout in batches (see `idemproxy::log_writer`); the guard
+/// Logs go to stdout in batches (see `idemproxy::observe::log_writer`); the guard
 /// writes out what is buffered when `main` returns. If the writer thread
 /// cannot start, logs go to stderr, unbatched.
 fn init_tracing(config: &Config) -> Option<FlushGuard> {

@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use http::Method;
 use idemproxy::config::{Config, RouteConfig};
-use idemproxy::idempotency::record::{CompletedRecord, FencingToken, Record, RecordKey};
+use idemproxy::core::{CompletedRecord, FencingToken, Record, RecordKey};
 use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Removal, Removed, Store, StoreError};
 use serde_json::{json, Value};
 use support::keys;

@@ -69,7 +69,7 @@ fn check_prints_the_effective_configuration() {
     // The output is itself a complete, valid configuration: the file's values
     // and every default.
     let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
-    printed.validate().expect("printed configuration is valid");
+    idemproxy::validate(&printed).expect("printed configuration is valid");
     assert_eq!(printed.listen.to_string(), "127.0.0.1:18080");
     assert_eq!(printed.upstream.url, "http://127.0.0.1:3001");
     assert_eq!(printed.upstream.timeout, Duration::from_secs(5));

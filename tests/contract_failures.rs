@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use http::Method;
 use idemproxy::config::{OnAmbiguous, OnInFlight, OnStoreError};
-use idemproxy::idempotency::record::{
-    now_millis, CompletedRecord, Outcome, Record, StoredResponse, UnknownCause,
-};
+use idemproxy::core::{now_millis, CompletedRecord, Outcome, Record, StoredResponse, UnknownCause};
 use idemproxy::store::{Begin, BeginOutcome, OnStale, SharedStore, StoreError};
 use support::faulty::{Fault, FaultyStore};
 use support::keys;
@@ -223,10 +221,7 @@ async fn plant_stale_claim(
     target: &str,
     key: &str,
     body: &[u8],
-) -> (
-    idemproxy::idempotency::record::RecordKey,
-    idemproxy::idempotency::record::FencingToken,
-) {
+) -> (idemproxy::core::RecordKey, idemproxy::core::FencingToken) {
     let parts = keys::json_post(target);
     let record_key = keys::record_key(&parts, key);
     let begun = store
@@ -249,7 +244,7 @@ async fn plant_stale_claim(
 fn zombie_record(status: u16) -> CompletedRecord {
     let now = now_millis();
     CompletedRecord {
-        fingerprint: idemproxy::idempotency::record::Fingerprint([0; 32]),
+        fingerprint: idemproxy::core::Fingerprint([0; 32]),
         created_at: now,
         completed_at: now,
         expires_at: now + 3_600_000,
@@ -301,7 +296,7 @@ async fn a_stale_pending_key_fails_closed_as_outcome_unknown() {
 async fn with_on_stale_retry_the_request_takes_a_stale_key_over() {
     let upstream = TestUpstream::start().await;
     let mut c = config(&upstream.url());
-    c.idempotency.on_stale = OnStale::Retry;
+    c.idempotency.on_stale = idemproxy::config::OnStale::Retry;
     let proxy = TestProxy::start(c).await;
     let client = TestClient::new();
     let body = r#"{"amount":5}"#;

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use idemproxy::config::{Config, FlagOverrides};
-use idemproxy::idempotency::RequestOutcome;
-use idemproxy::metrics::Metrics;
+use idemproxy::observe::Metrics;
+use idemproxy::observe::RequestOutcome;
 use yaml_rust2::{Yaml, YamlLoader};
 
 fn deploy(path: &str) -> PathBuf {

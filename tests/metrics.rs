@@ -5,7 +5,7 @@
 
 mod support;
 
-use idemproxy::idempotency::RequestOutcome;
+use idemproxy::observe::RequestOutcome;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -696,7 +696,7 @@ async fn a_settled_stale_claim_counts_one_expired_lease() {
         RouteConfig {
             name: "orders".into(),
             path: "/v1/orders".into(),
-            on_stale: Some(OnStale::Retry),
+            on_stale: Some(idemproxy::config::OnStale::Retry),
             ..RouteConfig::default()
         },
     ];

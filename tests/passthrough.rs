@@ -159,7 +159,7 @@ async fn request_ids_are_generated_when_absent_and_propagated_both_ways() {
     assert_eq!(seen["x-request-id"], "caller-chosen-7");
 
     // An id too long to repeat in every log line is replaced, not echoed.
-    let oversized = "x".repeat(idemproxy::request_id::MAX_REQUEST_ID_LEN + 1);
+    let oversized = "x".repeat(idemproxy::observe::request_id::MAX_REQUEST_ID_LEN + 1);
     let reply = client
         .send(
             Method::GET,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemproxy::config::{StoreConfig, StoreKind};
-use idemproxy::idempotency::record::{
+use idemproxy::core::{
     now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnknownCause,
 };
 use idemproxy::store::redis::{open, redis_key};
@@ -971,11 +971,17 @@ async fn open_dispatches_on_kind_and_shares_one_connection() {
         .count();
     assert_eq!(ours, 1, "one connection for all requests: {clients}");
 
-    let memory = StoreConfig {
-        kind: StoreKind::Memory,
-        ..StoreConfig::default()
+    // The kind is dispatched on where the store is opened from the whole
+    // configuration: a memory kind never reaches the Redis store.
+    let memory = idemproxy::config::Config {
+        store: StoreConfig {
+            kind: StoreKind::Memory,
+            ..StoreConfig::default()
+        },
+        ..Default::default()
     };
-    assert!(open(&memory).await.is_err());
+    let opened = idemproxy::open_store(&memory).await.expect("memory store");
+    assert_eq!(opened.kind(), "memory");
 }
 
 /// Connections of this store open on `server`, not counting the

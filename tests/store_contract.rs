@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemproxy::config::StoreConfig;
-use idemproxy::idempotency::record::{
+use idemproxy::core::{
     millis, now_millis, FencingToken, Fingerprint, KeyState, Outcome, Record, RecordKey,
     UnknownCause,
 };

@@ -107,7 +107,7 @@ fn a_missing_certificate_is_a_config_error_naming_the_field() {
         }),
         ..Default::default()
     };
-    let err = c.validate().expect_err("invalid").to_string();
+    let err = idemproxy::validate(&c).expect_err("invalid").to_string();
     assert!(err.contains("tls.cert_file"), "{err}");
     assert!(err.contains("tls.key_file"), "{err}");
 }

@@ -10,7 +10,7 @@ use axum::body::Body;
 use http::{Request, Version};
 use http_body_util::BodyExt;
 use idemproxy::config::UpstreamConfig;
-use idemproxy::upstream::{ClientInfo, Upstream, UpstreamError};
+use idemproxy::forward::{ClientInfo, Upstream, UpstreamError};
 use support::upstream::{expected_body, unused_port_url, TestCert, TestUpstream};
 use tokio::time::Instant;
 

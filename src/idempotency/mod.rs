@@ -1,4 +1,6 @@
-//! Idempotency-Key enforcement as a tower middleware.
+//! Idempotency-Key enforcement as a tower middleware, over any inner
+//! service whose error says whether the request could have executed
+//! (`Into<UpstreamFailure>`).
 //!
 //! A covered request (a method in its route's `methods`) that carries an
 //! `Idempotency-Key` runs against the upstream at most once per (scope, key):
@@ -8,25 +10,21 @@
 //! contract is the table in the README.
 //!
 //! - [`key`]: parsing the header;
-//! - [`fingerprint`] and [`scope`]: what "the same request" and "the same
-//!   caller" mean;
-//! - [`record`]: what the store keeps;
+//! - [`fingerprint`] (over [`jcs`], RFC 8785) and [`scope`]: what "the same
+//!   request" and "the same caller" mean;
 //! - [`policy`]: per-route settings;
 //! - [`service`]: the layer, the service and the request path;
 //! - [`rejection`]: every answer the proxy makes itself, as problem+json.
 
 pub mod body;
-pub mod canonical;
 pub mod fingerprint;
+pub mod jcs;
 pub mod key;
-pub mod outcome;
 pub mod policy;
-pub mod record;
 pub mod rejection;
 pub mod scope;
 pub mod service;
 
-pub use outcome::RequestOutcome;
 pub use policy::{Policies, Policy};
 pub use rejection::Rejection;
 pub use service::{Idempotency, IdempotencyLayer, ResponseFuture};

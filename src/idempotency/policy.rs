@@ -9,8 +9,45 @@ use http::Method;
 
 use super::fingerprint::FingerprintRules;
 use super::scope::ScopeRules;
-use crate::config::{Config, IdempotencyConfig, OnAmbiguous, OnInFlight, OnStoreError, Profile};
-use crate::store::OnStale;
+use crate::core::OnStale;
+
+/// Which status codes the proxy's own answers use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Profile {
+    /// 409 for a reused key, 425 for a key in flight.
+    #[default]
+    Default,
+    /// draft-ietf-httpapi-idempotency-key-header: 422 reused, 409 in flight.
+    Ietf,
+}
+
+/// What a duplicate that arrives while its key is in flight gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnInFlight {
+    /// 425 (or 409) at once, with `Retry-After`.
+    Reject,
+    /// Held up to `wait_timeout`, then replayed.
+    Wait,
+}
+
+/// What a request gets when the store cannot answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnStoreError {
+    /// 503 `store-unavailable`.
+    Reject,
+    /// Forwarded without protection (counted as `unprotected`).
+    Pass,
+}
+
+/// What happens to a key whose request may have executed (upstream timeout
+/// or reset).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnAmbiguous {
+    /// Stored as `outcome-unknown`: fail closed.
+    Store,
+    /// Released: a retry executes again.
+    Release,
+}
 
 /// A route's checked, ready-to-use policy.
 #[derive(Debug)]
@@ -38,32 +75,6 @@ pub struct Policy {
 }
 
 impl Policy {
-    fn new(route: &str, c: &IdempotencyConfig, upstream_timeout: Duration) -> Result<Self, String> {
-        let methods = c
-            .methods
-            .iter()
-            .map(|m| Method::from_bytes(m.as_bytes()).map_err(|e| format!("method `{m}`: {e}")))
-            .collect::<Result<_, _>>()?;
-        Ok(Self {
-            route: Arc::from(route),
-            methods,
-            require_key: c.require_key,
-            profile: c.profile,
-            ttl: c.ttl,
-            lease: upstream_timeout + c.lease_margin,
-            on_in_flight: c.on_in_flight,
-            wait_timeout: c.wait_timeout,
-            on_store_error: c.on_store_error,
-            on_ambiguous: c.on_ambiguous,
-            on_stale: c.on_stale,
-            release_statuses: c.release_statuses.clone(),
-            max_request_bytes: c.max_request_bytes,
-            max_response_bytes: c.max_response_bytes,
-            fingerprint: FingerprintRules::new(&c.fingerprint_headers, &c.fingerprint_ignore)?,
-            scope: ScopeRules::new(&c.scope)?,
-        })
-    }
-
     pub fn covers(&self, method: &Method) -> bool {
         self.methods.contains(method)
     }
@@ -80,19 +91,16 @@ pub struct Policies {
 }
 
 impl Policies {
-    pub fn from_config(config: &Config) -> Result<Self, String> {
-        let timeout = config.upstream.timeout;
-        let routes = config
-            .routes
-            .iter()
-            .map(|r| {
-                let policy = Policy::new(&r.name, &r.resolve(&config.idempotency), timeout)
-                    .map_err(|e| format!("routes `{}`: {e}", r.name))?;
-                Ok((r.path.clone(), Arc::new(policy)))
-            })
-            .collect::<Result<_, String>>()?;
-        let default = Arc::new(Policy::new("default", &config.idempotency, timeout)?);
-        Ok(Self { routes, default })
+    /// `routes` as (path prefix, policy), matched in order; `default` for
+    /// every other path.
+    pub fn new(routes: Vec<(String, Policy)>, default: Policy) -> Self {
+        Self {
+            routes: routes
+                .into_iter()
+                .map(|(prefix, policy)| (prefix, Arc::new(policy)))
+                .collect(),
+            default: Arc::new(default),
+        }
     }
 
     /// The policy of the first route whose prefix matches `path` on a segment
@@ -131,53 +139,5 @@ fn prefix_matches(prefix: &str, path: &str) -> bool {
     match path.strip_prefix(prefix) {
         Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
         None => false,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::RouteConfig;
-
-    fn config() -> Config {
-        Config {
-            routes: vec![
-                RouteConfig {
-                    name: "payments".into(),
-                    path: "/v1/payments".into(),
-                    require_key: Some(true),
-                    ..Default::default()
-                },
-                RouteConfig {
-                    name: "v1".into(),
-                    path: "/v1/".into(),
-                    methods: Some(vec!["PUT".into()]),
-                    ..Default::default()
-                },
-            ],
-            ..Config::default()
-        }
-    }
-
-    #[test]
-    fn first_matching_prefix_wins_on_segment_boundaries() {
-        let p = Policies::from_config(&config()).expect("valid");
-        assert_eq!(&*p.for_path("/v1/payments").route, "payments");
-        assert_eq!(&*p.for_path("/v1/payments/abc").route, "payments");
-        assert_eq!(&*p.for_path("/v1/paymentsx").route, "v1");
-        assert_eq!(&*p.for_path("/v1/emails").route, "v1");
-        assert_eq!(&*p.for_path("/v2/x").route, "default");
-    }
-
-    #[test]
-    fn unset_route_fields_inherit_the_defaults() {
-        let p = Policies::from_config(&config()).expect("valid");
-        let payments = p.for_path("/v1/payments");
-        assert!(payments.require_key);
-        assert!(payments.covers(&Method::POST) && payments.covers(&Method::PATCH));
-        let v1 = p.for_path("/v1/x");
-        assert!(!v1.require_key);
-        assert!(v1.covers(&Method::PUT) && !v1.covers(&Method::POST));
-        assert_eq!(v1.lease, Duration::from_secs(35));
     }
 }

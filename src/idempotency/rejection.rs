@@ -9,17 +9,14 @@
 use std::time::Duration;
 
 use axum::body::Body;
-use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::header::RETRY_AFTER;
 use http::{HeaderValue, Response, StatusCode};
-use serde::Serialize;
 
 use super::key::InvalidKey;
-use super::record::{KeyState, UnknownCause};
-use crate::config::Profile;
-
-/// Problem types are URNs (RFC 9457 allows any URI): stable names that need
-/// no web server. Each slug is documented in the README.
-pub const PROBLEM_BASE: &str = "urn:idemproxy:problem:";
+use super::policy::Profile;
+use crate::core::{KeyState, UnknownCause};
+use crate::http::headers::{RETRY_AFTER_MS, STRIPE_SHOULD_RETRY, X_SHOULD_RETRY};
+use crate::http::Problem;
 
 /// Why the proxy answered by itself instead of with the upstream's response.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,17 +72,6 @@ pub enum Rejection {
     /// A bug in the proxy: the task answering the request ended without an
     /// answer. The key, if claimed, is settled by its lease.
     Internal,
-}
-
-#[derive(Serialize)]
-struct Problem<'a> {
-    #[serde(rename = "type")]
-    kind: String,
-    title: &'a str,
-    status: u16,
-    detail: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    key_status: Option<&'static str>,
 }
 
 impl Rejection {
@@ -278,26 +264,19 @@ impl Rejection {
     }
 
     pub fn into_response(self, profile: Profile) -> Response<Body> {
-        let status = self.status(profile);
-        let problem = Problem {
-            kind: format!("{PROBLEM_BASE}{}", self.slug()),
-            title: self.title(),
-            status: status.as_u16(),
-            detail: self.detail(),
-            key_status: self.key_status(),
-        };
-        let body = serde_json::to_vec(&problem).unwrap_or_default();
-        let mut response = Response::new(Body::from(body));
-        *response.status_mut() = status;
+        let mut response = Problem::new(
+            self.status(profile),
+            self.slug(),
+            self.title(),
+            self.detail(),
+        )
+        .key_status(self.key_status())
+        .into_response();
         let headers = response.headers_mut();
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
         if let Some(retry) = self.should_retry() {
             let v = HeaderValue::from_static(if retry { "true" } else { "false" });
-            headers.insert("x-should-retry", v.clone());
-            headers.insert("stripe-should-retry", v);
+            headers.insert(X_SHOULD_RETRY, v.clone());
+            headers.insert(STRIPE_SHOULD_RETRY, v);
         }
         if let Rejection::InFlight { retry_after }
         | Rejection::StoreUnavailable { retry_after }
@@ -308,7 +287,7 @@ impl Rejection {
             let secs = retry_after.as_millis().div_ceil(1000).max(1);
             headers.insert(RETRY_AFTER, HeaderValue::from(secs as u64));
             headers.insert(
-                "retry-after-ms",
+                RETRY_AFTER_MS,
                 HeaderValue::from(retry_after.as_millis() as u64),
             );
         }
@@ -324,8 +303,10 @@ impl Rejection {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use http::header::CONTENT_TYPE;
     use http_body_util::BodyExt;
+
+    use super::*;
 
     async fn problem(r: Rejection, profile: Profile) -> (Response<()>, serde_json::Value) {
         let (parts, body) = r.into_response(profile).into_parts();

@@ -92,14 +92,19 @@ pub struct ScopeRules {
 }
 
 impl ScopeRules {
-    /// Parses the `scope` configuration list; the error names the first bad
-    /// entry.
-    pub fn new(attrs: &[String]) -> Result<Self, String> {
+    pub fn new(attributes: Vec<ScopeAttribute>) -> Self {
+        Self { attributes }
+    }
+
+    /// Parses a `scope` list, naming the first bad entry: for tests and
+    /// tools (the composition root parses the configuration entry by entry,
+    /// to report every bad one).
+    pub fn parse(attrs: &[String]) -> Result<Self, String> {
         let attributes = attrs
             .iter()
             .map(|s| s.parse())
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { attributes })
+        Ok(Self::new(attributes))
     }
 
     /// The namespace of the request: SHA-256 over a version tag and, per
@@ -159,7 +164,7 @@ mod tests {
 
     fn rules(attrs: &[&str]) -> ScopeRules {
         let attrs: Vec<String> = attrs.iter().map(|s| s.to_string()).collect();
-        ScopeRules::new(&attrs).expect("valid attributes")
+        ScopeRules::parse(&attrs).expect("valid attributes")
     }
 
     fn default_rules() -> ScopeRules {
@@ -210,9 +215,9 @@ mod tests {
 
     #[test]
     fn new_reports_first_bad_entry() {
-        let err = ScopeRules::new(&["header:a".into(), "nope".into()]).expect_err("rejected");
+        let err = ScopeRules::parse(&["header:a".into(), "nope".into()]).expect_err("rejected");
         assert!(err.contains("`nope`"), "{err}");
-        let ok = ScopeRules::new(&["header:A".into(), "header:b".into()]).expect("valid");
+        let ok = ScopeRules::parse(&["header:A".into(), "header:b".into()]).expect("valid");
         assert_eq!(
             ok.attributes,
             vec![

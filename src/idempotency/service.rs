@@ -27,7 +27,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::future::{BoxFuture, Fuse, FusedFuture};
 use futures_util::FutureExt;
-use http::{HeaderName, HeaderValue, Method, Request, Response};
+use http::{HeaderName, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
@@ -38,25 +38,15 @@ use tower::{Layer, Service, ServiceExt};
 
 use super::body::{channel_body, holding, read_request_body, BoundedCopy};
 use super::key::{parse_key, IdempotencyKey, InvalidKey};
-use super::outcome::RequestOutcome;
-use super::policy::{Policies, Policy};
-use super::record::{
-    from_millis, millis, now_millis, CompletedRecord, FencingToken, Fingerprint, KeyHex, Outcome,
-    Record, RecordKey, StoredResponse, UnknownCause,
-};
+use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policies, Policy, Profile};
 use super::rejection::Rejection;
-use crate::config::{OnAmbiguous, OnInFlight, OnStoreError};
-use crate::metrics::{Metrics, RouteMetrics};
-use crate::store::{Begin, BeginOutcome, SharedStore, StoreError};
-use crate::upstream::UpstreamError;
-
-// Names, not strings: inserting a header by a `&str` name that is not one
-// of HTTP's standard ones copies the name into a new allocation each time.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-pub const IDEMPOTENCY_ORIGINAL_DATE: HeaderName =
-    HeaderName::from_static("idempotency-original-date");
+use crate::core::{
+    from_millis, millis, now_millis, Begin, BeginOutcome, CompletedRecord, FencingToken,
+    Fingerprint, Outcome, Record, RecordKey, StoredResponse, UnknownCause, UpstreamFailure,
+};
+use crate::http::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_ORIGINAL_DATE, IDEMPOTENT_REPLAYED};
+use crate::observe::{Metrics, RequestLog, RequestOutcome, RouteMetrics};
+use crate::store::{SharedStore, Store, StoreError};
 
 /// The default of `max_in_flight` (see `Config`).
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
@@ -162,6 +152,18 @@ impl IdempotencyLayer {
     }
 }
 
+impl Settings {
+    /// The request's log line, on its route's series (resolved once, when
+    /// the layer was built).
+    fn request_log<B>(&self, policy: &Policy, req: &Request<B>) -> RequestLog {
+        let metrics = match self.route_metrics.get(&policy.route) {
+            Some(resolved) => resolved.clone(),
+            None => Arc::new(self.metrics.route(&policy.route)),
+        };
+        RequestLog::new(policy.route.clone(), metrics, req)
+    }
+}
+
 fn resolve_routes(policies: &Policies, metrics: &Metrics) -> HashMap<Arc<str>, Arc<RouteMetrics>> {
     policies
         .all()
@@ -190,10 +192,8 @@ pub struct Idempotency<S> {
 
 impl<S> Service<Request<Body>> for Idempotency<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>
-        + Clone
-        + Send
-        + 'static,
+    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Error: Into<UpstreamFailure>,
     S::Future: Send + 'static,
 {
     type Response = Response<Body>;
@@ -208,7 +208,7 @@ where
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let policy = self.settings.policies.for_path(req.uri().path()).clone();
-        let log = RequestLog::new(&policy, &req, &self.settings);
+        let log = self.settings.request_log(&policy, &req);
         let Ok(permit) = self.settings.in_flight.clone().try_acquire_owned() else {
             // Shedding beats queueing for a proxy in front of writes: a
             // queued request holds its body and its client's patience, and
@@ -305,7 +305,7 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
     ) -> Self {
         ResponseFuture::Passthrough {
             fut,
-            deadline: log.started + timeout,
+            deadline: log.started() + timeout,
             log: Some(log),
             permit: Some(permit),
         }
@@ -327,7 +327,8 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
 
 impl<S> Future for ResponseFuture<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>,
+    S: Service<Request<Body>, Response = Response<Body>>,
+    S::Error: Into<UpstreamFailure>,
 {
     type Output = Result<Response<Body>, Infallible>;
 
@@ -342,14 +343,14 @@ where
                 let response = match std::task::ready!(fut.poll(cx)) {
                     Ok(response) => response,
                     Err(e) => Rejection::PassthroughFailed {
-                        timeout: matches!(e, UpstreamError::Timeout),
+                        timeout: e.into().is_timeout(),
                     }
-                    .into_response(crate::config::Profile::Default),
+                    .into_response(Profile::Default),
                 };
                 if let Some(mut log) = log.take() {
                     // Forwarding starts right after the log is opened: the
                     // whole wait is the upstream's.
-                    log.upstream_done(log.started.elapsed());
+                    log.upstream_done(log.started().elapsed());
                     log.finish(RequestOutcome::Passthrough, &response);
                 }
                 // The body streams without the proxy buffering it, but it
@@ -441,10 +442,8 @@ type Responder = oneshot::Sender<Response<Body>>;
 
 impl<S> Exchange<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>
-        + Clone
-        + Send
-        + 'static,
+    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Error: Into<UpstreamFailure>,
     S::Future: Send + 'static,
 {
     /// Runs on the connection's task: reads the body, then drives the run
@@ -463,7 +462,7 @@ where
         let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
         let scope = self.policy.scope.scope(&parts);
         let record_key = RecordKey::new(&scope, key.as_str());
-        self.log.key = Some(record_key);
+        self.log.set_key(record_key);
         let claim = Claim {
             arrived_at: now_millis(),
             key: record_key,
@@ -568,7 +567,7 @@ where
                 }
                 Ok(BeginOutcome::Acquired { token, took_over }) => {
                     if took_over {
-                        self.log.metrics.lease_expired();
+                        self.log.metrics().lease_expired();
                         tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
                     }
                     let claim = Claim {
@@ -582,7 +581,7 @@ where
                     return self.answer(respond, RequestOutcome::Replayed, response);
                 }
                 Ok(BeginOutcome::Settled(record)) => {
-                    self.log.metrics.lease_expired();
+                    self.log.metrics().lease_expired();
                     tracing::warn!(key = %claim.key.to_hex(), "settled a stale key as outcome-unknown (its holder died mid-call)");
                     // This request is the one that found the claim abandoned:
                     // counted as the unknown outcome it answers, so the alert
@@ -664,7 +663,7 @@ where
         self.upstream_done(started);
         let response = result.unwrap_or_else(|e| {
             Rejection::PassthroughFailed {
-                timeout: matches!(e, UpstreamError::Timeout),
+                timeout: e.into().is_timeout(),
             }
             .into_response(self.policy.profile)
         });
@@ -683,12 +682,12 @@ where
         let _executing = self.settings.metrics.executing();
         let deadline = Instant::now() + self.settings.upstream_timeout;
         let started = Instant::now();
-        self.log.unsettled = true;
+        self.log.set_unsettled(true);
         let result = self.inner.clone().oneshot(request).await;
         self.upstream_done(started);
-        let response = match result {
+        let response = match result.map_err(Into::into) {
             Ok(response) => response,
-            Err(UpstreamError::Unreachable(why)) => {
+            Err(UpstreamFailure::NotSent(why)) => {
                 tracing::warn!(error = %why, "upstream unreachable; releasing the key");
                 self.release(&claim, token).await;
                 return self.answer_rejection(
@@ -697,12 +696,12 @@ where
                     Rejection::UpstreamUnreachable,
                 );
             }
-            Err(UpstreamError::Timeout) => {
+            Err(UpstreamFailure::TimedOut) => {
                 return self
                     .ambiguous(claim, token, UnknownCause::Timeout, respond)
                     .await
             }
-            Err(UpstreamError::Reset(why)) => {
+            Err(UpstreamFailure::Broken(why)) => {
                 tracing::warn!(error = %why, "upstream connection broke after the request was sent");
                 return self
                     .ambiguous(claim, token, UnknownCause::Reset, respond)
@@ -738,7 +737,7 @@ where
     ) {
         let (head, mut upstream_body) = response.into_parts();
         let status = head.status.as_u16();
-        self.log.status = Some(status);
+        self.log.set_status(status);
         let stored_headers = stored_headers(&head.headers);
         let declared = head
             .headers
@@ -955,7 +954,7 @@ where
             self.settle_late(claim, token, settling);
         }
         // Settled, now or by `settle_late`.
-        self.log.unsettled = false;
+        self.log.set_unsettled(false);
     }
 
     /// The tries made while the client waits; whether they settled the key.
@@ -973,7 +972,7 @@ where
                 settling.call(s, &claim.key, token)
             })
             .await;
-            let metrics = &self.log.metrics;
+            let metrics = self.log.metrics();
             if settled(
                 &self.settings,
                 metrics,
@@ -1003,7 +1002,7 @@ where
     /// keeps failing cannot gather more of them than requests were allowed.
     fn settle_late(&mut self, claim: &Claim, token: FencingToken, settling: Settling) {
         let settings = self.settings.clone();
-        let route_metrics = self.log.metrics.clone();
+        let route_metrics = self.log.metrics().clone();
         let permit = self.permit.split(self.permit.num_permits());
         let counted = self.settings.metrics.settling();
         let (key, lease_ends) = (claim.key, claim.lease_ends);
@@ -1066,7 +1065,7 @@ impl Settling {
 
     async fn call(
         &self,
-        store: &dyn crate::store::Store,
+        store: &dyn Store,
         key: &RecordKey,
         token: FencingToken,
     ) -> Result<(), StoreError> {
@@ -1174,14 +1173,14 @@ async fn timed<'a, T, F>(
     settings: &'a Settings,
     log: &mut RequestLog,
     op: &'static str,
-    call: impl FnOnce(&'a dyn crate::store::Store) -> F,
+    call: impl FnOnce(&'a dyn Store) -> F,
 ) -> Result<T, StoreError>
 where
     F: Future<Output = Result<T, StoreError>> + 'a,
 {
     let started = Instant::now();
     let result = bounded(settings, op, settings.store_timeout, call(&*settings.store)).await;
-    log.store += started.elapsed();
+    log.add_store_time(started.elapsed());
     result
 }
 
@@ -1282,191 +1281,4 @@ fn stored_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
             )
         })
         .collect()
-}
-
-/// The one log event per request: route, method, outcome, status, key hash
-/// (never the raw key) and the time spent in the store and the upstream.
-pub struct RequestLog {
-    metrics: Arc<RouteMetrics>,
-    route: Arc<str>,
-    method: Method,
-    /// `x-request-id`, set by the outer request-id layer when absent.
-    request_id: Option<HeaderValue>,
-    started: Instant,
-    key: Option<RecordKey>,
-    status: Option<u16>,
-    store: Duration,
-    upstream: Option<Duration>,
-    /// Set once the line is written. A log dropped before that while its
-    /// thread unwinds belongs to a run that panicked: it is written then, as
-    /// `internal`, so the request is in the log and in
-    /// `idemproxy_requests_total` all the same, with the status already sent
-    /// if there was one, else the 500 the client gets (if it still waits).
-    /// Dropped unwritten otherwise, its client went away before an answer
-    /// (`client_closed`): every request gets its line and its count.
-    written: bool,
-    /// Set while a covered request is at the upstream and its key not yet
-    /// settled. A run dropped then (the drain deadline passed, the runtime
-    /// stopped) leaves its key to end as `outcome-unknown` by its lease,
-    /// and is logged and counted so (`outcome_unknown`), not as a client
-    /// that left.
-    unsettled: bool,
-}
-
-impl Drop for RequestLog {
-    fn drop(&mut self) {
-        if self.written {
-            return;
-        }
-        if std::thread::panicking() {
-            self.status.get_or_insert(500);
-            self.write(RequestOutcome::Internal);
-        } else if self.unsettled {
-            self.write(RequestOutcome::OutcomeUnknown);
-        } else {
-            self.write(RequestOutcome::ClientClosed);
-        }
-    }
-}
-
-impl RequestLog {
-    fn new<B>(policy: &Policy, req: &Request<B>, settings: &Settings) -> Self {
-        let metrics = match settings.route_metrics.get(&policy.route) {
-            Some(resolved) => resolved.clone(),
-            None => Arc::new(settings.metrics.route(&policy.route)),
-        };
-        Self {
-            metrics,
-            route: policy.route.clone(),
-            method: req.method().clone(),
-            request_id: req.headers().get(X_REQUEST_ID).cloned(),
-            started: Instant::now(),
-            key: None,
-            status: None,
-            store: Duration::ZERO,
-            upstream: None,
-            written: false,
-            unsettled: false,
-        }
-    }
-
-    /// The upstream answered (or failed) after `elapsed`: for the log line
-    /// and `idemproxy_upstream_duration_seconds`.
-    fn upstream_done(&mut self, elapsed: Duration) {
-        self.upstream = Some(elapsed);
-        self.metrics.upstream(elapsed);
-    }
-
-    fn finish(mut self, outcome: RequestOutcome, response: &Response<Body>) {
-        self.status = Some(response.status().as_u16());
-        self.finish_streamed(outcome);
-    }
-
-    fn finish_streamed(mut self, outcome: RequestOutcome) {
-        self.write(outcome);
-    }
-
-    fn write(&mut self, outcome: RequestOutcome) {
-        self.written = true;
-        let elapsed = self.started.elapsed();
-        self.metrics.request(outcome, elapsed);
-        // The full store hash: an operator can look the key up through the
-        // admin API. It is a hash of scope and key, never the key itself.
-        let key = self.key.map(|k| k.hex());
-        let key = key.as_ref().map_or("-", KeyHex::as_str);
-        let request_id = self
-            .request_id
-            .as_ref()
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("-");
-        let upstream_ms = self.upstream.map(whole_micros_as_ms);
-        tracing::info!(
-            target: "idemproxy::request",
-            route = %self.route,
-            method = %self.method,
-            outcome = outcome.as_str(),
-            status = self.status.unwrap_or(0),
-            key_hash = key,
-            request_id,
-            store_ms = whole_micros_as_ms(self.store),
-            upstream_ms,
-            total_ms = whole_micros_as_ms(elapsed),
-        );
-    }
-}
-
-/// Milliseconds to the microsecond: `1.47`, not the `1.4700030000000002`
-/// that scaling the seconds gives, and finer than a log reader needs.
-fn whole_micros_as_ms(d: Duration) -> f64 {
-    d.as_micros() as f64 / 1e3
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use super::*;
-    use crate::config::Config;
-    use crate::store::MemoryStore;
-
-    #[test]
-    fn log_durations_are_milliseconds_to_the_microsecond() {
-        assert_eq!(
-            whole_micros_as_ms(Duration::from_nanos(1_470_003_999)),
-            1470.003
-        );
-        assert_eq!(whole_micros_as_ms(Duration::from_nanos(1_470_003)), 1.47);
-        assert_eq!(whole_micros_as_ms(Duration::from_nanos(2_464)), 0.002);
-        assert_eq!(whole_micros_as_ms(Duration::ZERO), 0.0);
-    }
-
-    /// The run is polled on the connection's task; a panic in it (here in
-    /// the upstream service) must end in a 500 for this request, not unwind
-    /// into the connection, and must not take the service down for the next.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_panicking_run_answers_500_and_the_service_goes_on() {
-        let policies = Policies::from_config(&Config::default()).expect("policies");
-        let calls = Arc::new(AtomicUsize::new(0));
-        let upstream = tower::service_fn({
-            let calls = calls.clone();
-            move |_req: Request<Body>| {
-                let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
-                async move {
-                    assert!(!first, "the upstream service panics on its first call");
-                    Ok::<_, UpstreamError>(Response::new(Body::from("ok")))
-                }
-            }
-        });
-        let metrics = Metrics::new();
-        let service = IdempotencyLayer::new(policies, Arc::new(MemoryStore::new()))
-            .metrics(metrics.clone())
-            .layer(upstream);
-        let request = |key: &str| {
-            Request::post("/v1/payments")
-                .header("idempotency-key", key)
-                .body(Body::from("{}"))
-                .expect("request")
-        };
-        let status = |response: Result<Response<Body>, Infallible>| match response {
-            Ok(response) => response.status(),
-            Err(never) => match never {},
-        };
-        let panicked = service.clone().oneshot(request("a")).await;
-        assert_eq!(status(panicked), http::StatusCode::INTERNAL_SERVER_ERROR);
-        let next = service.clone().oneshot(request("b")).await;
-        assert_eq!(status(next), http::StatusCode::OK);
-        assert_eq!(calls.load(Ordering::SeqCst), 2);
-        // The panicked request is counted (and logged) as `internal`, once.
-        let text = metrics.render();
-        let count = |outcome: &str| {
-            text.lines()
-                .find(|l| {
-                    l.starts_with("idemproxy_requests_total{")
-                        && l.contains(&format!("outcome=\"{outcome}\""))
-                })
-                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        };
-        assert_eq!(count("internal"), Some(1.0), "{text}");
-        assert_eq!(count("executed"), Some(1.0), "{text}");
-    }
 }

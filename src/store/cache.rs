@@ -24,7 +24,7 @@
 //!
 //! `remove` (an operator's `DELETE`) is the one change a completed record
 //! can go through before it expires, and on a shared store another replica
-//! may make it. [`wrap`] therefore hands the store an [`Invalidator`]
+//! may make it. [`wrap`] therefore hands the store an [`RemovalWatcher`]
 //! ([`Store::watch_removals`]), through which the store reports what other
 //! processes removed. A Redis store follows a pub/sub channel that every
 //! replica's `remove` publishes to; the memory and embedded stores have no
@@ -62,8 +62,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use quick_cache::sync::Cache;
 
-use super::{Begin, BeginOutcome, Removal, Removed, SharedStore, Store, StoreError};
-use crate::idempotency::record::{
+use super::{
+    Begin, BeginOutcome, Removal, RemovalWatcher, Removed, SharedStore, Store, StoreError,
+};
+use crate::core::{
     now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey,
 };
 
@@ -136,7 +138,7 @@ impl quick_cache::Weighter<RecordKey, Entry> for EntryWeight {
 /// cache and delegates everything else to `S` (see the module docs).
 pub struct CachedStore<S: ?Sized = dyn Store> {
     inner: Arc<S>,
-    /// Shared with the store's removal feed, through an [`Invalidator`].
+    /// Shared with the store's removal feed, through an [`RemovalWatcher`].
     shared: Arc<Shared>,
     max_age: Duration,
 }
@@ -190,26 +192,24 @@ impl Drop for RemovedOnDrop<'_> {
 /// does not keep the cache alive: every method returns false once the cache
 /// is gone, which is the feed's cue to stop.
 #[derive(Clone)]
-pub struct Invalidator(Weak<Shared>);
+struct Invalidator(Weak<Shared>);
 
-impl Invalidator {
+impl RemovalWatcher for Invalidator {
     /// `key`'s record was removed: drops it from the cache.
-    pub fn removed(&self, key: &RecordKey) -> bool {
+    fn removed(&self, key: &RecordKey) -> bool {
         self.with(|shared| shared.removed(key))
     }
 
-    /// Removals may go unheard from now on (the feed is connecting, or lost
-    /// its connection): stop answering from the cache.
-    pub fn suspend(&self) -> bool {
+    /// Stops answering from the cache: removals may go unheard.
+    fn suspend(&self) -> bool {
         self.with(|shared| {
             shared.live.store(false, Ordering::SeqCst);
             shared.bump();
         })
     }
 
-    /// The feed is connected and every removal from now on will be heard:
-    /// start over from an empty cache, since what was missed is unknown.
-    pub fn resume(&self) -> bool {
+    /// Starts over from an empty cache, since what was missed is unknown.
+    fn resume(&self) -> bool {
         self.with(|shared| {
             shared.bump();
             shared.cache.clear();
@@ -217,11 +217,12 @@ impl Invalidator {
         })
     }
 
-    /// Whether the cache is still there to be told anything.
-    pub fn is_open(&self) -> bool {
+    fn is_open(&self) -> bool {
         self.0.strong_count() > 0
     }
+}
 
+impl Invalidator {
     fn with(&self, report: impl FnOnce(&Shared)) -> bool {
         match self.0.upgrade() {
             Some(shared) => {
@@ -249,9 +250,9 @@ impl<S: Store + ?Sized> CachedStore<S> {
         }
     }
 
-    /// The handle for the store's removal feed (see [`Invalidator`]).
-    pub fn invalidator(&self) -> Invalidator {
-        Invalidator(Arc::downgrade(&self.shared))
+    /// The handle for the store's removal feed (see [`RemovalWatcher`]).
+    pub fn invalidator(&self) -> Arc<dyn RemovalWatcher> {
+        Arc::new(Invalidator(Arc::downgrade(&self.shared)))
     }
 
     /// Sets how long an entry may be answered from (default
@@ -395,8 +396,8 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
 
     /// A cache in front of this one hears what the store behind both
     /// reports; removals through this one reach it as they pass.
-    fn watch_removals(&self, invalidator: Invalidator) {
-        self.inner.watch_removals(invalidator);
+    fn watch_removals(&self, watcher: Arc<dyn RemovalWatcher>) {
+        self.inner.watch_removals(watcher);
     }
 }
 
@@ -407,7 +408,7 @@ mod tests {
     use bytes::Bytes;
 
     use super::*;
-    use crate::idempotency::record::{millis, Fingerprint, Outcome, StoredResponse};
+    use crate::core::{millis, Fingerprint, Outcome, StoredResponse};
     use crate::store::{MemoryStore, OnStale};
 
     const LEASE: Duration = Duration::from_secs(30);

@@ -7,12 +7,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{
-    check_owner, decide_begin, running_lease, Begin, BeginOutcome, Removal, Removed, Store,
-    StoreError,
-};
-use crate::idempotency::record::{
-    now_millis, CompletedRecord, FencingToken, Record, RecordKey, UnixMillis,
+use super::{check_owner, Begin, BeginOutcome, Removal, Removed, Store, StoreError};
+use crate::core::{
+    decide_begin, now_millis, running_lease, CompletedRecord, FencingToken, Record, RecordKey,
+    UnixMillis,
 };
 
 /// A [`Store`] backed by maps in this process. Clones share the same maps.

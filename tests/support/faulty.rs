@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idemproxy::idempotency::record::{CompletedRecord, FencingToken, Record, RecordKey};
+use idemproxy::core::{CompletedRecord, FencingToken, Record, RecordKey};
 use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Removal, Removed, Store, StoreError};
 
 /// How long a hanging call sleeps: far past any `store.timeout` in tests.

@@ -4,8 +4,8 @@
 
 use http::request::Parts;
 use http::{Method, Request};
+use idemproxy::core::{Fingerprint, RecordKey};
 use idemproxy::idempotency::fingerprint::FingerprintRules;
-use idemproxy::idempotency::record::{Fingerprint, RecordKey};
 use idemproxy::idempotency::scope::ScopeRules;
 
 /// The head of a request as the proxy sees it: `target` is the path and
@@ -21,13 +21,13 @@ pub fn parts(method: Method, target: &str, headers: &[(&str, &str)]) -> Parts {
 
 /// The record key of `key` under the default scope (`header:authorization`).
 pub fn record_key(parts: &Parts, key: &str) -> RecordKey {
-    let scope = ScopeRules::new(&["header:authorization".into()]).expect("default scope rules");
+    let scope = ScopeRules::parse(&["header:authorization".into()]).expect("default scope rules");
     RecordKey::new(&scope.scope(parts), key)
 }
 
 /// The fingerprint under the default rules (no extra headers, no ignores).
 pub fn fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
-    FingerprintRules::new(&[], &[])
+    FingerprintRules::parse(&[], &[])
         .expect("default fingerprint rules")
         .fingerprint(parts, body)
 }

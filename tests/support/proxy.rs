@@ -55,7 +55,7 @@ impl TestProxy {
     }
 
     pub async fn start_with_store(config: Config, store: SharedStore) -> TestProxy {
-        config.validate().expect("test config is valid");
+        idemproxy::validate(&config).expect("test config is valid");
         let app = idemproxy::app(&config, store.clone()).expect("app builds");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let admin = TcpListener::bind("127.0.0.1:0").await.expect("bind admin");

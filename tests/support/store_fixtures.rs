@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idemproxy::idempotency::record::{
+use idemproxy::core::{
     millis, now_millis, CompletedRecord, Fingerprint, Outcome, RecordKey, StoredResponse,
 };
 use idemproxy::store::{Begin, OnStale};

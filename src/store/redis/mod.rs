@@ -91,6 +91,7 @@
 mod removals;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -109,14 +110,11 @@ use rustls_pki_types::CertificateDer;
 use tokio::runtime::{Handle, RuntimeFlavor};
 
 use self::removals::RemovalChannel;
-use super::cache::Invalidator;
-use super::{
-    decide_begin, new_claim, running_lease, Begin, BeginOutcome, Removal, Removed, SharedStore,
-    Store, StoreError,
-};
-use crate::config::{StoreConfig, StoreKind};
-use crate::idempotency::record::{
-    now_millis, CompletedRecord, FencingToken, PendingRecord, Record, RecordKey, UnixMillis,
+use super::RemovalWatcher;
+use super::{Begin, BeginOutcome, Removal, Removed, SharedStore, Store, StoreError};
+use crate::core::{
+    decide_begin, new_claim, now_millis, running_lease, CompletedRecord, FencingToken,
+    PendingRecord, Record, RecordKey, UnixMillis,
 };
 
 /// Longest relative expiry handed to `PX`. Redis refuses expiries that
@@ -180,6 +178,33 @@ pub fn redis_key(prefix: &str, key: &RecordKey) -> String {
     name
 }
 
+/// Where the Redis store connects and how: the `[store]` settings it reads.
+#[derive(Clone, Debug, Default)]
+pub struct RedisSettings {
+    /// A Redis Cluster (seed nodes in `urls`) rather than a standalone Redis.
+    pub cluster: bool,
+    /// `redis://` or `rediss://` (TLS) URL of a standalone Redis; may carry
+    /// `user:password@` and a `/db` number.
+    pub url: String,
+    /// Seed nodes of a Redis Cluster.
+    pub urls: Vec<String>,
+    /// ACL user name; overrides one in the URL.
+    pub username: Option<String>,
+    /// Password; overrides one in the URL.
+    pub password: Option<String>,
+    /// Name of an environment variable holding the password.
+    pub password_env: Option<String>,
+    /// Database number (standalone only); overrides one in the URL.
+    pub database: Option<i64>,
+    /// Prefix of every Redis key this proxy writes.
+    pub key_prefix: String,
+    /// Extra PEM CA bundle trusted for `rediss://`.
+    pub ca_file: Option<PathBuf>,
+    /// The caller's bound on every store call; connection timeouts derive
+    /// from it.
+    pub timeout: Duration,
+}
+
 /// How long [`open`] waits for a Redis that is not up yet.
 pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
 
@@ -189,23 +214,21 @@ pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
 /// append-only file), instead of exiting into a restart loop that backs off
 /// longer each time. Anything else (credentials, TLS, configuration) fails
 /// at once.
-pub async fn open(config: &StoreConfig) -> Result<SharedStore, StoreError> {
+pub async fn open(config: impl Into<RedisSettings>) -> Result<SharedStore, StoreError> {
     open_within(config, STARTUP_WAIT).await
 }
 
 /// [`open`] with another bound on the wait.
-pub async fn open_within(config: &StoreConfig, wait: Duration) -> Result<SharedStore, StoreError> {
-    match config.kind {
-        StoreKind::Redis => Ok(std::sync::Arc::new(
-            RedisStore::connect_within(config, wait).await?,
-        )),
-        StoreKind::RedisCluster => Ok(std::sync::Arc::new(
-            RedisStore::connect_cluster_within(config, wait).await?,
-        )),
-        other => Err(StoreError::Unavailable(format!(
-            "store kind {other:?} is not a Redis store"
-        ))),
-    }
+pub async fn open_within(
+    config: impl Into<RedisSettings>,
+    wait: Duration,
+) -> Result<SharedStore, StoreError> {
+    let config = config.into();
+    Ok(std::sync::Arc::new(if config.cluster {
+        RedisStore::connect_cluster_within(config, wait).await?
+    } else {
+        RedisStore::connect_within(config, wait).await?
+    }))
 }
 
 /// The connection a store shares between all its calls. Both variants are
@@ -389,16 +412,17 @@ impl RedisStore {
     /// `rediss://`), with the credentials, database and CA of `config`, and
     /// loads the scripts. Fails if Redis cannot be reached or refuses the
     /// credentials; once connected, the store reconnects by itself.
-    pub async fn connect(config: &StoreConfig) -> Result<RedisStore, StoreError> {
+    pub async fn connect(config: impl Into<RedisSettings>) -> Result<RedisStore, StoreError> {
         Self::connect_within(config, Duration::ZERO).await
     }
 
     /// [`RedisStore::connect`], trying again for up to `wait` while Redis is
     /// not up yet (see [`open`]).
     pub async fn connect_within(
-        config: &StoreConfig,
+        config: impl Into<RedisSettings>,
         wait: Duration,
     ) -> Result<RedisStore, StoreError> {
+        let config = &config.into();
         let info = config
             .url
             .as_str()
@@ -421,16 +445,19 @@ impl RedisStore {
     /// Connects to the Redis Cluster whose seed nodes are `config.urls`
     /// (`config.url` alone when `urls` is empty), with the credentials and CA
     /// of `config`, and loads the scripts on every primary.
-    pub async fn connect_cluster(config: &StoreConfig) -> Result<RedisStore, StoreError> {
+    pub async fn connect_cluster(
+        config: impl Into<RedisSettings>,
+    ) -> Result<RedisStore, StoreError> {
         Self::connect_cluster_within(config, Duration::ZERO).await
     }
 
     /// [`RedisStore::connect_cluster`], trying again for up to `wait` while
     /// the cluster is not up yet (see [`open`]).
     pub async fn connect_cluster_within(
-        config: &StoreConfig,
+        config: impl Into<RedisSettings>,
         wait: Duration,
     ) -> Result<RedisStore, StoreError> {
+        let config = &config.into();
         let urls: Vec<&str> = if config.urls.is_empty() {
             vec![config.url.as_str()]
         } else {
@@ -496,7 +523,7 @@ impl RedisStore {
         conn: Conn,
         connector: Connector,
         removals: Arc<RemovalChannel>,
-        config: &StoreConfig,
+        config: &RedisSettings,
         kind: &'static str,
     ) -> Result<RedisStore, StoreError> {
         let store = RedisStore {
@@ -858,7 +885,7 @@ impl Store for RedisStore {
             .map_err(|e| StoreError::Unavailable(format!("remove: {e}")))?
     }
 
-    fn watch_removals(&self, invalidator: Invalidator) {
+    fn watch_removals(&self, invalidator: Arc<dyn RemovalWatcher>) {
         self.removals.follow(invalidator);
     }
 
@@ -1017,7 +1044,7 @@ fn pexpire_ms(expires_at: UnixMillis, now: UnixMillis) -> u64 {
 /// the address came from, for errors.
 fn node_client(
     info: ConnectionInfo,
-    config: &StoreConfig,
+    config: &RedisSettings,
     database: Option<i64>,
     field: &str,
 ) -> Result<Client, StoreError> {
@@ -1051,13 +1078,13 @@ fn tcp_settings() -> TcpSettings {
     TcpSettings::default().set_nodelay(true)
 }
 
-fn io_timeout(config: &StoreConfig) -> Duration {
+fn io_timeout(config: &RedisSettings) -> Duration {
     config.timeout.saturating_mul(4).max(MIN_IO_TIMEOUT)
 }
 
 /// The password `config` asks for: `password`, else the variable named by
 /// `password_env` (read now, at connect), else none (the URL's, if any).
-fn password(config: &StoreConfig) -> Result<Option<String>, StoreError> {
+fn password(config: &RedisSettings) -> Result<Option<String>, StoreError> {
     if let Some(password) = &config.password {
         return Ok(Some(password.clone()));
     }
@@ -1076,7 +1103,7 @@ fn password(config: &StoreConfig) -> Result<Option<String>, StoreError> {
 /// redis-rs takes a single PEM bundle, which then replaces the system roots,
 /// so the system roots are appended to it here.
 fn tls_certificates(
-    config: &StoreConfig,
+    config: &RedisSettings,
     tls: bool,
 ) -> Result<Option<TlsCertificates>, StoreError> {
     let Some(path) = &config.ca_file else {
@@ -1196,7 +1223,7 @@ fn unexpected(what: &str) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::record::{Fingerprint, Outcome};
+    use crate::core::{Fingerprint, Outcome};
 
     #[test]
     fn an_evicting_policy_with_a_memory_limit_is_warned_about() {
@@ -1285,7 +1312,7 @@ mod tests {
 
     #[test]
     fn password_precedence() {
-        let mut config = StoreConfig::default();
+        let mut config = RedisSettings::default();
         assert_eq!(password(&config).ok().flatten(), None);
         config.password_env = Some("IDEMPROXY_TEST_SURELY_UNSET_VARIABLE".into());
         assert!(matches!(

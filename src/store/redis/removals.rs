@@ -26,8 +26,8 @@ use futures_util::StreamExt;
 use redis::aio::{PubSubSink, PubSubStream};
 use redis::{Client, RedisError};
 
-use crate::idempotency::record::RecordKey;
-use crate::store::cache::Invalidator;
+use crate::core::RecordKey;
+use crate::store::RemovalWatcher;
 
 /// How often a subscription is checked with a `PING`: a connection that
 /// broke without the socket saying so (a partition, a dropped NAT entry)
@@ -63,13 +63,13 @@ impl RemovalChannel {
 
     /// Follows the channel on a task of its own until the cache behind
     /// `invalidator` is gone.
-    pub(super) fn follow(self: &Arc<Self>, invalidator: Invalidator) {
+    pub(super) fn follow(self: &Arc<Self>, invalidator: Arc<dyn RemovalWatcher>) {
         // Until the first subscription is confirmed, removals go unheard.
         invalidator.suspend();
         tokio::spawn(Arc::clone(self).run(invalidator));
     }
 
-    async fn run(self: Arc<Self>, invalidator: Invalidator) {
+    async fn run(self: Arc<Self>, invalidator: Arc<dyn RemovalWatcher>) {
         let mut backoff = MIN_BACKOFF;
         let mut failing = false;
         for node in (0..self.clients.len()).cycle() {
@@ -86,7 +86,7 @@ impl RemovalChannel {
                     }
                     failing = false;
                     backoff = MIN_BACKOFF;
-                    let lost = self.listen(sink, stream, &invalidator).await;
+                    let lost = self.listen(sink, stream, &*invalidator).await;
                     if !invalidator.suspend() {
                         return;
                     }
@@ -126,7 +126,7 @@ impl RemovalChannel {
         &self,
         mut sink: PubSubSink,
         mut stream: PubSubStream,
-        invalidator: &Invalidator,
+        invalidator: &dyn RemovalWatcher,
     ) -> String {
         let mut heartbeat = tokio::time::interval(HEARTBEAT);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

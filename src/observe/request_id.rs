@@ -17,7 +17,7 @@ use axum::body::Body;
 use http::{HeaderValue, Request};
 use tower_http::request_id::{MakeRequestId, RequestId};
 
-use crate::idempotency::service::X_REQUEST_ID;
+use crate::http::headers::X_REQUEST_ID;
 
 /// The longest `X-Request-Id` kept from a caller, in bytes.
 pub const MAX_REQUEST_ID_LEN: usize = 200;

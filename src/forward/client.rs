@@ -47,8 +47,9 @@
 //! `Connection` are hop-by-hop and removed like the others.
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use http::header::{
@@ -66,40 +67,78 @@ use rustls::RootCertStore;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
-use crate::config::UpstreamConfig;
+use super::error::{ClientInfo, UpstreamError};
 
-/// Why an upstream exchange failed, classified by whether the request could
-/// have executed. See the module documentation.
-#[derive(Debug, thiserror::Error)]
-pub enum UpstreamError {
-    /// Nothing was sent (connection refused, DNS failure, TLS handshake
-    /// failure, connect timeout): a retry is safe.
-    #[error("upstream unreachable: {0}")]
-    Unreachable(String),
-    /// No response within the deadline, after the request may have been sent.
-    #[error("upstream timed out")]
-    Timeout,
-    /// The connection broke after the request was sent.
-    #[error("upstream connection broke: {0}")]
-    Reset(String),
-}
-
-/// How the client reached the proxy, for `X-Forwarded-*`.
+/// What the client needs to know of its upstream.
 #[derive(Clone, Debug)]
-pub struct ClientInfo {
-    /// The client's IP as `X-Forwarded-For` carries it, written once per
-    /// connection rather than per request.
-    ip: Option<HeaderValue>,
-    https: bool,
+pub struct UpstreamSettings {
+    /// Base URL; a path here is prefixed to every forwarded path.
+    pub url: String,
+    pub connect_timeout: Duration,
+    /// Extra PEM CA bundle trusted for `https://` upstreams.
+    pub ca_file: Option<PathBuf>,
+    /// Speak HTTP/2 without TLS to a plain `http://` upstream.
+    pub http2_prior_knowledge: bool,
+    pub pool_max_idle_per_host: usize,
+    pub pool_idle_timeout: Duration,
 }
 
-impl ClientInfo {
-    pub fn new(addr: Option<SocketAddr>, https: bool) -> Self {
-        // An IPv4 client on a dual-stack socket shows up as `::ffff:a.b.c.d`;
-        // the upstream expects the plain IPv4 form.
-        let ip = addr.and_then(|a| HeaderValue::try_from(a.ip().to_canonical().to_string()).ok());
-        Self { ip, https }
+/// An upstream base URL, checked: absolute `http://` or `https://`, with a
+/// host, without credentials or a query. The one check of it, for the
+/// configuration's validation and the client alike.
+#[derive(Clone, Debug)]
+pub struct UpstreamUrl {
+    scheme: Scheme,
+    authority: Authority,
+    /// `Host` sent upstream: the URL's authority.
+    host: HeaderValue,
+    /// The URL's path without a trailing slash ("" for none).
+    base_path: String,
+}
+
+impl UpstreamUrl {
+    /// Errors name `upstream.url`; a URL with credentials is not echoed.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        // Before anything echoes the URL: a password can hold any
+        // character, and one with `/`, `?` or `#` does not even parse as
+        // user info. Credentials would end up in `Host` and in logs.
+        if has_user_info(url) {
+            return Err(
+                "upstream.url: must not carry credentials (user:password@); the URL is not shown"
+                    .into(),
+            );
+        }
+        let absolute =
+            || format!("upstream.url: `{url}` must be an absolute http:// or https:// URL");
+        let parsed: Uri = url
+            .parse()
+            .map_err(|e| format!("upstream.url: `{url}`: {e}"))?;
+        let scheme = match parsed.scheme_str() {
+            Some("http") => Scheme::HTTP,
+            Some("https") => Scheme::HTTPS,
+            _ => return Err(absolute()),
+        };
+        let authority = parsed.authority().cloned().ok_or_else(absolute)?;
+        if parsed.query().is_some() {
+            return Err(format!("upstream.url: `{url}` must not have a query"));
+        }
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|e| format!("upstream.url: `{url}`: {e}"))?;
+        Ok(Self {
+            scheme,
+            authority,
+            host,
+            base_path: parsed.path().trim_end_matches('/').to_owned(),
+        })
     }
+}
+
+/// Whether `url` has an `@` after its scheme: user info (or a path no
+/// upstream base URL needs). Checked on the raw text, since a password may
+/// hold `/`, `?` or `#` and then does not parse as user info.
+fn has_user_info(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    rest.contains('@')
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1,
@@ -159,44 +198,18 @@ impl fmt::Debug for Upstream {
 }
 
 impl Upstream {
-    /// Builds the client for `config.url`. Fails on a URL that is not an
-    /// absolute `http://`/`https://` URL without credentials or query, on an
-    /// unreadable `ca_file` or one with no certificate in it, and on a TLS
-    /// configuration rustls refuses.
-    pub fn new(config: &UpstreamConfig) -> Result<Self, String> {
-        let url: Uri = config
-            .url
-            .parse()
-            .map_err(|e| format!("upstream.url `{}`: {e}", config.url))?;
-        let scheme = match url.scheme_str() {
-            Some("http") => Scheme::HTTP,
-            Some("https") => Scheme::HTTPS,
-            _ => {
-                return Err(format!(
-                    "upstream.url `{}`: must be an absolute http:// or https:// URL",
-                    config.url
-                ))
-            }
-        };
-        let authority = url
-            .authority()
-            .cloned()
-            .ok_or_else(|| format!("upstream.url `{}`: has no host", config.url))?;
-        if crate::config::has_user_info(&config.url) {
-            // Credentials in the URL would end up in `Host` and in logs
-            // (this message included).
-            return Err("upstream.url: must not carry credentials (user:password@)".into());
-        }
-        if url.query().is_some() {
-            return Err(format!(
-                "upstream.url `{}`: must not have a query",
-                config.url
-            ));
-        }
-        let host = HeaderValue::from_str(authority.as_str())
-            .map_err(|e| format!("upstream.url `{}`: {e}", config.url))?;
-        let base_path = url.path().trim_end_matches('/').to_owned();
-
+    /// Builds the client for `config.url`. Fails on a URL
+    /// [`UpstreamUrl::parse`] refuses, on an unreadable `ca_file` or one
+    /// with no certificate in it, and on a TLS configuration rustls refuses.
+    pub fn new(config: impl Into<UpstreamSettings>) -> Result<Self, String> {
+        let config: UpstreamSettings = config.into();
+        let config = &config;
+        let UpstreamUrl {
+            scheme,
+            authority,
+            host,
+            base_path,
+        } = UpstreamUrl::parse(&config.url)?;
         let tls = tls_config(config, scheme == Scheme::HTTPS)?;
         let mut http = HttpConnector::new();
         // The HTTPS wrapper dispatches on the scheme; the inner connector
@@ -347,7 +360,7 @@ impl Upstream {
 /// `http://` one the system and webpki roots are skipped (`https` false):
 /// they would never be used, and reading the system store costs startup
 /// time. A `ca_file` is still read, so a bad one is reported either way.
-fn tls_config(config: &UpstreamConfig, https: bool) -> Result<rustls::ClientConfig, String> {
+fn tls_config(config: &UpstreamSettings, https: bool) -> Result<rustls::ClientConfig, String> {
     let mut roots = RootCertStore::empty();
     if https {
         roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
@@ -531,11 +544,18 @@ mod tests {
     use super::*;
 
     fn upstream(url: &str) -> Upstream {
-        Upstream::new(&UpstreamConfig {
+        Upstream::new(settings(url)).expect("upstream builds")
+    }
+
+    fn settings(url: &str) -> UpstreamSettings {
+        UpstreamSettings {
             url: url.into(),
-            ..UpstreamConfig::default()
-        })
-        .expect("upstream builds")
+            connect_timeout: Duration::from_secs(2),
+            ca_file: None,
+            http2_prior_knowledge: false,
+            pool_max_idle_per_host: 64,
+            pool_idle_timeout: Duration::from_secs(1),
+        }
     }
 
     fn client() -> ClientInfo {
@@ -747,20 +767,18 @@ mod tests {
 
     #[test]
     fn prior_knowledge_sends_http2_to_plain_upstreams_only() {
-        let h2c = Upstream::new(&UpstreamConfig {
-            url: "http://127.0.0.1:3000".into(),
+        let h2c = Upstream::new(UpstreamSettings {
             http2_prior_knowledge: true,
-            ..UpstreamConfig::default()
+            ..settings("http://127.0.0.1:3000")
         })
         .expect("builds");
         let req = h2c.prepare(request("/", &[("host", "x")]), client());
         assert_eq!(req.version(), Version::HTTP_2);
         assert_eq!(req.headers()[HOST], "127.0.0.1:3000");
 
-        let tls = Upstream::new(&UpstreamConfig {
-            url: "https://127.0.0.1:3000".into(),
+        let tls = Upstream::new(UpstreamSettings {
             http2_prior_knowledge: true,
-            ..UpstreamConfig::default()
+            ..settings("https://127.0.0.1:3000")
         })
         .expect("builds");
         let req = tls.prepare(request("/", &[]), client());
@@ -775,19 +793,16 @@ mod tests {
             "http://user:pw@h:1",
             "http://h:1/api?x=1",
         ] {
-            let r = Upstream::new(&UpstreamConfig {
-                url: url.into(),
-                ..UpstreamConfig::default()
-            });
+            let r = Upstream::new(settings(url));
             assert!(r.is_err(), "{url} should be refused");
         }
         let dir = tempfile::tempdir().expect("tempdir");
         let empty = dir.path().join("empty.pem");
         std::fs::write(&empty, "not a certificate\n").expect("write");
         for ca in [empty, dir.path().join("missing.pem")] {
-            let err = Upstream::new(&UpstreamConfig {
+            let err = Upstream::new(UpstreamSettings {
                 ca_file: Some(ca.clone()),
-                ..UpstreamConfig::default()
+                ..settings("http://127.0.0.1:3000")
             })
             .expect_err("bad ca_file");
             assert!(err.contains("upstream.ca_file"), "{err}");

@@ -62,12 +62,10 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
-use super::{
-    check_owner, decide_begin, running_lease, Begin, BeginOutcome, Removal, Removed, Store,
-    StoreError,
-};
-use crate::idempotency::record::{
-    now_millis, CompletedRecord, FencingToken, Record, RecordKey, UnixMillis,
+use super::{check_owner, Begin, BeginOutcome, Removal, Removed, Store, StoreError};
+use crate::core::{
+    decide_begin, now_millis, running_lease, CompletedRecord, FencingToken, Record, RecordKey,
+    UnixMillis,
 };
 
 /// The database file inside the configured directory.
@@ -770,7 +768,7 @@ impl Store for EmbeddedStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::record::Fingerprint;
+    use crate::core::Fingerprint;
     use crate::store::OnStale;
 
     /// The invariant every write keeps: one index entry per record, under the
@@ -829,7 +827,7 @@ mod tests {
             created_at: now,
             completed_at: now,
             expires_at: now + ttl_ms,
-            outcome: crate::idempotency::record::Outcome::NotStored { status: 200 },
+            outcome: crate::core::Outcome::NotStored { status: 200 },
         }
     }
 

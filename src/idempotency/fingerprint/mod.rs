@@ -62,9 +62,9 @@ use quick_cache::sync::Cache;
 use quick_cache::Equivalent;
 use sha2::{Digest, Sha256};
 
-use super::canonical::{Document, Kind, NodeId, Sink};
+use super::jcs::{Document, Kind, NodeId, Sink};
 use super::key::trim_ows;
-use super::record::Fingerprint;
+use crate::core::Fingerprint;
 
 /// Bumping this changes every fingerprint, which turns every in-flight
 /// retry across a deploy into a mismatch; do it only with the record format.
@@ -178,25 +178,29 @@ impl fmt::Debug for CanonicalMemo {
 }
 
 impl FingerprintRules {
-    /// Builds the rules from configuration strings. Header names are
-    /// lower-cased; pointers must be non-empty RFC 6901 pointers (the empty
-    /// pointer would ignore the whole body, which is never what is meant).
-    pub fn new(headers: &[String], ignore: &[String]) -> Result<Self, String> {
+    /// The rules from parsed parts: header names (see [`parse_header`])
+    /// and JSON pointers checked by [`validate_pointer`].
+    pub fn new(headers: Vec<HeaderName>, ignore: Vec<String>) -> Self {
+        Self {
+            headers,
+            ignore,
+            memo: CanonicalMemo::default(),
+        }
+    }
+
+    /// Parses configuration strings, naming the first bad one: for tests
+    /// and tools. The proxy's configuration is parsed field by field at the
+    /// composition root, with the same [`parse_header`] and
+    /// [`validate_pointer`], so that every bad entry is reported.
+    pub fn parse(headers: &[String], ignore: &[String]) -> Result<Self, String> {
         let headers = headers
             .iter()
-            .map(|h| {
-                HeaderName::from_bytes(h.as_bytes())
-                    .map_err(|_| format!("`{h}` is not a valid header name"))
-            })
+            .map(|h| parse_header(h))
             .collect::<Result<Vec<_>, _>>()?;
         for ptr in ignore {
             validate_pointer(ptr)?;
         }
-        Ok(Self {
-            headers,
-            ignore: ignore.to_vec(),
-            memo: CanonicalMemo::default(),
-        })
+        Ok(Self::new(headers, ignore.to_vec()))
     }
 
     pub fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
@@ -420,6 +424,12 @@ fn is_json_media_type(value: &[u8]) -> bool {
             .is_some_and(|s| s.eq_ignore_ascii_case(SUFFIX))
 }
 
+/// A `fingerprint_headers` entry as a header name (lower-cased).
+pub fn parse_header(name: &str) -> Result<HeaderName, String> {
+    HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("`{name}` is not a valid header name"))
+}
+
 /// Checks what `remove_pointer` would otherwise silently ignore, so a typo
 /// in the configuration is reported instead of never matching.
 pub fn validate_pointer(ptr: &str) -> Result<(), String> {
@@ -575,7 +585,7 @@ mod tests {
     fn rules(headers: &[&str], ignore: &[&str]) -> FingerprintRules {
         let h: Vec<String> = headers.iter().map(|s| s.to_string()).collect();
         let i: Vec<String> = ignore.iter().map(|s| s.to_string()).collect();
-        FingerprintRules::new(&h, &i).expect("valid rules")
+        FingerprintRules::parse(&h, &i).expect("valid rules")
     }
 
     fn fp(r: &FingerprintRules, p: &Parts, body: &str) -> Fingerprint {
@@ -1243,7 +1253,7 @@ mod tests {
 
     #[test]
     fn new_parses_and_lowercases_header_names() {
-        let r = FingerprintRules::new(&["X-Tenant".into(), "accept".into()], &[]).expect("valid");
+        let r = FingerprintRules::parse(&["X-Tenant".into(), "accept".into()], &[]).expect("valid");
         assert_eq!(
             r.headers,
             vec![
@@ -1255,16 +1265,16 @@ mod tests {
 
     #[test]
     fn new_rejects_bad_values_by_name() {
-        let err = FingerprintRules::new(&["bad header".into()], &[]).expect_err("rejected");
+        let err = FingerprintRules::parse(&["bad header".into()], &[]).expect_err("rejected");
         assert!(err.contains("`bad header`"), "{err}");
-        let err = FingerprintRules::new(&[String::new()], &[]).expect_err("rejected");
+        let err = FingerprintRules::parse(&[String::new()], &[]).expect_err("rejected");
         assert!(err.contains("``"), "{err}");
         for bad in ["metadata/sent_at", "", "/a~2", "/a~", "/~"] {
-            let err = FingerprintRules::new(&[], &[bad.to_owned()]).expect_err(bad);
+            let err = FingerprintRules::parse(&[], &[bad.to_owned()]).expect_err(bad);
             assert!(err.contains(&format!("`{bad}`")), "{err}");
         }
         for good in ["/", "/a", "/a~0b~1c", "/0/-", "/a//b"] {
-            FingerprintRules::new(&[], &[good.to_owned()]).expect(good);
+            FingerprintRules::parse(&[], &[good.to_owned()]).expect(good);
         }
     }
 

@@ -5,141 +5,15 @@
 //! a postcard body. Bodies are stored as raw bytes. Decoding an unknown version
 //! or a corrupt value is an error, never a panic, so a store can report it.
 
-use std::fmt;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+
+use super::clock::UnixMillis;
+use super::ids::{FencingToken, Fingerprint};
 
 /// The leading byte of every encoded record. Bump it when the layout changes;
 /// old versions must then be decoded explicitly or reported as unknown.
 pub const FORMAT_VERSION: u8 = 1;
-
-/// Identity of a record in the store: SHA-256 over the scope and the raw key,
-/// so the store never holds a raw key or a credential.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RecordKey([u8; 32]);
-
-impl RecordKey {
-    /// Derives the store identity of `key` within `scope` (a scope digest).
-    pub fn new(scope: &[u8; 32], key: &str) -> Self {
-        let mut hasher = Sha256::new();
-        hasher.update(b"idemproxy.record.v1\0");
-        hasher.update(scope);
-        hasher.update(key.as_bytes());
-        Self(hasher.finalize().into())
-    }
-
-    pub fn from_bytes(bytes: [u8; 32]) -> Self {
-        Self(bytes)
-    }
-
-    pub fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
-    }
-
-    /// Lower-case hex: how the key appears in logs, metrics and admin URLs.
-    pub fn to_hex(&self) -> String {
-        self.hex().as_str().to_owned()
-    }
-
-    /// [`RecordKey::to_hex`] on the stack, for the request log line and the
-    /// Redis key written on every request.
-    pub fn hex(&self) -> KeyHex {
-        let mut out = [0u8; 64];
-        // Cannot fail: `out` is exactly twice the key's length.
-        let _ = hex::encode_to_slice(self.0, &mut out);
-        KeyHex(out)
-    }
-
-    pub fn from_hex(s: &str) -> Option<Self> {
-        let mut out = [0u8; 32];
-        hex::decode_to_slice(s, &mut out).ok()?;
-        Some(Self(out))
-    }
-}
-
-/// A [`RecordKey`] in lower-case hex (see [`RecordKey::hex`]).
-#[derive(Clone, Copy)]
-pub struct KeyHex([u8; 64]);
-
-impl KeyHex {
-    pub fn as_str(&self) -> &str {
-        // Hex digits are ASCII; the fallback is unreachable.
-        std::str::from_utf8(&self.0).unwrap_or_default()
-    }
-}
-
-impl fmt::Display for KeyHex {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl fmt::Debug for RecordKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "RecordKey({})", self.to_hex())
-    }
-}
-
-/// SHA-256 of what makes two requests "the same request" (see `fingerprint`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Fingerprint(pub [u8; 32]);
-
-impl fmt::Debug for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", hex::encode(&self.0[..8]))
-    }
-}
-
-/// Random token that proves ownership of a pending record. Only its holder may
-/// complete or release the record, so a proxy whose lease expired cannot
-/// overwrite the record of the owner that took the key over.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct FencingToken(pub u128);
-
-impl FencingToken {
-    pub fn random() -> Self {
-        Self(rand::random())
-    }
-}
-
-impl fmt::Debug for FencingToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Tokens are not secrets, but a short form is enough to correlate logs.
-        write!(f, "FencingToken({:08x})", (self.0 >> 96) as u32)
-    }
-}
-
-/// Milliseconds since the Unix epoch. Records use wall-clock time because they
-/// are shared by processes (restarts of the embedded store, replicas on Redis).
-pub type UnixMillis = u64;
-
-pub fn now_millis() -> UnixMillis {
-    to_millis(SystemTime::now())
-}
-
-pub fn to_millis(t: SystemTime) -> UnixMillis {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-/// The last millisecond of the year 9999: HTTP and RFC 3339 dates end
-/// there, and their formatters (`httpdate`, `humantime`) panic past it.
-pub const LAST_DATE_MILLIS: UnixMillis = 253_402_300_799_999;
-
-/// The instant `ms` stands for, for display: capped at
-/// [`LAST_DATE_MILLIS`], which only a corrupt or foreign record goes past
-/// (`ttl` is at most a year).
-pub fn from_millis(ms: UnixMillis) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms.min(LAST_DATE_MILLIS))
-}
-
-pub fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum Record {
@@ -474,24 +348,7 @@ pub struct StoredResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn any_instant_formats_as_a_date() {
-        for ms in [
-            0,
-            1_764_633_600_000,
-            LAST_DATE_MILLIS,
-            LAST_DATE_MILLIS + 1,
-            u64::MAX,
-        ] {
-            let http = httpdate::fmt_http_date(from_millis(ms));
-            let rfc3339 = humantime::format_rfc3339_millis(from_millis(ms)).to_string();
-            if ms >= LAST_DATE_MILLIS {
-                assert_eq!(http, "Fri, 31 Dec 9999 23:59:59 GMT");
-                assert_eq!(rfc3339, "9999-12-31T23:59:59.999Z");
-            }
-        }
-    }
+    use crate::core::clock::now_millis;
 
     #[test]
     fn encodings_fit_the_buffer_sized_for_them() {
@@ -716,16 +573,5 @@ mod tests {
             Record::decode(truncated),
             Err(DecodeError::Corrupt(_))
         ));
-    }
-
-    #[test]
-    fn record_key_depends_on_scope_and_key() {
-        let a = RecordKey::new(&[0; 32], "k1");
-        assert_eq!(a, RecordKey::new(&[0; 32], "k1"));
-        assert_ne!(a, RecordKey::new(&[1; 32], "k1"));
-        assert_ne!(a, RecordKey::new(&[0; 32], "k2"));
-        assert_eq!(RecordKey::from_hex(&a.to_hex()), Some(a));
-        assert_eq!(a.hex().as_str(), hex::encode(a.as_bytes()));
-        assert_eq!(a.hex().to_string(), a.to_hex());
     }
 }

@@ -9,6 +9,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +23,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tower::{Service, ServiceExt};
 
-use crate::config::TlsConfig;
-use crate::upstream::ClientInfo;
+use crate::forward::ClientInfo;
 
 pub use tokio_rustls::TlsAcceptor;
 
@@ -35,21 +35,21 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Builds the traffic listener's TLS acceptor from PEM files.
-pub fn tls_acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
+pub fn tls_acceptor(cert_file: &Path, key_file: &Path) -> Result<TlsAcceptor, String> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
-    let certs = CertificateDer::pem_file_iter(&config.cert_file)
+    let certs = CertificateDer::pem_file_iter(cert_file)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("tls.cert_file {}: {e}", config.cert_file.display()))?;
+        .map_err(|e| format!("tls.cert_file {}: {e}", cert_file.display()))?;
     if certs.is_empty() {
         return Err(format!(
             "tls.cert_file {}: no certificate in it",
-            config.cert_file.display()
+            cert_file.display()
         ));
     }
-    let key = PrivateKeyDer::from_pem_file(&config.key_file)
-        .map_err(|e| format!("tls.key_file {}: {e}", config.key_file.display()))?;
+    let key = PrivateKeyDer::from_pem_file(key_file)
+        .map_err(|e| format!("tls.key_file {}: {e}", key_file.display()))?;
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
     let mut tls = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()

@@ -1,5 +1,12 @@
 //! The innermost service: forwards a request to the upstream and reports
 //! failures classified by whether the request could have executed.
+//!
+//! - [`client`]: the pooled client, header hygiene and the deadline;
+//! - [`error`]: [`UpstreamError`] (and its class, as the idempotency layer
+//!   sees it) and [`ClientInfo`], which the server attaches per connection.
+
+pub mod client;
+pub mod error;
 
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -9,21 +16,24 @@ use futures_util::future::BoxFuture;
 use http::{Request, Response};
 use tower::Service;
 
-use crate::upstream::{ClientInfo, Upstream, UpstreamError};
+pub use client::{Upstream, UpstreamSettings, UpstreamUrl};
+pub use error::{ClientInfo, UpstreamError};
 
-#[derive(Clone)]
-pub struct Proxy {
+/// Forwards each request to the upstream, within `timeout` (the response
+/// body included).
+#[derive(Clone, Debug)]
+pub struct Forward {
     upstream: Upstream,
     timeout: Duration,
 }
 
-impl Proxy {
+impl Forward {
     pub fn new(upstream: Upstream, timeout: Duration) -> Self {
         Self { upstream, timeout }
     }
 }
 
-impl Service<Request<Body>> for Proxy {
+impl Service<Request<Body>> for Forward {
     type Response = Response<Body>;
     type Error = UpstreamError;
     type Future = BoxFuture<'static, Result<Response<Body>, UpstreamError>>;

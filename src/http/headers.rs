@@ -1,0 +1,21 @@
+//! Header names as constants: inserting a header by a `&str` name that is
+//! not one of HTTP's standard ones copies the name into a new allocation
+//! each time.
+
+use http::HeaderName;
+
+/// The caller's key (draft-ietf-httpapi-idempotency-key-header).
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// The request id, generated when absent and returned to the client.
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// `true` on every answer served from a stored record.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// When the replayed outcome was first stored (an IMF-fixdate).
+pub const IDEMPOTENCY_ORIGINAL_DATE: HeaderName =
+    HeaderName::from_static("idempotency-original-date");
+/// The retry hint the OpenAI and Anthropic SDKs read.
+pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+/// The retry hint stripe's SDKs read.
+pub const STRIPE_SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-should-retry");
+/// `Retry-After` in milliseconds, for SDKs that read the finer hint.
+pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");

@@ -1,0 +1,15 @@
+//! What the proxy tells its operators: Prometheus [`metrics`], the one
+//! [`request_log`] line per request and its [`outcome`] label, the log line
+//! formats ([`log_format`]) and their batched writer ([`log_writer`]), and
+//! request ids ([`request_id`]).
+
+pub mod log_format;
+pub mod log_writer;
+pub mod metrics;
+pub mod outcome;
+pub mod request_id;
+pub mod request_log;
+
+pub use metrics::{Metrics, RouteMetrics};
+pub use outcome::RequestOutcome;
+pub use request_log::RequestLog;

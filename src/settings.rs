@@ -1,0 +1,394 @@
+//! Part of the composition root: the [`Config`] parsed, once, into the
+//! runtime types and settings structs each part takes, so that no part
+//! below reads the configuration. Every value that does not parse is
+//! reported by the field that carries it, all of them in one answer.
+
+use std::sync::Arc;
+
+use http::Method;
+
+use crate::config::{self, Config, IdempotencyConfig, StoreConfig, StoreKind, UpstreamConfig};
+use crate::core::OnStale;
+use crate::forward::{UpstreamSettings, UpstreamUrl};
+use crate::idempotency::fingerprint::{parse_header, validate_pointer, FingerprintRules};
+use crate::idempotency::policy::{OnAmbiguous, OnInFlight, OnStoreError, Profile};
+use crate::idempotency::scope::{ScopeAttribute, ScopeRules};
+use crate::idempotency::{Policies, Policy};
+use crate::store::redis::RedisSettings;
+
+/// Every problem of `config`: its own checks ([`Config::validate`]) and
+/// the values that do not parse into what the parts take.
+pub(crate) fn problems(config: &Config) -> Vec<String> {
+    let mut problems = match config.validate() {
+        Ok(()) => Vec::new(),
+        Err(config::ConfigError::Invalid(problems)) => problems,
+        Err(other) => vec![other.to_string()],
+    };
+    if let Err(why) = UpstreamUrl::parse(&config.upstream.url) {
+        problems.push(why);
+    }
+    if let Err(policy_problems) = policies(config) {
+        problems.extend(policy_problems);
+    }
+    problems
+}
+
+/// The routes' policies, in order, and the default one.
+pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
+    let mut problems = Vec::new();
+    let timeout = config.upstream.timeout;
+    let mut routes = Vec::with_capacity(config.routes.len());
+    for (i, route) in config.routes.iter().enumerate() {
+        let resolved = route.resolve(&config.idempotency);
+        let at = format!("routes[{i}]");
+        if let Some(policy) = policy(&at, &route.name, &resolved, timeout, &mut problems) {
+            routes.push((route.path.clone(), policy));
+        }
+    }
+    let default = policy(
+        "idempotency",
+        "default",
+        &config.idempotency,
+        timeout,
+        &mut problems,
+    );
+    match default {
+        Some(default) if problems.is_empty() => Ok(Policies::new(routes, default)),
+        _ => Err(problems),
+    }
+}
+
+/// One route's policy, or `None` with its problems added to `problems`.
+fn policy(
+    at: &str,
+    route: &str,
+    c: &IdempotencyConfig,
+    upstream_timeout: std::time::Duration,
+    problems: &mut Vec<String>,
+) -> Option<Policy> {
+    let before = problems.len();
+    let methods = each(at, "methods", &c.methods, parse_method, problems);
+    let headers = each(
+        at,
+        "fingerprint_headers",
+        &c.fingerprint_headers,
+        parse_header,
+        problems,
+    );
+    let ignore = each(
+        at,
+        "fingerprint_ignore",
+        &c.fingerprint_ignore,
+        |p| validate_pointer(p).map(|()| p.to_owned()),
+        problems,
+    );
+    let scope = each(
+        at,
+        "scope",
+        &c.scope,
+        str::parse::<ScopeAttribute>,
+        problems,
+    );
+    if problems.len() > before {
+        return None;
+    }
+    Some(Policy {
+        route: Arc::from(route),
+        methods,
+        require_key: c.require_key,
+        profile: profile(c.profile),
+        ttl: c.ttl,
+        lease: upstream_timeout + c.lease_margin,
+        on_in_flight: on_in_flight(c.on_in_flight),
+        wait_timeout: c.wait_timeout,
+        on_store_error: on_store_error(c.on_store_error),
+        on_ambiguous: on_ambiguous(c.on_ambiguous),
+        on_stale: on_stale(c.on_stale),
+        release_statuses: c.release_statuses.clone(),
+        max_request_bytes: c.max_request_bytes,
+        max_response_bytes: c.max_response_bytes,
+        fingerprint: FingerprintRules::new(headers, ignore),
+        scope: ScopeRules::new(scope),
+    })
+}
+
+/// Parses every entry of the list `field` of `at`, reporting each one that
+/// does not parse.
+fn each<T>(
+    at: &str,
+    field: &str,
+    values: &[String],
+    parse: impl Fn(&str) -> Result<T, String>,
+    problems: &mut Vec<String>,
+) -> Vec<T> {
+    values
+        .iter()
+        .filter_map(|value| match parse(value) {
+            Ok(parsed) => Some(parsed),
+            Err(why) => {
+                problems.push(format!("{at}.{field}: {why}"));
+                None
+            }
+        })
+        .collect()
+}
+
+/// An upper-case HTTP method: `post` would never match, since methods are
+/// case-sensitive.
+fn parse_method(m: &str) -> Result<Method, String> {
+    match Method::from_bytes(m.as_bytes()) {
+        Ok(method) if m.to_ascii_uppercase() == m => Ok(method),
+        _ => Err(format!("`{m}` is not an upper-case HTTP method")),
+    }
+}
+
+fn profile(p: config::Profile) -> Profile {
+    match p {
+        config::Profile::Default => Profile::Default,
+        config::Profile::Ietf => Profile::Ietf,
+    }
+}
+
+fn on_in_flight(o: config::OnInFlight) -> OnInFlight {
+    match o {
+        config::OnInFlight::Reject => OnInFlight::Reject,
+        config::OnInFlight::Wait => OnInFlight::Wait,
+    }
+}
+
+fn on_store_error(o: config::OnStoreError) -> OnStoreError {
+    match o {
+        config::OnStoreError::Reject => OnStoreError::Reject,
+        config::OnStoreError::Pass => OnStoreError::Pass,
+    }
+}
+
+fn on_ambiguous(o: config::OnAmbiguous) -> OnAmbiguous {
+    match o {
+        config::OnAmbiguous::Store => OnAmbiguous::Store,
+        config::OnAmbiguous::Release => OnAmbiguous::Release,
+    }
+}
+
+fn on_stale(o: config::OnStale) -> OnStale {
+    match o {
+        config::OnStale::Store => OnStale::Store,
+        config::OnStale::Retry => OnStale::Retry,
+    }
+}
+
+impl From<&UpstreamConfig> for UpstreamSettings {
+    fn from(c: &UpstreamConfig) -> Self {
+        Self {
+            url: c.url.clone(),
+            connect_timeout: c.connect_timeout,
+            ca_file: c.ca_file.clone(),
+            http2_prior_knowledge: c.http2_prior_knowledge,
+            pool_max_idle_per_host: c.pool_max_idle_per_host,
+            pool_idle_timeout: c.pool_idle_timeout,
+        }
+    }
+}
+
+impl From<&StoreConfig> for RedisSettings {
+    fn from(c: &StoreConfig) -> Self {
+        Self {
+            cluster: c.kind == StoreKind::RedisCluster,
+            url: c.url.clone(),
+            urls: c.urls.clone(),
+            username: c.username.clone(),
+            password: c.password.clone(),
+            password_env: c.password_env.clone(),
+            database: c.database,
+            key_prefix: c.key_prefix.clone(),
+            ca_file: c.ca_file.clone(),
+            timeout: c.timeout,
+        }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::{FlagOverrides, RouteConfig, MAX_TTL};
+
+    fn config() -> Config {
+        Config {
+            routes: vec![
+                RouteConfig {
+                    name: "payments".into(),
+                    path: "/v1/payments".into(),
+                    require_key: Some(true),
+                    ..Default::default()
+                },
+                RouteConfig {
+                    name: "v1".into(),
+                    path: "/v1/".into(),
+                    methods: Some(vec!["PUT".into()]),
+                    ..Default::default()
+                },
+            ],
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn first_matching_prefix_wins_on_segment_boundaries() {
+        let p = policies(&config()).expect("valid");
+        assert_eq!(&*p.for_path("/v1/payments").route, "payments");
+        assert_eq!(&*p.for_path("/v1/payments/abc").route, "payments");
+        assert_eq!(&*p.for_path("/v1/paymentsx").route, "v1");
+        assert_eq!(&*p.for_path("/v1/emails").route, "v1");
+        assert_eq!(&*p.for_path("/v2/x").route, "default");
+    }
+
+    #[test]
+    fn unset_route_fields_inherit_the_defaults() {
+        let p = policies(&config()).expect("valid");
+        let payments = p.for_path("/v1/payments");
+        assert!(payments.require_key);
+        assert!(payments.covers(&Method::POST) && payments.covers(&Method::PATCH));
+        let v1 = p.for_path("/v1/x");
+        assert!(!v1.require_key);
+        assert!(v1.covers(&Method::PUT) && !v1.covers(&Method::POST));
+        assert_eq!(v1.lease, Duration::from_secs(35));
+    }
+
+    #[test]
+    fn an_upstream_url_with_credentials_is_refused_without_echoing_them() {
+        let mut c = Config::default();
+        for url in [
+            "https://svc:hunter2@api.internal",
+            "https://svc:hun?ter2@api.internal",
+            "https://svc:hun/ter2@api.internal",
+            "https://svc:hun#ter2@api.internal",
+            "https://svc:hun ter2@api.internal",
+        ] {
+            c.upstream.url = url.into();
+            let err = crate::validate(&c).expect_err("credentials").to_string();
+            assert!(err.contains("must not carry credentials"), "{url}: {err}");
+            assert!(!err.contains("ter2"), "{url}: {err}");
+        }
+        c.upstream.url = "http://api.internal/v1?x=1".into();
+        let err = crate::validate(&c).expect_err("query").to_string();
+        assert!(err.contains("must not have a query"), "{err}");
+        // Zero is refused where it would break something (a zero purge
+        // interval panics in the purger's `interval`); drain_timeout may be.
+        type Field = fn(&mut Config) -> &mut Duration;
+        let fields: [(&str, Field); 6] = [
+            ("upstream.timeout", |c| &mut c.upstream.timeout),
+            ("upstream.connect_timeout", |c| {
+                &mut c.upstream.connect_timeout
+            }),
+            ("upstream.pool_idle_timeout", |c| {
+                &mut c.upstream.pool_idle_timeout
+            }),
+            ("store.timeout", |c| &mut c.store.timeout),
+            ("store.purge_interval", |c| &mut c.store.purge_interval),
+            ("request_body_timeout", |c| &mut c.request_body_timeout),
+        ];
+        for (name, field) in fields {
+            let mut c = Config::default();
+            *field(&mut c) = Duration::ZERO;
+            let err = crate::validate(&c).expect_err(name).to_string();
+            assert!(
+                err.contains(&format!("{name}: must be greater than zero")),
+                "{err}"
+            );
+        }
+        let c = Config {
+            drain_timeout: Duration::ZERO,
+            ..Config::default()
+        };
+        assert!(crate::validate(&c).is_ok());
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(
+            &file,
+            "[idempotency]\nmethods = []\nrelease_statuses = [1000]\n[upstream]\nurl = \"ftp://x\"\n",
+        )
+        .expect("write");
+        let err = Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+            .and_then(|c| crate::validate(&c).map(|()| c))
+            .expect_err("invalid")
+            .to_string();
+        assert!(err.contains("idempotency.methods"), "{err}");
+        assert!(err.contains("idempotency.release_statuses: 1000"), "{err}");
+        assert!(err.contains("upstream.url"), "{err}");
+
+        std::fs::write(&file, "[upstream]\nurll = \"x\"\n").expect("write");
+        let err = Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+            .and_then(|c| crate::validate(&c).map(|()| c))
+            .expect_err("unknown field")
+            .to_string();
+        assert!(err.contains("urll"), "{err}");
+
+        std::fs::write(&file, "[upstream]\ntimeout = \"soon\"\n").expect("write");
+        let err = Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+            .and_then(|c| crate::validate(&c).map(|()| c))
+            .expect_err("bad duration")
+            .to_string();
+        assert!(err.contains("timeout"), "{err}");
+    }
+
+    /// Settings that would load and then break quietly at run time: each is
+    /// refused with its field named, and the value next to it is accepted.
+    #[test]
+    fn settings_that_would_fail_quietly_are_refused() {
+        let refused = |what: &str, c: Config, field: &str| {
+            let err = crate::validate(&c).expect_err(what).to_string();
+            assert!(err.contains(field), "{what}: {err}");
+        };
+        let accepted = |what: &str, c: Config| {
+            crate::validate(&c).unwrap_or_else(|e| panic!("{what} should be accepted: {e}"));
+        };
+        for (level, ok) in [
+            ("info", true),
+            ("WARN", true),
+            ("idemproxy=debug,info", true),
+            ("info,idemproxy::request=off", true),
+            ("off", true),
+            ("warning", false),
+            ("idemproxy=verbose", false),
+        ] {
+            let mut c = Config::default();
+            c.log.level = level.into();
+            if ok {
+                accepted(level, c);
+            } else {
+                refused(level, c, "log.level");
+            }
+        }
+
+        let mut c = Config::default();
+        c.idempotency.max_response_bytes = 0;
+        refused("no response bytes", c, "idempotency.max_response_bytes");
+
+        let mut c = Config::default();
+        c.idempotency.ttl = MAX_TTL;
+        accepted("a year's ttl", c.clone());
+        c.idempotency.ttl = MAX_TTL + Duration::from_secs(1);
+        refused("ttl past a year", c, "idempotency.ttl");
+
+        let with_token = |token: &str| Config {
+            admin_token: Some(token.into()),
+            ..Config::default()
+        };
+        for token in ["s3cret\n", " s3cret", "s3crét"] {
+            refused(token, with_token(token), "admin_token");
+        }
+        accepted("a plain token", with_token("s3cret-Token_1"));
+
+        let mut c = Config::default();
+        c.idempotency.fingerprint_ignore = vec!["/a~2".into()];
+        refused("a bad escape", c, "idempotency.fingerprint_ignore");
+        let mut c = Config::default();
+        c.idempotency.fingerprint_ignore = vec!["/a~1b/~0".into()];
+        accepted("escapes", c);
+    }
+}
