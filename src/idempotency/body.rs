@@ -85,6 +85,11 @@ impl BoundedCopy {
         !self.overflowed
     }
 
+    /// [`BoundedCopy::finish`], leaving an empty copy behind.
+    pub fn take(&mut self) -> Option<Bytes> {
+        std::mem::replace(self, Self::new(self.limit)).finish()
+    }
+
     /// The whole body, or `None` if it went over the cap.
     pub fn finish(self) -> Option<Bytes> {
         if self.overflowed {

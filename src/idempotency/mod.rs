@@ -9,22 +9,36 @@
 //! refused when it is a different one (409) or still running (425). The full
 //! contract is the table in the README.
 //!
-//! - [`key`]: parsing the header;
-//! - [`fingerprint`] (over [`jcs`], RFC 8785) and [`scope`]: what "the same
-//!   request" and "the same caller" mean;
-//! - [`policy`]: per-route settings;
-//! - [`service`]: the layer, the service and the request path;
-//! - [`rejection`]: every answer the proxy makes itself, as problem+json.
+//! The request path, in the order a covered request meets it:
+//! - [`layer`]: the settings every request shares;
+//! - [`service`]: pass through, reject, or run the covered path;
+//! - `exchange`: claim the key, then replay, reject, wait or execute;
+//! - `relay`: the executed response, relayed while a copy is kept;
+//! - `settle`: completing or releasing the key, retried while it can be;
+//! - `replay`: the answer to a retry, from the stored record.
+//!
+//! And what they are made of: [`key`] (the header), [`fingerprint`] (over
+//! [`jcs`], RFC 8785) and [`scope`] (what "the same request" and "the same
+//! caller" mean), [`policy`] (per-route settings), [`body`] (bounded
+//! reading and relaying), [`rejection`] (the proxy's own answers).
 
 pub mod body;
+mod detach;
+mod exchange;
 pub mod fingerprint;
 pub mod jcs;
 pub mod key;
+pub mod layer;
 pub mod policy;
 pub mod rejection;
+mod relay;
+mod replay;
 pub mod scope;
 pub mod service;
+mod settle;
+mod store_call;
 
+pub use layer::{IdempotencyLayer, DEFAULT_MAX_IN_FLIGHT};
 pub use policy::{Policies, Policy};
 pub use rejection::Rejection;
-pub use service::{Idempotency, IdempotencyLayer, ResponseFuture};
+pub use service::{Idempotency, ResponseFuture};

@@ -1,0 +1,429 @@
+//! One covered request from its body to its answer: claim the key
+//! (`begin`), then replay, reject, wait, or execute; what executing
+//! forwards and how its outcome is relayed and settled live in [`relay`]
+//! and [`settle`].
+//!
+//! [`relay`]: super::relay
+//! [`settle`]: super::settle
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use futures_util::future::FusedFuture;
+use http::{Request, Response};
+use tokio::sync::{oneshot, OwnedSemaphorePermit};
+use tokio::time::Instant;
+use tower::{Service, ServiceExt};
+
+use super::body::{holding, read_request_body};
+use super::detach::DetachOnDrop;
+use super::key::IdempotencyKey;
+use super::layer::Settings;
+use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policy};
+use super::rejection::Rejection;
+use super::replay::replay;
+use super::settle::Settling;
+use super::store_call::{owned_begin, release_late_claim, timed};
+use crate::core::{
+    millis, now_millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, Outcome,
+    RecordKey, UnknownCause, UpstreamFailure,
+};
+use crate::observe::{RequestLog, RequestOutcome};
+use crate::store::StoreError;
+
+/// One covered request, from its body to its stored outcome.
+pub(super) struct Exchange<S> {
+    pub(super) settings: Arc<Settings>,
+    pub(super) policy: Arc<Policy>,
+    pub(super) inner: S,
+    pub(super) log: RequestLog,
+    /// Held until the exchange ends (see `Settings::in_flight`), or handed
+    /// to the task that settles its key late (`settle_late`).
+    pub(super) permit: OwnedSemaphorePermit,
+}
+
+/// The identity of a covered request, carried into the task that runs it.
+#[derive(Clone, Copy)]
+pub(super) struct Claim {
+    /// When the request arrived: the record's `created_at`.
+    pub(super) arrived_at: u64,
+    pub(super) key: RecordKey,
+    pub(super) fingerprint: Fingerprint,
+    /// When the claim this request holds is presumed dead, counted from
+    /// the instant it asked for the key (no later than the store's own
+    /// `now`): set when `begin` acquires the key.
+    pub(super) lease_ends: Instant,
+}
+
+pub(super) type Responder = oneshot::Sender<Response<Body>>;
+
+/// How a duplicate waits for the request in flight under its key
+/// (`on_in_flight = "wait"`): polling `begin`, with a growing pause.
+struct Waiting {
+    until: Instant,
+    backoff: Duration,
+    /// Set once the store said that this same request is running under
+    /// the key: from then on a store failure is no reason to forward it,
+    /// whatever `on_store_error` says, since that would run it a second
+    /// time.
+    seen_in_flight: bool,
+}
+
+impl Waiting {
+    fn new(timeout: Duration) -> Self {
+        Self {
+            until: Instant::now() + timeout,
+            backoff: Duration::from_millis(10),
+            seen_in_flight: false,
+        }
+    }
+
+    /// Pauses before the next look, or says the wait is over (its time is
+    /// up, or the client left).
+    async fn pause(&mut self, respond: &Responder) -> bool {
+        let now = Instant::now();
+        if now >= self.until || respond.is_closed() {
+            return false;
+        }
+        self.seen_in_flight = true;
+        // Polling `begin` is one round trip per look, works across
+        // replicas, and takes the key over at once if the first request
+        // released it.
+        tokio::time::sleep(self.backoff.min(self.until - now)).await;
+        self.backoff = (self.backoff * 2).min(Duration::from_millis(250));
+        true
+    }
+}
+
+impl<S> Exchange<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Error: Into<UpstreamFailure>,
+    S::Future: Send + 'static,
+{
+    /// Runs on the connection's task: reads the body, then drives the run
+    /// until it answers (see [`DetachOnDrop`]).
+    pub(super) async fn start(mut self, req: Request<Body>, key: IdempotencyKey) -> Response<Body> {
+        let (parts, body) = req.into_parts();
+        let read = read_request_body(&parts.headers, body, self.policy.max_request_bytes);
+        let body = match tokio::time::timeout(self.settings.request_body_timeout, read).await {
+            Ok(Ok(body)) => body,
+            Ok(Err(rejection)) => return self.reject(RequestOutcome::BadBody, rejection),
+            Err(_elapsed) => {
+                let timeout = self.settings.request_body_timeout;
+                return self.reject(RequestOutcome::BadBody, Rejection::BodyTimeout { timeout });
+            }
+        };
+        let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
+        let scope = self.policy.scope.scope(&parts);
+        let record_key = RecordKey::new(&scope, key.as_str());
+        self.log.set_key(record_key);
+        let claim = Claim {
+            arrived_at: now_millis(),
+            key: record_key,
+            fingerprint,
+            // No claim yet.
+            lease_ends: Instant::now(),
+        };
+        let request = Request::from_parts(parts, Body::from(body));
+        let (respond, mut answer) = oneshot::channel();
+        let tasks = self.settings.tasks.clone();
+        let mut run = DetachOnDrop::new(Box::pin(
+            tasks.track_future(self.run(claim, request, respond)),
+        ));
+        let answer = std::future::poll_fn(|cx| {
+            run.poll(cx);
+            Pin::new(&mut answer).poll(cx)
+        })
+        .await;
+        // Whatever the run still does after answering (storing a streamed
+        // body) goes on in a task of its own, as it would if the client left.
+        drop(run);
+        answer.unwrap_or_else(|_| Rejection::Internal.into_response(Default::default()))
+    }
+
+    fn reject(self, outcome: RequestOutcome, rejection: Rejection) -> Response<Body> {
+        let response = rejection.into_response(self.policy.profile);
+        self.log.finish(outcome, &response);
+        response
+    }
+
+    /// Sends `response` to the client (if it still listens) and logs.
+    pub(super) fn answer(
+        self,
+        respond: Responder,
+        outcome: RequestOutcome,
+        response: Response<Body>,
+    ) {
+        self.log.finish(outcome, &response);
+        let _ = respond.send(response);
+    }
+
+    /// Answers with a response of the upstream's whose body may still be
+    /// arriving, as a passthrough's does: the body holds the request's
+    /// `max_in_flight` slot until it is done and is cut off at `deadline`,
+    /// so an upstream that stalls mid-body cannot hold either for good.
+    fn answer_relayed(
+        self,
+        respond: Responder,
+        outcome: RequestOutcome,
+        response: Response<Body>,
+        deadline: Instant,
+    ) {
+        let Self { log, permit, .. } = self;
+        log.finish(outcome, &response);
+        let _ = respond.send(response.map(|body| holding(body, permit, deadline)));
+    }
+
+    fn answer_rejection(self, respond: Responder, outcome: RequestOutcome, rejection: Rejection) {
+        let response = rejection.into_response(self.policy.profile);
+        self.answer(respond, outcome, response);
+    }
+
+    /// Claims the key, or answers from what the store holds for it; with
+    /// `on_in_flight = "wait"`, asks again until the request in flight is
+    /// done or the wait is over.
+    async fn run(mut self, claim: Claim, request: Request<Body>, respond: Responder) {
+        let begin = Begin {
+            key: claim.key,
+            fingerprint: claim.fingerprint,
+            lease: self.policy.lease,
+            ttl: self.policy.ttl,
+            on_stale: self.policy.on_stale,
+        };
+        let mut waiting = Waiting::new(self.policy.wait_timeout);
+        loop {
+            // Draining (the tracker is closed when shutdown begins): an
+            // execution started now might outlive the drain and be cut off
+            // holding its key, which would then settle as outcome-unknown.
+            if self.settings.tasks.is_closed() {
+                return self.answer_rejection(
+                    respond,
+                    RequestOutcome::ShuttingDown,
+                    Rejection::ShuttingDown,
+                );
+            }
+            let asked_at = Instant::now();
+            let mut call = owned_begin(&self.settings.store, &begin);
+            let begun = timed(&self.settings, &mut self.log, "begin", |_| &mut call).await;
+            let outcome = match begun {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    let pass = self.passes(&e) && !waiting.seen_in_flight;
+                    // Timed out, the call may still claim the key. Rejected,
+                    // this request executes nothing, so such a claim only
+                    // blocks the retry: released once it shows up. (Passed
+                    // on unprotected, the request does execute; its claim
+                    // is then left to fail closed.)
+                    let late = (!call.is_terminated() && !pass)
+                        .then(|| (self.settings.store.clone(), self.policy.lease));
+                    self.store_failed(request, respond, e, pass).await;
+                    if let Some((store, lease)) = late {
+                        release_late_claim(store, claim.key, call, lease).await;
+                    }
+                    return;
+                }
+            };
+            match outcome {
+                BeginOutcome::Acquired { token, took_over } => {
+                    if took_over {
+                        self.log.metrics().lease_expired();
+                        tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
+                    }
+                    let claim = Claim {
+                        lease_ends: asked_at + self.policy.lease,
+                        ..claim
+                    };
+                    return self.execute(claim, request, token, respond).await;
+                }
+                BeginOutcome::InFlight { lease_expires_at } => {
+                    if self.policy.on_in_flight == OnInFlight::Wait && waiting.pause(&respond).await
+                    {
+                        continue;
+                    }
+                    return self.in_flight(respond, lease_expires_at);
+                }
+                BeginOutcome::Completed(record) => {
+                    let response = replay(&record, &self.policy);
+                    return self.answer(respond, RequestOutcome::Replayed, response);
+                }
+                BeginOutcome::Settled(record) => {
+                    return self.settled_stale(&claim, respond, &record)
+                }
+                BeginOutcome::Mismatch { state } => {
+                    return self.answer_rejection(
+                        respond,
+                        RequestOutcome::Mismatch,
+                        Rejection::KeyReused { state },
+                    )
+                }
+            }
+        }
+    }
+
+    /// Answers the request whose `begin` found the key's claim abandoned
+    /// and settled it as outcome-unknown.
+    fn settled_stale(self, claim: &Claim, respond: Responder, record: &CompletedRecord) {
+        self.log.metrics().lease_expired();
+        tracing::warn!(key = %claim.key.to_hex(), "settled a stale key as outcome-unknown (its holder died mid-call)");
+        // This request is the one that found the claim abandoned: counted
+        // as the unknown outcome it answers, so the alert on
+        // `outcome_unknown` sees a proxy that died mid-call. Later retries
+        // replay the record.
+        let response = replay(record, &self.policy);
+        self.answer(respond, RequestOutcome::OutcomeUnknown, response)
+    }
+
+    /// 425 (or 409): the same request holds the key, its lease ends at
+    /// `lease_expires_at`.
+    fn in_flight(self, respond: Responder, lease_expires_at: u64) {
+        let remaining = Duration::from_millis(lease_expires_at.saturating_sub(now_millis()));
+        let retry_after = remaining.clamp(Duration::from_millis(100), Duration::from_secs(1));
+        self.answer_rejection(
+            respond,
+            RequestOutcome::InFlight,
+            Rejection::InFlight { retry_after },
+        )
+    }
+
+    /// Whether `on_store_error` forwards a request unprotected after
+    /// `error`. `pass` trades protection for availability while the store
+    /// cannot answer, and only then. Any other error means the store did
+    /// answer: a record it returned but this build cannot read is a key that
+    /// is there, maybe with a side effect already done behind it, so
+    /// forwarding could repeat it. Fail closed.
+    fn passes(&self, error: &StoreError) -> bool {
+        self.policy.on_store_error == OnStoreError::Pass
+            && matches!(error, StoreError::Unavailable(_))
+    }
+
+    /// Answers a request whose `begin` failed: 503, or forwarded
+    /// unprotected when `pass` (see [`Self::passes`]).
+    async fn store_failed(
+        mut self,
+        request: Request<Body>,
+        respond: Responder,
+        error: StoreError,
+        pass: bool,
+    ) {
+        tracing::error!(error = %error, route = %self.policy.route, "idempotency store failed");
+        if !pass {
+            return self.answer_rejection(
+                respond,
+                RequestOutcome::StoreUnavailable,
+                Rejection::StoreUnavailable {
+                    retry_after: Duration::from_secs(1),
+                },
+            );
+        }
+        // Forwarded without protection, as the operator chose; the outcome
+        // says so in logs and metrics.
+        let started = Instant::now();
+        let deadline = started + self.settings.upstream_timeout;
+        let result = self.inner.clone().oneshot(request).await;
+        self.upstream_done(started);
+        let response = result.unwrap_or_else(|e| {
+            Rejection::PassthroughFailed {
+                timeout: e.into().is_timeout(),
+            }
+            .into_response(self.policy.profile)
+        });
+        self.answer_relayed(respond, RequestOutcome::Unprotected, response, deadline)
+    }
+
+    /// Forwards the request that holds the key, then settles the key as the
+    /// upstream's answer (or failure) says.
+    async fn execute(
+        mut self,
+        claim: Claim,
+        request: Request<Body>,
+        token: FencingToken,
+        respond: Responder,
+    ) {
+        // Counted until the outcome is stored (this function awaits the
+        // streaming of the body too).
+        let _executing = self.settings.metrics.executing();
+        let deadline = Instant::now() + self.settings.upstream_timeout;
+        let started = Instant::now();
+        self.log.set_unsettled(true);
+        let result = self.inner.clone().oneshot(request).await;
+        self.upstream_done(started);
+        let response = match result.map_err(Into::into) {
+            Ok(response) => response,
+            Err(UpstreamFailure::NotSent(why)) => {
+                tracing::warn!(error = %why, "upstream unreachable; releasing the key");
+                self.release(&claim, token).await;
+                return self.answer_rejection(
+                    respond,
+                    RequestOutcome::UpstreamUnreachable,
+                    Rejection::UpstreamUnreachable,
+                );
+            }
+            Err(UpstreamFailure::TimedOut) => {
+                return self
+                    .ambiguous(claim, token, UnknownCause::Timeout, respond)
+                    .await
+            }
+            Err(UpstreamFailure::Broken(why)) => {
+                tracing::warn!(error = %why, "upstream connection broke after the request was sent");
+                return self
+                    .ambiguous(claim, token, UnknownCause::Reset, respond)
+                    .await;
+            }
+        };
+        let status = response.status().as_u16();
+        if self.policy.releases(status) {
+            self.release(&claim, token).await;
+            return self.answer_relayed(respond, RequestOutcome::Released, response, deadline);
+        }
+        self.stream_and_store(claim, token, response, deadline, respond)
+            .await
+    }
+
+    /// The request may have executed: settle the key as unknown (fail
+    /// closed) or release it, as `on_ambiguous` says.
+    async fn ambiguous(
+        mut self,
+        claim: Claim,
+        token: FencingToken,
+        cause: UnknownCause,
+        respond: Responder,
+    ) {
+        let released = self.policy.on_ambiguous == OnAmbiguous::Release;
+        if released {
+            self.release(&claim, token).await;
+        } else {
+            self.complete(&claim, token, Outcome::Unknown { cause })
+                .await;
+        }
+        self.answer_rejection(
+            respond,
+            RequestOutcome::OutcomeUnknown,
+            Rejection::OutcomeUnknown { cause, released },
+        )
+    }
+
+    /// Stores `outcome` as the key's completed record.
+    pub(super) async fn complete(&mut self, claim: &Claim, token: FencingToken, outcome: Outcome) {
+        let now = now_millis();
+        let record = CompletedRecord {
+            fingerprint: claim.fingerprint,
+            created_at: claim.arrived_at,
+            completed_at: now,
+            expires_at: now.saturating_add(millis(self.policy.ttl)),
+            outcome,
+        };
+        self.settle(claim, token, Settling::Complete(record)).await;
+    }
+
+    fn upstream_done(&mut self, started: Instant) {
+        self.log.upstream_done(started.elapsed());
+    }
+
+    async fn release(&mut self, claim: &Claim, token: FencingToken) {
+        self.settle(claim, token, Settling::Release).await;
+    }
+}

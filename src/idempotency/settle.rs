@@ -1,0 +1,210 @@
+//! Settling the key a request holds: `complete` with its outcome, or
+//! `release` so a retry executes. A transient store error must not turn a
+//! known outcome into an unknown one (nor keep a released key held), so a
+//! settling call is retried: briefly while the client waits, then in the
+//! background until the claim's lease ends.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{Request, Response};
+use tokio::time::Instant;
+use tower::Service;
+
+use super::exchange::{Claim, Exchange};
+use super::layer::Settings;
+use super::store_call::{bounded, timed};
+use crate::core::{CompletedRecord, FencingToken, Record, RecordKey, UpstreamFailure};
+use crate::observe::RouteMetrics;
+use crate::store::{Store, StoreError};
+
+impl<S> Exchange<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Error: Into<UpstreamFailure>,
+    S::Future: Send + 'static,
+{
+    /// Completes or releases the key this request holds. A transient store
+    /// error must not turn a known outcome into an unknown one (nor keep a
+    /// released key held), so the call is retried: briefly here, while the
+    /// client waits, then in the background (see [`Self::settle_late`]).
+    pub(super) async fn settle(&mut self, claim: &Claim, token: FencingToken, settling: Settling) {
+        if !self.settle_inline(claim, token, &settling).await {
+            self.settle_late(claim, token, settling);
+        }
+        // Settled, now or by `settle_late`.
+        self.log.set_unsettled(false);
+    }
+
+    /// The tries made while the client waits; whether they settled the key.
+    async fn settle_inline(
+        &mut self,
+        claim: &Claim,
+        token: FencingToken,
+        settling: &Settling,
+    ) -> bool {
+        for attempt in 0..INLINE_SETTLE_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(settle_backoff(attempt - 1)).await;
+            }
+            let result = timed(&self.settings, &mut self.log, settling.op(), |s| {
+                settling.call(s, &claim.key, token)
+            })
+            .await;
+            let metrics = self.log.metrics();
+            if settled(
+                &self.settings,
+                metrics,
+                &claim.key,
+                settling,
+                result,
+                attempt,
+            )
+            .await
+            {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Goes on settling the key in a task of its own once the client has
+    /// had its answer, until the store takes it or the claim's lease ends
+    /// (then the key is the next retry's to settle, per `on_stale`, and this
+    /// request's token is no good anyway). Without it, a store that failed
+    /// for a second or two, a Redis failover say, left the key pending:
+    /// retries got 425 until the lease ran out, then `outcome-unknown`
+    /// for a request whose outcome the proxy had (or, for a release, that
+    /// a retry could have run safely).
+    ///
+    /// The task keeps this request's `max_in_flight` permit: a store that
+    /// keeps failing cannot gather more of them than requests were allowed.
+    fn settle_late(&mut self, claim: &Claim, token: FencingToken, settling: Settling) {
+        let settings = self.settings.clone();
+        let route_metrics = self.log.metrics().clone();
+        let permit = self.permit.split(self.permit.num_permits());
+        let counted = self.settings.metrics.settling();
+        let (key, lease_ends) = (claim.key, claim.lease_ends);
+        self.settings.tasks.spawn(async move {
+            // The gauge goes down before the slot is free.
+            let _held = (counted, permit);
+            for attempt in INLINE_SETTLE_ATTEMPTS.. {
+                let remaining = lease_ends.saturating_duration_since(Instant::now());
+                tokio::time::sleep(settle_backoff(attempt - 1).min(remaining)).await;
+                // One call at a time, waited for until the lease ends rather
+                // than `store.timeout`: a call given up on can still be
+                // queued in the store (the embedded store's writer), and a
+                // new one each time would queue a copy of the record each.
+                let limit = lease_ends.saturating_duration_since(Instant::now());
+                if limit.is_zero() {
+                    tracing::error!(
+                        key = %key.to_hex(),
+                        "gave up settling the key: its lease ended, and the next retry settles it per on_stale"
+                    );
+                    return;
+                }
+                let call = settling.call(&*settings.store, &key, token);
+                let result = bounded(&settings, settling.op(), limit, call).await;
+                let stored = result.is_ok();
+                if settled(&settings, &route_metrics, &key, &settling, result, attempt).await {
+                    if stored {
+                        tracing::warn!(key = %key.to_hex(), op = settling.op(), attempt, "settled the key after the store came back");
+                    }
+                    return;
+                }
+            }
+        });
+    }
+}
+
+/// `complete` and `release` are tried this many times while the client
+/// waits for its answer (~150 ms of pauses between them), then in the
+/// background until the lease ends (see `Exchange::settle_late`).
+const INLINE_SETTLE_ATTEMPTS: u32 = 3;
+
+/// The pause after failed settling attempt `attempt` (from 0): 50 ms,
+/// doubling, at most 1.6 s.
+fn settle_backoff(attempt: u32) -> Duration {
+    Duration::from_millis(50 << attempt.min(5))
+}
+
+/// What a request that holds a key still has to tell the store.
+pub(super) enum Settling {
+    Complete(CompletedRecord),
+    Release,
+}
+
+impl Settling {
+    fn op(&self) -> &'static str {
+        match self {
+            Settling::Complete(_) => "complete",
+            Settling::Release => "release",
+        }
+    }
+
+    async fn call(
+        &self,
+        store: &dyn Store,
+        key: &RecordKey,
+        token: FencingToken,
+    ) -> Result<(), StoreError> {
+        match self {
+            Settling::Complete(record) => store.complete(key, token, record).await,
+            Settling::Release => store.release(key, token).await,
+        }
+    }
+}
+
+/// Whether one settling call's `result` ends the settling: it succeeded,
+/// or the store says the key is not this request's any more, or holds
+/// something asking again will not change. Otherwise it is logged, to be
+/// tried again.
+async fn settled(
+    settings: &Settings,
+    route_metrics: &RouteMetrics,
+    key: &RecordKey,
+    settling: &Settling,
+    result: Result<(), StoreError>,
+    attempt: u32,
+) -> bool {
+    let op = settling.op();
+    match result {
+        Ok(()) => {
+            if let Settling::Release = settling {
+                route_metrics.key_released();
+            }
+            true
+        }
+        Err(StoreError::Fenced) => {
+            if let Settling::Complete(record) = settling {
+                fenced(settings, key, record).await;
+            }
+            true
+        }
+        Err(e @ StoreError::Corrupt(_)) => {
+            tracing::error!(error = %e, op, "could not settle the key");
+            true
+        }
+        Err(e) => {
+            tracing::error!(error = %e, op, attempt, "could not settle the key");
+            false
+        }
+    }
+}
+
+/// A completion refused as not the key's holder's: either an earlier try
+/// of the same completion got there first (it timed out here but went on in
+/// the store, or the cluster client sent it twice), or the key was lost.
+/// Only the second is worth an error.
+async fn fenced(settings: &Settings, key: &RecordKey, record: &CompletedRecord) {
+    let stored = tokio::time::timeout(settings.store_timeout, settings.store.get(key)).await;
+    if let Ok(Ok(Some(Record::Completed(done)))) = &stored {
+        if done.fingerprint == record.fingerprint && done.completed_at == record.completed_at {
+            return;
+        }
+    }
+    tracing::error!(
+        key = %key.to_hex(),
+        "lost the key before completing it (lease expired and another request took it over)"
+    );
+}
