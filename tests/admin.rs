@@ -33,11 +33,6 @@ fn with_routes(mut c: Config, token: Option<&str>) -> Config {
     c
 }
 
-fn assert_problem(reply: &Reply, status: u16, slug: &str) {
-    assert_eq!(reply.status, status, "{reply:?}");
-    assert_eq!(reply.problem(), slug, "{reply:?}");
-}
-
 /// The admin API, as an operator calls it.
 struct Admin<'a> {
     client: TestClient,
@@ -155,14 +150,14 @@ async fn without_an_admin_token_the_key_api_is_refused() {
     // With or without a bearer (no token is configured, none is right).
     for auth in [None, Some("Bearer anything"), Some("Bearer ")] {
         let admin = Admin::new(&proxy, auth);
-        assert_problem(&admin.get(&hash).await, 403, "admin-disabled");
-        assert_problem(&admin.delete(&hash).await, 403, "admin-disabled");
+        (admin.get(&hash).await).assert_problem(403, "admin-disabled");
+        (admin.delete(&hash).await).assert_problem(403, "admin-disabled");
         let lookup = admin
             .lookup(
                 json!({"key": "k-1", "route": "payments", "headers": {"authorization": TENANT_A}}),
             )
             .await;
-        assert_problem(&lookup, 403, "admin-disabled");
+        lookup.assert_problem(403, "admin-disabled");
     }
     // Nothing was deleted; the rest of the admin listener is open.
     let retry = post(&client, &proxy, "/v1/payments", "k-1", TENANT_A).await;
@@ -206,7 +201,7 @@ async fn the_key_api_requires_the_bearer_token() {
             // ... and before the hash is checked.
             admin.get("not-a-hash").await,
         ] {
-            assert_problem(&reply, 401, "admin-unauthorized");
+            reply.assert_problem(401, "admin-unauthorized");
             assert_eq!(
                 reply.header("www-authenticate"),
                 Some("Bearer"),
@@ -322,7 +317,7 @@ async fn lookup_and_get_describe_a_completed_key_by_its_logged_hash() {
         let other = admin
             .lookup(json!({"key": raw_key, "route": "payments", "headers": headers}))
             .await;
-        assert_problem(&other, 404, "key-not-found");
+        other.assert_problem(404, "key-not-found");
     }
     let cased = admin
         .lookup(
@@ -377,7 +372,7 @@ async fn a_key_in_flight_is_pending_with_its_lease() {
     // A running request's claim is not deleted without `force`: its retry
     // would execute while it runs.
     let refused = admin.delete(&hash).await;
-    assert_problem(&refused, 409, "key-in-flight");
+    refused.assert_problem(409, "key-in-flight");
     assert!(
         refused.json()["detail"]
             .as_str()
@@ -417,15 +412,15 @@ async fn a_running_claim_is_deleted_only_with_force() {
             .await
     );
     let hash = hash_of(target, "stuck-1", TENANT_A);
-    assert_problem(&admin.delete(&hash).await, 409, "key-in-flight");
+    (admin.delete(&hash).await).assert_problem(409, "key-in-flight");
     let forced = admin.delete(&format!("{hash}?force=true")).await;
     assert_eq!(forced.status, 200, "{forced:?}");
-    assert_problem(&admin.get(&hash).await, 404, "key-not-found");
+    (admin.get(&hash).await).assert_problem(404, "key-not-found");
     // The first request still finishes; its outcome is refused (its claim
     // is gone), as the operator chose: nothing is stored, and a retry runs.
     upstream.release("stuck");
     assert_eq!(slow.await.expect("slow task").status, 201);
-    assert_problem(&admin.get(&hash).await, 404, "key-not-found");
+    (admin.get(&hash).await).assert_problem(404, "key-not-found");
     let retry = post(&client, &proxy, target, "stuck-1", TENANT_A).await;
     assert_eq!(retry.status, 201, "{retry:?}");
     assert!(!retry.replayed(), "{retry:?}");
@@ -443,9 +438,9 @@ async fn deleting_an_outcome_unknown_key_lets_the_retry_execute() {
     let target = "/v1/payments?delay_ms=1000";
 
     let first = post(&client, &proxy, target, "charge-9", TENANT_A).await;
-    assert_problem(&first, 504, "outcome-unknown");
+    first.assert_problem(504, "outcome-unknown");
     let retry = post(&client, &proxy, target, "charge-9", TENANT_A).await;
-    assert_problem(&retry, 504, "outcome-unknown");
+    retry.assert_problem(504, "outcome-unknown");
     assert!(retry.replayed(), "fail closed: {retry:?}");
     assert_eq!(upstream.executions("/v1/payments"), 1);
 
@@ -471,12 +466,12 @@ async fn deleting_an_outcome_unknown_key_lets_the_retry_execute() {
         deleted.json(),
         json!({"key_hash": hash.as_str(), "deleted": true})
     );
-    assert_problem(&admin.delete(&hash).await, 404, "key-not-found");
-    assert_problem(&admin.get(&hash).await, 404, "key-not-found");
+    (admin.delete(&hash).await).assert_problem(404, "key-not-found");
+    (admin.get(&hash).await).assert_problem(404, "key-not-found");
 
     // The caller's next retry executes again.
     let again = post(&client, &proxy, target, "charge-9", TENANT_A).await;
-    assert_problem(&again, 504, "outcome-unknown");
+    again.assert_problem(504, "outcome-unknown");
     assert!(!again.replayed(), "executed, not replayed: {again:?}");
     assert_eq!(upstream.executions("/v1/payments"), 2);
     assert_eq!(admin.get(&hash).await.json()["state"], "completed");
@@ -489,8 +484,8 @@ async fn bad_hashes_and_bad_lookups_are_400() {
     let admin = Admin::bearer(&proxy);
 
     let valid_unknown = "ab".repeat(32);
-    assert_problem(&admin.get(&valid_unknown).await, 404, "key-not-found");
-    assert_problem(&admin.delete(&valid_unknown).await, 404, "key-not-found");
+    (admin.get(&valid_unknown).await).assert_problem(404, "key-not-found");
+    (admin.delete(&valid_unknown).await).assert_problem(404, "key-not-found");
     for bad in [
         "xyz".to_string(),
         "ab".repeat(31) + "a",
@@ -498,14 +493,14 @@ async fn bad_hashes_and_bad_lookups_are_400() {
         "zz".repeat(32),
         "order-1".to_string(),
     ] {
-        assert_problem(&admin.get(&bad).await, 400, "invalid-key-hash");
-        assert_problem(&admin.delete(&bad).await, 400, "invalid-key-hash");
+        (admin.get(&bad).await).assert_problem(400, "invalid-key-hash");
+        (admin.delete(&bad).await).assert_problem(400, "invalid-key-hash");
     }
 
     let unknown_route = admin
         .lookup(json!({"key": "k", "route": "refunds", "headers": {}}))
         .await;
-    assert_problem(&unknown_route, 400, "unknown-route");
+    unknown_route.assert_problem(400, "unknown-route");
     for body in [
         json!({"key": ""}),
         json!({"key": "k".repeat(256)}),
@@ -515,12 +510,12 @@ async fn bad_hashes_and_bad_lookups_are_400() {
         json!({"route": "payments"}),
     ] {
         let reply = admin.lookup(body.clone()).await;
-        assert_problem(&reply, 400, "invalid-lookup");
+        reply.assert_problem(400, "invalid-lookup");
     }
     let not_json = admin
         .call(Method::POST, "/v1/keys/lookup", "{not json")
         .await;
-    assert_problem(&not_json, 400, "invalid-lookup");
+    not_json.assert_problem(400, "invalid-lookup");
 }
 
 /// A memory store whose `complete` takes [`SLOW_COMPLETE`]: storing an

@@ -10,7 +10,7 @@ use std::time::Duration;
 use http::Method;
 use idemproxy::config::{OnAmbiguous, OnInFlight, OnStoreError};
 use idemproxy::core::{now_millis, CompletedRecord, Outcome, Record, StoredResponse, UnknownCause};
-use idemproxy::store::{Begin, BeginOutcome, OnStale, SharedStore, StoreError};
+use idemproxy::store::{SharedStore, StoreError};
 use support::faulty::{Fault, FaultyStore};
 use support::keys;
 use support::proxy::{config, Reply, TestClient, TestProxy};
@@ -21,11 +21,6 @@ use tokio::time::Instant;
 
 const JSON: (&str, &str) = ("content-type", "application/json");
 const ARRIVAL: Duration = Duration::from_secs(5);
-
-fn assert_problem(reply: &Reply, status: u16, slug: &str) {
-    assert_eq!(reply.status, status, "{reply:?}");
-    assert_eq!(reply.problem(), slug, "{reply:?}");
-}
 
 async fn record(store: &SharedStore, target: &str, key: &str) -> Option<Record> {
     let key = keys::record_key(&keys::json_post(target), key);
@@ -44,7 +39,7 @@ async fn a_body_over_max_request_bytes_is_413_and_never_executes() {
     let reply = client
         .post_json(&proxy.url("/v1/orders"), "big-1", &big)
         .await;
-    assert_problem(&reply, 413, "body-too-large");
+    reply.assert_problem(413, "body-too-large");
     assert_eq!(reply.header("x-should-retry"), Some("false"));
     assert!(record(&proxy.store, "/v1/orders", "big-1").await.is_none());
 
@@ -57,7 +52,7 @@ idempotency-key: big-2\r\ncontent-type: application/json\r\ntransfer-encoding: c
     }
     chunked.extend_from_slice(b"0\r\n\r\n");
     let reply = raw::exchange(proxy.addr, &chunked).await;
-    assert_problem(&reply, 413, "body-too-large");
+    reply.assert_problem(413, "body-too-large");
 
     // At the limit it is fine.
     let exact = format!(r#"{{"b":"{}"}}"#, "z".repeat(1024 - 8));
@@ -80,7 +75,7 @@ async fn an_unreachable_upstream_is_502_and_releases_the_key() {
 
     for attempt in 1..=2 {
         let reply = client.post_json(&url, "refused-1", "{}").await;
-        assert_problem(&reply, 502, "upstream-unreachable");
+        reply.assert_problem(502, "upstream-unreachable");
         assert!(!reply.replayed(), "attempt {attempt} is not a replay");
         assert_eq!(reply.header("x-should-retry"), Some("true"));
         assert_eq!(reply.header("stripe-should-retry"), Some("true"));
@@ -135,7 +130,7 @@ async fn an_upstream_timeout_is_504_outcome_unknown_and_stored() {
     let started = Instant::now();
     let first = client.post_json(&proxy.url(target), "slow-1", "{}").await;
     assert!(started.elapsed() < Duration::from_millis(1500));
-    assert_problem(&first, 504, "outcome-unknown");
+    first.assert_problem(504, "outcome-unknown");
     assert!(!first.replayed());
     assert_eq!(first.json()["key_status"], "completed");
     assert_eq!(first.header("x-should-retry"), Some("false"));
@@ -152,7 +147,7 @@ async fn an_upstream_timeout_is_504_outcome_unknown_and_stored() {
 
     for _ in 0..2 {
         let retry = client.post_json(&proxy.url(target), "slow-1", "{}").await;
-        assert_problem(&retry, 504, "outcome-unknown");
+        retry.assert_problem(504, "outcome-unknown");
         assert!(retry.replayed(), "the stored answer: {retry:?}");
         assert!(retry.header("idempotency-original-date").is_some());
         assert_eq!(retry.header("x-should-retry"), Some("false"));
@@ -168,7 +163,7 @@ async fn an_upstream_reset_is_502_outcome_unknown_and_stored() {
     let target = "/v1/orders?reset=1";
 
     let first = client.post_json(&proxy.url(target), "reset-1", "{}").await;
-    assert_problem(&first, 502, "outcome-unknown");
+    first.assert_problem(502, "outcome-unknown");
     assert!(!first.replayed());
     assert_eq!(first.json()["key_status"], "completed");
     assert_eq!(first.header("x-should-retry"), Some("false"));
@@ -183,7 +178,7 @@ async fn an_upstream_reset_is_502_outcome_unknown_and_stored() {
     ));
 
     let retry = client.post_json(&proxy.url(target), "reset-1", "{}").await;
-    assert_problem(&retry, 502, "outcome-unknown");
+    retry.assert_problem(502, "outcome-unknown");
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
@@ -203,7 +198,7 @@ async fn with_on_ambiguous_release_a_timeout_or_reset_releases_the_key() {
     ] {
         for n in 1..=2 {
             let reply = client.post_json(&proxy.url(target), "amb-1", "{}").await;
-            assert_problem(&reply, status, "outcome-unknown");
+            reply.assert_problem(status, "outcome-unknown");
             assert!(!reply.replayed(), "{target} #{n}: executed, not replayed");
             assert_eq!(reply.json()["key_status"], "released");
             assert_eq!(reply.header("x-should-retry"), Some("true"));
@@ -211,34 +206,6 @@ async fn with_on_ambiguous_release_a_timeout_or_reset_releases_the_key() {
             assert_eq!(upstream.executions(path), n, "{target}: the retry executes");
         }
     }
-}
-
-/// Plants a pending claim for `key` on `target`, as the proxy would have
-/// made it for `post_json(target, key, body)`, with a 50 ms lease, and
-/// waits for the lease to expire: a proxy that died mid-call.
-async fn plant_stale_claim(
-    store: &SharedStore,
-    target: &str,
-    key: &str,
-    body: &[u8],
-) -> (idemproxy::core::RecordKey, idemproxy::core::FencingToken) {
-    let parts = keys::json_post(target);
-    let record_key = keys::record_key(&parts, key);
-    let begun = store
-        .begin(&Begin {
-            key: record_key,
-            fingerprint: keys::fingerprint(&parts, body),
-            lease: Duration::from_millis(50),
-            ttl: Duration::from_secs(3600),
-            on_stale: OnStale::Store,
-        })
-        .await
-        .expect("begin");
-    let BeginOutcome::Acquired { token, .. } = begun else {
-        panic!("the key was free: {begun:?}");
-    };
-    tokio::time::sleep(Duration::from_millis(120)).await;
-    (record_key, token)
 }
 
 fn zombie_record(status: u16) -> CompletedRecord {
@@ -263,13 +230,13 @@ async fn a_stale_pending_key_fails_closed_as_outcome_unknown() {
     let client = TestClient::new();
     let body = r#"{"amount":5}"#;
     let (record_key, token) =
-        plant_stale_claim(&proxy.store, "/v1/orders", "stale-1", body.as_bytes()).await;
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-1", body.as_bytes()).await;
 
     for attempt in 1..=2 {
         let reply = client
             .post_json(&proxy.url("/v1/orders"), "stale-1", body)
             .await;
-        assert_problem(&reply, 502, "outcome-unknown");
+        reply.assert_problem(502, "outcome-unknown");
         assert!(reply.replayed(), "attempt {attempt}: the settled answer");
         assert_eq!(reply.json()["key_status"], "completed");
         assert_eq!(reply.header("x-should-retry"), Some("false"));
@@ -301,7 +268,7 @@ async fn with_on_stale_retry_the_request_takes_a_stale_key_over() {
     let client = TestClient::new();
     let body = r#"{"amount":5}"#;
     let (record_key, token) =
-        plant_stale_claim(&proxy.store, "/v1/orders", "stale-2", body.as_bytes()).await;
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-2", body.as_bytes()).await;
 
     let reply = client
         .post_json(&proxy.url("/v1/orders"), "stale-2", body)
@@ -342,7 +309,7 @@ async fn a_response_over_max_response_bytes_is_streamed_but_not_stored() {
     assert!(first.body == expected_body(n), "every byte arrived intact");
 
     let retry = client.post_json(&proxy.url(&target), "big-1", "{}").await;
-    assert_problem(&retry, 502, "response-not-stored");
+    retry.assert_problem(502, "response-not-stored");
     assert!(retry.replayed());
     assert_eq!(retry.json()["key_status"], "completed");
     let detail = retry.json()["detail"]
@@ -663,7 +630,7 @@ async fn relayed_bodies_that_stall_hold_their_slot_and_are_cut_off() {
         let meanwhile = client
             .post_json(&proxy.url("/v1/meanwhile"), "meanwhile-1", "{}")
             .await;
-        assert_problem(&meanwhile, 503, "overloaded");
+        meanwhile.assert_problem(503, "overloaded");
 
         tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut answer))
             .await
@@ -740,7 +707,7 @@ async fn while_draining_running_calls_finish_and_no_new_execution_starts() {
         .expect("answered and closed")
         .expect("read");
     let late = raw::parse(&answer);
-    assert_problem(&late, 503, "shutting-down");
+    late.assert_problem(503, "shutting-down");
     assert_eq!(late.header("retry-after"), Some("1"));
     assert_eq!(late.header("connection"), Some("close"));
     assert_eq!(upstream.executions("/v1/late"), 0, "nothing started");
@@ -806,7 +773,7 @@ async fn a_duplicate_waiting_on_a_running_request_is_not_passed_when_the_store_f
     store.set(Fault::Fail);
     let duplicate = duplicate.await.expect("duplicate task");
     store.set(Fault::None);
-    assert_problem(&duplicate, 503, "store-unavailable");
+    duplicate.assert_problem(503, "store-unavailable");
     let first = first.await.expect("first task");
     assert_eq!(first.status, 201, "{first:?}");
     assert_eq!(upstream.executions("/v1/orders"), 1);
@@ -918,7 +885,7 @@ async fn settling_in_the_background_holds_its_slot_and_gives_up_with_the_lease()
     let get = client
         .send(Method::GET, &proxy.url("/v1/ping"), &[], "")
         .await;
-    assert_problem(&get, 503, "overloaded");
+    get.assert_problem(503, "overloaded");
     let settling = || async {
         let metrics = client
             .send(Method::GET, &proxy.admin_url("/metrics"), &[], "")
@@ -949,7 +916,7 @@ async fn settling_in_the_background_holds_its_slot_and_gives_up_with_the_lease()
     // Given up: the claim is still there, and fails closed.
     store.set(Fault::None);
     let retry = client.post_json(&url, "k", "{}").await;
-    assert_problem(&retry, 502, "outcome-unknown");
+    retry.assert_problem(502, "outcome-unknown");
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
 
@@ -997,7 +964,7 @@ async fn an_unavailable_store_is_503_and_nothing_executes() {
         let started = Instant::now();
         let reply = client.post_json(&url, "k", "{}").await;
         let took = started.elapsed();
-        assert_problem(&reply, 503, "store-unavailable");
+        reply.assert_problem(503, "store-unavailable");
         let secs: u64 = reply
             .header("retry-after")
             .and_then(|v| v.parse().ok())

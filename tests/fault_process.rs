@@ -28,11 +28,6 @@ fn on_redis(upstream: &TestUpstream, redis: &RedisServer, prefix: &str) -> Confi
     c
 }
 
-fn assert_problem(reply: &Reply, status: u16, slug: &str) {
-    assert_eq!(reply.status, status, "{reply:?}");
-    assert_eq!(reply.problem(), slug, "{reply:?}");
-}
-
 /// Sends `key`'s request to `proxy` and kills the proxy (SIGKILL) once the
 /// upstream has the request; the client gets no answer. Returns when the
 /// request was sent.
@@ -86,7 +81,7 @@ async fn in_flight_then_settled(
         early_at < lease - Duration::from_millis(500),
         "the retry came {early_at:?} after the claim: too late to test the lease"
     );
-    assert_problem(&early, 425, "in-flight");
+    early.assert_problem(425, "in-flight");
     let lease_end = sent_at + lease;
     tokio::time::sleep_until(lease_end).await;
     // The claim was made a moment after the send: well within 2 s of it on
@@ -134,9 +129,9 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
         executions.total, early.status, late.status, again.status
     );
     executions.assert_at_most_once();
-    assert_problem(&late, 502, "outcome-unknown");
+    late.assert_problem(502, "outcome-unknown");
     assert!(late.replayed(), "{late:?}");
-    assert_problem(&again, 502, "outcome-unknown");
+    again.assert_problem(502, "outcome-unknown");
     assert_eq!(
         again.header("idempotency-original-date"),
         late.header("idempotency-original-date")
@@ -183,7 +178,7 @@ async fn a_sidecar_killed_on_the_embedded_store_keeps_its_answers_and_fails_clos
 
     let url = second.url(path);
     let (_, _, late) = in_flight_then_settled(&client, &url, "crash-1", sent_at, lease).await;
-    assert_problem(&late, 502, "outcome-unknown");
+    late.assert_problem(502, "outcome-unknown");
     let executions = Executions::count(&upstream, ["/v1/done", path]);
     executions.assert_at_most_once();
     assert_eq!(executions.total, 2);

@@ -11,17 +11,12 @@ use std::time::Duration;
 
 use support::binary::ProxyProcess;
 use support::fault::{raw_exchange, raw_post, Executions};
-use support::proxy::{redis_config, Reply, TestClient};
+use support::proxy::{redis_config, TestClient};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::time::Instant;
 
 const BODY: &str = r#"{"amount":1000,"currency":"eur"}"#;
-
-fn assert_problem(reply: &Reply, status: u16, slug: &str) {
-    assert_eq!(reply.status, status, "{reply:?}");
-    assert_eq!(reply.problem(), slug, "{reply:?}");
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_timeouts_resets_and_broken_bodies_are_stored_and_replayed() {
@@ -44,7 +39,7 @@ async fn upstream_timeouts_resets_and_broken_bodies_are_stored_and_replayed() {
     let started = Instant::now();
     let timed_out = client.post_json(&a.url(timeout_path), "t-1", BODY).await;
     let took = started.elapsed();
-    assert_problem(&timed_out, 504, "outcome-unknown");
+    timed_out.assert_problem(504, "outcome-unknown");
     assert!(!timed_out.replayed(), "{timed_out:?}");
     assert!(
         took >= Duration::from_millis(900) && took < Duration::from_secs(2),
@@ -54,7 +49,7 @@ async fn upstream_timeouts_resets_and_broken_bodies_are_stored_and_replayed() {
     // Reset: the upstream reads the request, then breaks the connection.
     let reset_path = "/v1/reset?reset=1";
     let reset = client.post_json(&a.url(reset_path), "r-1", BODY).await;
-    assert_problem(&reset, 502, "outcome-unknown");
+    reset.assert_problem(502, "outcome-unknown");
 
     // A response body that breaks off: the client sees the head and an
     // aborted body (never a complete-looking one); the retry is told the
@@ -105,11 +100,11 @@ async fn upstream_timeouts_resets_and_broken_bodies_are_stored_and_replayed() {
     for (path, reply) in &retries {
         assert!(reply.replayed(), "{path}: {reply:?}");
         if *path == timeout_path {
-            assert_problem(reply, 504, "outcome-unknown");
+            reply.assert_problem(504, "outcome-unknown");
         } else if *path == reset_path {
-            assert_problem(reply, 502, "outcome-unknown");
+            reply.assert_problem(502, "outcome-unknown");
         } else {
-            assert_problem(reply, 502, "response-not-stored");
+            reply.assert_problem(502, "response-not-stored");
             assert!(
                 reply.json()["detail"]
                     .as_str()

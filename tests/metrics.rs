@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use http::Method;
 use idemproxy::config::{Config, RouteConfig};
-use idemproxy::store::{Begin, BeginOutcome, OnStale};
 use support::faulty::{Fault, FaultyStore};
 use support::keys;
 use support::proxy::{config, Reply, TestClient, TestProxy};
@@ -664,29 +663,6 @@ async fn histograms_cover_requests_upstream_calls_and_each_store_op() {
     );
 }
 
-/// Claims `key` for `post_json(target, key, body)` directly in the store,
-/// as a proxy would, with a 50 ms lease, and lets the lease run out: a proxy
-/// that died holding the key.
-async fn plant_stale_claim(proxy: &TestProxy, target: &str, key: &str, body: &str) {
-    let parts = keys::json_post(target);
-    let begun = proxy
-        .store
-        .begin(&Begin {
-            key: keys::record_key(&parts, key),
-            fingerprint: keys::fingerprint(&parts, body.as_bytes()),
-            lease: Duration::from_millis(50),
-            ttl: Duration::from_secs(3600),
-            on_stale: OnStale::Store,
-        })
-        .await
-        .expect("begin");
-    assert!(
-        matches!(begun, BeginOutcome::Acquired { .. }),
-        "the key was free: {begun:?}"
-    );
-    tokio::time::sleep(Duration::from_millis(120)).await;
-}
-
 #[tokio::test]
 async fn a_settled_stale_claim_counts_one_expired_lease() {
     let upstream = TestUpstream::start().await;
@@ -709,7 +685,7 @@ async fn a_settled_stale_claim_counts_one_expired_lease() {
     // on_stale = "store": the request settles the key as outcome-unknown and
     // is answered from that record, counted once, as `outcome_unknown`: the
     // alert on that outcome must see a proxy that died mid-call.
-    plant_stale_claim(&proxy, "/v1/payments", "stale-1", body).await;
+    keys::plant_stale_claim(&proxy.store, "/v1/payments", "stale-1", body.as_bytes()).await;
     let s = scrape(&client, &proxy).await;
     assert_eq!(expired(&s, "payments"), 0.0);
     let reply = client
@@ -728,7 +704,7 @@ async fn a_settled_stale_claim_counts_one_expired_lease() {
     assert_eq!(expired(&s, "payments"), 1.0);
 
     // on_stale = "retry": the request takes the key over and executes.
-    plant_stale_claim(&proxy, "/v1/orders", "stale-2", body).await;
+    keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-2", body.as_bytes()).await;
     let reply = client
         .post_json(&proxy.url("/v1/orders"), "stale-2", body)
         .await;

@@ -118,11 +118,6 @@ fn assert_replays(reply: &Reply, original: &Reply) {
     );
 }
 
-fn assert_problem(reply: &Reply, status: u16, slug: &str) {
-    assert_eq!(reply.status, status, "{reply:?}");
-    assert_eq!(reply.problem(), slug, "{reply:?}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn executed_on_a_is_replayed_on_b() {
     let upstream = TestUpstream::start().await;
@@ -169,7 +164,7 @@ async fn in_flight_on_a_is_425_on_b() {
     };
     assert!(upstream.wait_for_executions(path, 1, ARRIVAL).await);
     let on_b = client.post_json(&b.url(path), "f-1", BODY).await;
-    assert_problem(&on_b, 425, "in-flight");
+    on_b.assert_problem(425, "in-flight");
     assert!(on_b.header("retry-after").is_some(), "{on_b:?}");
     assert!(on_b.header("retry-after-ms").is_some(), "{on_b:?}");
     assert_eq!(on_b.header("x-should-retry"), Some("true"));
@@ -235,14 +230,14 @@ async fn a_different_body_on_b_is_409_while_a_is_pending_and_after() {
     };
     assert!(upstream.wait_for_executions(path, 1, ARRIVAL).await);
     let on_b = client.post_json(&b.url(path), "m-1", other_body).await;
-    assert_problem(&on_b, 409, "key-reused");
+    on_b.assert_problem(409, "key-reused");
     assert_eq!(on_b.header("x-should-retry"), Some("false"));
     assert_eq!(on_b.json()["key_status"], "pending", "{on_b:?}");
 
     let first = pending.await.expect("the first request");
     assert_executed(&first);
     let after = client.post_json(&b.url(path), "m-1", other_body).await;
-    assert_problem(&after, 409, "key-reused");
+    after.assert_problem(409, "key-reused");
     assert_eq!(after.json()["key_status"], "completed", "{after:?}");
     assert_eq!(upstream.executions(path), 1);
     println!(
@@ -284,11 +279,10 @@ async fn on_a_redis_cluster_executed_on_a_is_replayed_on_b() {
         tokio::spawn(async move { client.post_json(&url, "c-slow", BODY).await })
     };
     assert!(upstream.wait_for_executions(path, 1, ARRIVAL).await);
-    assert_problem(
-        &client.post_json(&b.url(path), "c-slow", BODY).await,
-        425,
-        "in-flight",
-    );
+    client
+        .post_json(&b.url(path), "c-slow", BODY)
+        .await
+        .assert_problem(425, "in-flight");
     let slow = pending.await.expect("the slow request");
     assert_replays(&client.post_json(&b.url(path), "c-slow", BODY).await, &slow);
 
@@ -342,11 +336,10 @@ async fn with_the_local_cache_replays_on_b_stay_correct() {
         tokio::spawn(async move { client.post_json(&url, "k-1", BODY).await })
     };
     assert!(upstream.wait_for_executions(path, 1, ARRIVAL).await);
-    assert_problem(
-        &client.post_json(&b.url(path), "k-1", BODY).await,
-        425,
-        "in-flight",
-    );
+    client
+        .post_json(&b.url(path), "k-1", BODY)
+        .await
+        .assert_problem(425, "in-flight");
     let first = pending.await.expect("the first request");
     assert_executed(&first);
     // B replays (from Redis, then from its cache), and so does A (from the
@@ -373,7 +366,7 @@ async fn with_the_local_cache_replays_on_b_stay_correct() {
     );
     // A cached completed record still answers a different body with 409.
     let mismatch = client.post_json(&b.url(path), "k-1", other_body).await;
-    assert_problem(&mismatch, 409, "key-reused");
+    mismatch.assert_problem(409, "key-reused");
     assert_eq!(mismatch.json()["key_status"], "completed");
 
     // A key completed through B after B cached others replays on A.

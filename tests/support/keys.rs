@@ -2,11 +2,14 @@
 //! way from request parts built in the test, so a test can look a key up in
 //! the store or plant a record the proxy will find.
 
+use std::time::Duration;
+
 use http::request::Parts;
 use http::{Method, Request};
-use idemproxy::core::{Fingerprint, RecordKey};
+use idemproxy::core::{Begin, BeginOutcome, FencingToken, Fingerprint, OnStale, RecordKey};
 use idemproxy::idempotency::fingerprint::FingerprintRules;
 use idemproxy::idempotency::scope::ScopeRules;
+use idemproxy::store::SharedStore;
 
 /// The head of a request as the proxy sees it: `target` is the path and
 /// query (origin form), `headers` whatever the client sends that matters
@@ -39,4 +42,32 @@ pub fn json_post(target: &str) -> Parts {
         target,
         &[("content-type", "application/json")],
     )
+}
+
+/// Plants a pending claim for `key` on `target`, as the proxy would have
+/// made it for `post_json(target, key, body)`, with a 50 ms lease, and
+/// waits for the lease to expire: a proxy that died holding the key.
+pub async fn plant_stale_claim(
+    store: &SharedStore,
+    target: &str,
+    key: &str,
+    body: &[u8],
+) -> (RecordKey, FencingToken) {
+    let parts = json_post(target);
+    let record_key = record_key(&parts, key);
+    let begun = store
+        .begin(&Begin {
+            key: record_key,
+            fingerprint: fingerprint(&parts, body),
+            lease: Duration::from_millis(50),
+            ttl: Duration::from_secs(3600),
+            on_stale: OnStale::Store,
+        })
+        .await
+        .expect("begin");
+    let BeginOutcome::Acquired { token, .. } = begun else {
+        panic!("the key was free: {begun:?}");
+    };
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    (record_key, token)
 }

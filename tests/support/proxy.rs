@@ -130,6 +130,13 @@ impl Reply {
     }
 
     /// The problem type slug of a problem+json answer.
+    /// Asserts an answer of the proxy's own: `status`, as problem+json of
+    /// type `slug`.
+    pub fn assert_problem(&self, status: u16, slug: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(self.problem(), slug, "{self:?}");
+    }
+
     pub fn problem(&self) -> String {
         assert_eq!(
             self.header("content-type"),
