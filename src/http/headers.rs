@@ -1,8 +1,8 @@
-//! Header names as constants: inserting a header by a `&str` name that is
+//! Header names as constants (inserting a header by a `&str` name that is
 //! not one of HTTP's standard ones copies the name into a new allocation
-//! each time.
+//! each time), and the one reading of `Content-Length`.
 
-use http::HeaderName;
+use http::{HeaderMap, HeaderName};
 
 /// The caller's key (draft-ietf-httpapi-idempotency-key-header).
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -19,3 +19,11 @@ pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry")
 pub const STRIPE_SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-should-retry");
 /// `Retry-After` in milliseconds, for SDKs that read the finer hint.
 pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+
+/// A message's `Content-Length`, when it has a valid one.
+pub fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}

@@ -20,6 +20,7 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::{Instant, Sleep};
 
 use super::rejection::Rejection;
+use crate::http::headers::content_length;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -30,10 +31,7 @@ pub async fn read_request_body(
     body: Body,
     limit: usize,
 ) -> Result<Bytes, Rejection> {
-    let declared = headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared = content_length(headers);
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(Rejection::BodyTooLarge { limit });
     }

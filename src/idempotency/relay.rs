@@ -15,7 +15,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::response::Parts;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use tokio::time::error::Elapsed;
@@ -26,6 +26,7 @@ use super::body::{channel_body, BodySender, BoundedCopy};
 use super::exchange::{Claim, Exchange, Responder};
 use super::replay::{stored_headers, stored_outcome};
 use crate::core::{FencingToken, UpstreamFailure};
+use crate::http::headers::content_length;
 use crate::observe::RequestOutcome;
 
 /// Bodies up to this size, with a declared length, are relayed in one piece
@@ -273,14 +274,6 @@ impl Relay {
             let _ = tx.try_send(Err("upstream response body did not complete".into()));
         }
     }
-}
-
-/// A body's `Content-Length`, when it has a valid one.
-fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// A body that fails at once: the client sees a broken response rather than
