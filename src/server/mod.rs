@@ -1,17 +1,20 @@
 //! Listeners, TLS and graceful shutdown.
 //!
-//! Each accepted connection is served by hyper-util's auto builder (HTTP/1.1
-//! and h2c, or HTTP/1.1 and HTTP/2 by ALPN over TLS when `[tls]` is set). The peer address is attached to every request as
-//! [`ClientInfo`] for `X-Forwarded-For`. On shutdown the listener closes at
-//! once, open connections finish their current exchange, and the caller then
-//! waits for executions that outlived their connections (see
+//! Each accepted connection is served by hyper-util's auto builder
+//! (HTTP/1.1 and h2c, or HTTP/1.1 and HTTP/2 by ALPN over TLS when `[tls]`
+//! is set) on one of the [`Workers`]. The peer address is attached to every
+//! request as [`ClientInfo`] for `X-Forwarded-For`. On shutdown the
+//! listener closes at once, open connections finish their current
+//! exchange, and the caller then waits for executions that outlived their
+//! connections (see
 //! [`IdempotencyLayer::tasks`](crate::idempotency::IdempotencyLayer::tasks)).
+
+mod tls;
+mod workers;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -19,161 +22,19 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::TcpListener;
 use tower::{Service, ServiceExt};
 
 use crate::forward::ClientInfo;
-
+pub use tls::{tls_acceptor, TLS_HANDSHAKE_TIMEOUT};
 pub use tokio_rustls::TlsAcceptor;
+pub use workers::Workers;
+use workers::{Job, OpenConnection, Worker};
 
 /// How long a client may take to send a request head: bounds slowloris
 /// connections.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A client gets this long to finish its TLS handshake.
-pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Builds the traffic listener's TLS acceptor from PEM files.
-pub fn tls_acceptor(cert_file: &Path, key_file: &Path) -> Result<TlsAcceptor, String> {
-    use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-
-    let certs = CertificateDer::pem_file_iter(cert_file)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("tls.cert_file {}: {e}", cert_file.display()))?;
-    if certs.is_empty() {
-        return Err(format!(
-            "tls.cert_file {}: no certificate in it",
-            cert_file.display()
-        ));
-    }
-    let key = PrivateKeyDer::from_pem_file(key_file)
-        .map_err(|e| format!("tls.key_file {}: {e}", key_file.display()))?;
-    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("tls: {e}"))?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(|e| format!("tls: {e}"))?;
-    tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(TlsAcceptor::from(std::sync::Arc::new(tls)))
-}
-
-/// The threads that serve traffic: each runs a current-thread runtime, so
-/// a connection, its requests, their executions and the upstream connections
-/// they use all live on one thread. A multi-thread runtime moves that work
-/// between threads (work stealing, waking parked siblings), which on a small
-/// sidecar costs more than it balances; per-thread loops are how nginx and
-/// Envoy run for the same reason.
-///
-/// The accept loop stays on the caller's runtime and gives each connection
-/// to the worker serving the fewest, so one long-lived client cannot pin a
-/// whole thread's share of connections.
-pub struct Workers<S> {
-    workers: Vec<Worker<S>>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-struct Worker<S> {
-    /// Jobs run inside the worker's runtime, so the tasks they spawn land
-    /// there. Dropping every sender ends the worker: its loop stops once the
-    /// queue is empty and the runtime drops whatever is left, so this
-    /// happens only after the drain (see [`Workers::stop`]).
-    jobs: tokio::sync::mpsc::UnboundedSender<Job>,
-    /// The worker's own copy of the traffic stack (its own upstream pool).
-    service: S,
-    /// Connections open on this worker, for least-connections placement.
-    open: Arc<AtomicUsize>,
-}
-
-type Job = Box<dyn FnOnce() + Send>;
-
-/// Threads of a worker's blocking pool. What runs there now is the upstream
-/// connector's DNS lookups: the embedded store's changes go to its writer
-/// thread and its replays to its replay cache, and its reads (`get`,
-/// `ping`) come from the admin listener, on the main runtime. Tokio's
-/// default (512) lets a burst of slow blocking calls start a thread per
-/// call, each with an allocator heap of its own; when the embedded store
-/// still read on this pool, a burst of replays under `wrk -c32` ran 72
-/// threads instead of 16, with 20 MiB more RSS and no more throughput. The
-/// bound keeps a slow resolver from doing the same; calls queued behind it
-/// wait, under `upstream.connect_timeout`.
-const MAX_BLOCKING_THREADS: usize = 8;
-
-impl<S> Workers<S> {
-    /// Starts one thread per service.
-    pub fn start(services: Vec<S>) -> std::io::Result<Self> {
-        let mut workers = Vec::with_capacity(services.len());
-        let mut threads = Vec::with_capacity(services.len());
-        // Workers log wherever their starter logs: the global subscriber in
-        // the binary, a scoped one in a test that captures the logs.
-        let dispatch = tracing::dispatcher::get_default(|current| current.clone());
-        for (i, service) in services.into_iter().enumerate() {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .max_blocking_threads(MAX_BLOCKING_THREADS)
-                .build()?;
-            let (jobs, mut queue) = tokio::sync::mpsc::unbounded_channel::<Job>();
-            let dispatch = dispatch.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("idemproxy-worker-{i}"))
-                .spawn(move || {
-                    let _logging = tracing::dispatcher::set_default(&dispatch);
-                    runtime.block_on(async move {
-                        while let Some(job) = queue.recv().await {
-                            job();
-                        }
-                    })
-                })?;
-            threads.push(thread);
-            workers.push(Worker {
-                jobs,
-                service,
-                open: Arc::new(AtomicUsize::new(0)),
-            });
-        }
-        Ok(Self { workers, threads })
-    }
-
-    fn least_busy(&self) -> Option<&Worker<S>> {
-        self.workers
-            .iter()
-            .min_by_key(|w| w.open.load(Ordering::Relaxed))
-    }
-
-    /// Ends the worker threads once nothing runs on them any more: call it
-    /// after connections have drained and executions have stored their
-    /// outcomes, as anything still running is dropped.
-    pub async fn stop(self) {
-        drop(self.workers);
-        let threads = self.threads;
-        let _ = tokio::task::spawn_blocking(move || {
-            for thread in threads {
-                let _ = thread.join();
-            }
-        })
-        .await;
-    }
-}
-
-/// Decrements a worker's open-connection count when its connection ends,
-/// however it ends.
-struct OpenConnection(Arc<AtomicUsize>);
-
-impl OpenConnection {
-    fn new(open: &Arc<AtomicUsize>) -> Self {
-        open.fetch_add(1, Ordering::Relaxed);
-        Self(open.clone())
-    }
-}
-
-impl Drop for OpenConnection {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
 
 /// Serves `listener` (over TLS with `tls`) on `workers` until `shutdown`
 /// resolves, then lets open connections finish for at most `drain`.
@@ -216,75 +77,13 @@ pub async fn serve<S>(
             tracing::error!("no worker threads; closing the connection");
             continue;
         };
-        let _ = stream.set_nodelay(true);
-        // The socket moves to the worker's reactor: a tokio stream is bound
-        // to the runtime that registered it.
-        let stream = match stream.into_std() {
-            Ok(stream) => stream,
-            Err(e) => {
-                tracing::warn!(error = %e, peer = %peer, "cannot hand the connection to a worker");
-                continue;
-            }
+        let connection = Connection {
+            peer,
+            tls: tls.clone(),
+            builder: builder.clone(),
+            watcher: graceful.watcher(),
         };
-        let client = ClientInfo::new(Some(peer), tls.is_some());
-        let service = worker.service.clone();
-        let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let mut req = req.map(Body::new);
-            req.extensions_mut().insert(client.clone());
-            service.clone().oneshot(req)
-        });
-        let open = OpenConnection::new(&worker.open);
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
-        let tls = tls.clone();
-        let job: Job = Box::new(move || {
-            tokio::spawn(async move {
-                let _open = open;
-                let stream = match tokio::net::TcpStream::from_std(stream) {
-                    Ok(stream) => stream,
-                    Err(e) => {
-                        tracing::warn!(error = %e, peer = %peer, "cannot register the connection");
-                        return;
-                    }
-                };
-                let result = match tls {
-                    None => {
-                        watcher
-                            .watch(builder.serve_connection(TokioIo::new(stream), hyper_service))
-                            .await
-                    }
-                    Some(acceptor) => {
-                        // The handshake runs in the connection's task, so a
-                        // slow client never holds up the accept loop.
-                        let stream = match tokio::time::timeout(
-                            TLS_HANDSHAKE_TIMEOUT,
-                            acceptor.accept(stream),
-                        )
-                        .await
-                        {
-                            Ok(Ok(stream)) => stream,
-                            Ok(Err(e)) => {
-                                tracing::debug!(error = %e, peer = %peer, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::debug!(peer = %peer, "TLS handshake timed out");
-                                return;
-                            }
-                        };
-                        watcher
-                            .watch(builder.serve_connection(TokioIo::new(stream), hyper_service))
-                            .await
-                    }
-                };
-                if let Err(e) = result {
-                    tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
-                }
-            });
-        });
-        if worker.jobs.send(job).is_err() {
-            tracing::error!(peer = %peer, "worker thread is gone; connection dropped");
-        }
+        hand_over(worker, stream, connection);
     }
     drop(listener);
     tokio::select! {
@@ -295,8 +94,97 @@ pub async fn serve<S>(
     }
 }
 
+/// What serving one accepted connection takes besides its socket.
+struct Connection {
+    peer: SocketAddr,
+    tls: Option<TlsAcceptor>,
+    builder: auto::Builder<TokioExecutor>,
+    watcher: Watcher,
+}
+
+/// Moves an accepted socket to `worker`, whose event loop serves it.
+fn hand_over<S>(worker: &Worker<S>, stream: tokio::net::TcpStream, connection: Connection)
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let peer = connection.peer;
+    let _ = stream.set_nodelay(true);
+    // The socket moves to the worker's reactor: a tokio stream is bound to
+    // the runtime that registered it.
+    let stream = match stream.into_std() {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::warn!(error = %e, peer = %peer, "cannot hand the connection to a worker");
+            return;
+        }
+    };
+    let client = ClientInfo::new(Some(peer), connection.tls.is_some());
+    let service = worker.service.clone();
+    let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let mut req = req.map(Body::new);
+        req.extensions_mut().insert(client.clone());
+        service.clone().oneshot(req)
+    });
+    let open = OpenConnection::new(&worker.open);
+    let job: Job = Box::new(move || {
+        tokio::spawn(async move {
+            let _open = open;
+            connection.serve(stream, hyper_service).await;
+        });
+    });
+    if worker.jobs.send(job).is_err() {
+        tracing::error!(peer = %peer, "worker thread is gone; connection dropped");
+    }
+}
+
+impl Connection {
+    /// Serves the connection on the worker's runtime until it ends (or the
+    /// drain ends it).
+    async fn serve<H>(self, stream: std::net::TcpStream, service: H)
+    where
+        H: hyper::service::Service<Request<Incoming>, Response = Response<Body>> + Send + 'static,
+        H::Future: Send + 'static,
+        H::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let peer = self.peer;
+        let stream = match tokio::net::TcpStream::from_std(stream) {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, peer = %peer, "cannot register the connection");
+                return;
+            }
+        };
+        let result = match &self.tls {
+            None => {
+                let conn = self.builder.serve_connection(TokioIo::new(stream), service);
+                self.watcher.watch(conn).await
+            }
+            // The handshake runs in the connection's task, so a slow
+            // client never holds up the accept loop.
+            Some(acceptor) => {
+                let Some(stream) = tls::handshake(acceptor, stream, peer).await else {
+                    return;
+                };
+                let conn = self.builder.serve_connection(TokioIo::new(stream), service);
+                self.watcher.watch(conn).await
+            }
+        };
+        if let Err(e) = result {
+            tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use super::workers::MAX_BLOCKING_THREADS;
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
