@@ -183,24 +183,7 @@ impl Rejection {
                     .into()
             }
             Rejection::OutcomeUnknown { cause, released } => {
-                let what = match cause {
-                    UnknownCause::Timeout => "The upstream did not answer in time",
-                    UnknownCause::Reset => "The upstream connection broke after the request was sent",
-                    UnknownCause::Abandoned => {
-                        "The proxy that was running the request stopped before it finished"
-                    }
-                };
-                if *released {
-                    format!(
-                        "{what}. It may or may not have executed. The key was released, so a retry \
-                         executes again."
-                    )
-                } else {
-                    format!(
-                        "{what}. It may or may not have executed, so it will not be executed again \
-                         with this key; reconcile with the upstream before using a new key."
-                    )
-                }
+                outcome_unknown_detail(*cause, *released)
             }
             Rejection::ResponseNotStored { status } => format!(
                 "The original request executed and the upstream answered {status}, but its body was \
@@ -298,6 +281,29 @@ impl Rejection {
             headers.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
+    }
+}
+
+/// What an `outcome-unknown` answer tells the caller: what happened, and
+/// whether a retry with the same key executes again.
+fn outcome_unknown_detail(cause: UnknownCause, released: bool) -> String {
+    let what = match cause {
+        UnknownCause::Timeout => "The upstream did not answer in time",
+        UnknownCause::Reset => "The upstream connection broke after the request was sent",
+        UnknownCause::Abandoned => {
+            "The proxy that was running the request stopped before it finished"
+        }
+    };
+    if released {
+        format!(
+            "{what}. It may or may not have executed. The key was released, so a retry \
+             executes again."
+        )
+    } else {
+        format!(
+            "{what}. It may or may not have executed, so it will not be executed again \
+             with this key; reconcile with the upstream before using a new key."
+        )
     }
 }
 

@@ -51,6 +51,11 @@ fn histogram() -> Histogram {
     Histogram::new(BUCKETS)
 }
 
+/// A histogram per label set, each with [`BUCKETS`].
+fn histograms<L: Clone + std::hash::Hash + Eq>() -> Family<L, Histogram, fn() -> Histogram> {
+    Family::new_with_constructor(histogram as fn() -> Histogram)
+}
+
 pub struct Metrics {
     registry: Registry,
     /// Store-call series resolved once: the label set is fixed, and the
@@ -75,61 +80,8 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Arc<Self> {
-        let mut registry = Registry::with_prefix("idemproxy");
-        let requests = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
-            "requests",
-            "Requests by route and idempotency outcome",
-            requests.clone(),
-        );
-        let request_duration = Family::new_with_constructor(histogram as fn() -> Histogram);
-        registry.register(
-            "request_duration_seconds",
-            "Time from request to its settled outcome (for a relayed body, once it is stored)",
-            request_duration.clone(),
-        );
-        let upstream_duration = Family::new_with_constructor(histogram as fn() -> Histogram);
-        registry.register(
-            "upstream_duration_seconds",
-            "Time the upstream took to answer (response head)",
-            upstream_duration.clone(),
-        );
-        let store_duration = Family::new_with_constructor(histogram as fn() -> Histogram);
-        registry.register(
-            "store_duration_seconds",
-            "Store call latency by operation",
-            store_duration.clone(),
-        );
+        let store_duration = histograms();
         let store_errors = Family::<OpLabels, Counter>::default();
-        registry.register(
-            "store_errors",
-            "Store calls that failed or timed out, by operation",
-            store_errors.clone(),
-        );
-        let in_flight = Gauge::default();
-        registry.register(
-            "in_flight",
-            "Covered requests executing against the upstream now",
-            in_flight.clone(),
-        );
-        let settling = Gauge::default();
-        registry.register(
-            "settling_in_background",
-            "Keys whose outcome (or release) is being retried in the background because the store failed as their request finished; each holds a max_in_flight slot",
-            settling.clone(),
-        );
-        let released = Family::<RouteLabels, Counter>::default();
-        registry.register(
-            "keys_released",
-            "Keys released so that a retry executes (unreachable upstream, release_statuses, on_ambiguous = release)",
-            released.clone(),
-        );
-        let stale = Family::<RouteLabels, Counter>::default();
-        registry.register(
-            "expired_leases",
-            "Claims found with an expired lease (their proxy died), settled per on_stale",
-            stale.clone(),
-        );
         let store_ops = ["begin", "complete", "release"].map(|op| {
             let labels = OpLabels { op };
             (
@@ -138,40 +90,88 @@ impl Metrics {
                 store_errors.get_or_create_owned(&labels),
             )
         });
-        let cache_hits = Counter::default();
-        registry.register(
-            "local_cache_hits",
-            "Replays answered from the in-process cache without a store round trip",
-            cache_hits.clone(),
-        );
-        let log_lines_dropped = Counter::default();
-        registry.register(
-            "log_lines_dropped",
-            "Log lines dropped because the log output (stdout) did not keep up",
-            log_lines_dropped.clone(),
-        );
-        let cache_live = Family::<StoreLabels, Gauge>::default();
-        registry.register(
-            "local_cache_live",
-            "1 while the local replay cache answers replays; 0 while it cannot know that its records are current (removals through other replicas unheard: starting, Redis away, an ACL without the removals channel), and replays go to the store",
-            cache_live.clone(),
-        );
-        Arc::new(Self {
-            registry,
+        let mut metrics = Self {
+            registry: Registry::with_prefix("idemproxy"),
             store_ops,
-            requests,
-            request_duration,
-            upstream_duration,
+            requests: Family::default(),
+            request_duration: histograms(),
+            upstream_duration: histograms(),
             store_duration,
             store_errors,
-            in_flight,
-            settling,
-            released,
-            stale,
-            cache_hits,
-            cache_live,
-            log_lines_dropped,
-        })
+            in_flight: Gauge::default(),
+            settling: Gauge::default(),
+            released: Family::default(),
+            stale: Family::default(),
+            cache_hits: Counter::default(),
+            cache_live: Family::default(),
+            log_lines_dropped: Counter::default(),
+        };
+        metrics.register();
+        Arc::new(metrics)
+    }
+
+    /// Names and documents every series in the registry `/metrics` renders.
+    fn register(&mut self) {
+        self.registry.register(
+            "requests",
+            "Requests by route and idempotency outcome",
+            self.requests.clone(),
+        );
+        self.registry.register(
+            "request_duration_seconds",
+            "Time from request to its settled outcome (for a relayed body, once it is stored)",
+            self.request_duration.clone(),
+        );
+        self.registry.register(
+            "upstream_duration_seconds",
+            "Time the upstream took to answer (response head)",
+            self.upstream_duration.clone(),
+        );
+        self.registry.register(
+            "store_duration_seconds",
+            "Store call latency by operation",
+            self.store_duration.clone(),
+        );
+        self.registry.register(
+            "store_errors",
+            "Store calls that failed or timed out, by operation",
+            self.store_errors.clone(),
+        );
+        self.registry.register(
+            "in_flight",
+            "Covered requests executing against the upstream now",
+            self.in_flight.clone(),
+        );
+        self.registry.register(
+            "settling_in_background",
+            "Keys whose outcome (or release) is being retried in the background because the store failed as their request finished; each holds a max_in_flight slot",
+            self.settling.clone(),
+        );
+        self.registry.register(
+            "keys_released",
+            "Keys released so that a retry executes (unreachable upstream, release_statuses, on_ambiguous = release)",
+            self.released.clone(),
+        );
+        self.registry.register(
+            "expired_leases",
+            "Claims found with an expired lease (their proxy died), settled per on_stale",
+            self.stale.clone(),
+        );
+        self.registry.register(
+            "local_cache_hits",
+            "Replays answered from the in-process cache without a store round trip",
+            self.cache_hits.clone(),
+        );
+        self.registry.register(
+            "log_lines_dropped",
+            "Log lines dropped because the log output (stdout) did not keep up",
+            self.log_lines_dropped.clone(),
+        );
+        self.registry.register(
+            "local_cache_live",
+            "1 while the local replay cache answers replays; 0 while it cannot know that its records are current (removals through other replicas unheard: starting, Redis away, an ACL without the removals channel), and replays go to the store",
+            self.cache_live.clone(),
+        );
     }
 
     /// The series of one route, resolved once so that counting a request
