@@ -13,7 +13,7 @@ pub mod record;
 pub use begin::{
     decide_begin, new_claim, running_lease, Begin, BeginOutcome, OnStale, Removal, Removed,
 };
-pub use clock::{from_millis, millis, now_millis, to_millis, UnixMillis, LAST_DATE_MILLIS};
+pub use clock::{from_millis, millis, now_millis, to_millis, Clock, UnixMillis, LAST_DATE_MILLIS};
 pub use failure::UpstreamFailure;
 pub use ids::{FencingToken, Fingerprint, KeyHex, RecordKey};
 pub use record::{
