@@ -1,0 +1,343 @@
+//! Checking what a loaded configuration means, every problem named by the
+//! field that carries it so that an operator fixes them all in one go, and
+//! showing the configuration without its secrets (`idemproxy check`).
+
+use std::time::Duration;
+
+use super::{Config, ConfigError, IdempotencyConfig, OnInFlight, StoreKind};
+
+impl Config {
+    /// Checks every field and names each problem by its path.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        self.check_timeouts_and_limits(&mut problems);
+        self.check_store(&mut problems);
+        self.check_tls_and_admin_token(&mut problems);
+        if let Err(why) = check_log_level(&self.log.level) {
+            problems.push(format!("log.level: {why}"));
+        }
+        self.check_policies(&mut problems);
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(problems))
+        }
+    }
+
+    fn check_timeouts_and_limits(&self, problems: &mut Vec<String>) {
+        // `upstream.url` is checked where it is parsed, once: see
+        // `forward::UpstreamUrl`, which the composition root runs too.
+        // Every one of these must be set, and none is meant to be a day.
+        for (field, value) in [
+            ("upstream.timeout", self.upstream.timeout),
+            ("upstream.connect_timeout", self.upstream.connect_timeout),
+            (
+                "upstream.pool_idle_timeout",
+                self.upstream.pool_idle_timeout,
+            ),
+            ("store.timeout", self.store.timeout),
+            ("store.purge_interval", self.store.purge_interval),
+            ("request_body_timeout", self.request_body_timeout),
+        ] {
+            if value.is_zero() {
+                problems.push(format!("{field}: must be greater than zero"));
+            }
+            check_at_most_a_day(field, value, problems);
+        }
+        // Zero is allowed: stop at once.
+        check_at_most_a_day("drain_timeout", self.drain_timeout, problems);
+        if let Some(ca) = &self.upstream.ca_file {
+            if !ca.is_file() {
+                problems.push(format!("upstream.ca_file: {} is not a file", ca.display()));
+            }
+        }
+        if self.max_in_flight == 0 {
+            problems.push("max_in_flight: must be greater than zero".into());
+        }
+        if self.workers > 1024 {
+            problems.push(format!(
+                "workers: {} threads is not a sidecar; use at most 1024 (0 = one per CPU)",
+                self.workers
+            ));
+        }
+    }
+
+    fn check_store(&self, problems: &mut Vec<String>) {
+        match self.store.kind {
+            StoreKind::Memory | StoreKind::Embedded => {}
+            StoreKind::Redis => check_redis_url("store.url", &self.store.url, problems),
+            StoreKind::RedisCluster => {
+                if self.store.urls.is_empty() {
+                    problems
+                        .push("store.urls: redis-cluster needs at least one seed node URL".into());
+                }
+                for url in &self.store.urls {
+                    check_redis_url("store.urls", url, problems);
+                }
+                if self.store.database.is_some_and(|db| db != 0) {
+                    problems.push("store.database: Redis Cluster has only database 0".into());
+                }
+            }
+        }
+        if let Some(ca) = &self.store.ca_file {
+            if !ca.is_file() {
+                problems.push(format!("store.ca_file: {} is not a file", ca.display()));
+            }
+        }
+    }
+
+    fn check_tls_and_admin_token(&self, problems: &mut Vec<String>) {
+        if let Some(tls) = &self.tls {
+            for (field, path) in [
+                ("tls.cert_file", &tls.cert_file),
+                ("tls.key_file", &tls.key_file),
+            ] {
+                if !path.is_file() {
+                    problems.push(format!("{field}: {} is not a file", path.display()));
+                }
+            }
+        }
+        match self.admin_token.as_deref() {
+            Some("") => problems.push("admin_token: must not be empty when set".into()),
+            // Sent as `Authorization: Bearer <token>`, which carries visible
+            // ASCII only: any other token could never match, and the key
+            // API would answer 401 for good.
+            Some(token) if !token.bytes().all(|b| b.is_ascii_graphic()) => problems.push(
+                "admin_token: must be visible ASCII without spaces \
+                 (a trailing newline from a secret file?)"
+                    .into(),
+            ),
+            _ => {}
+        }
+    }
+
+    /// `[idempotency]`, then each route: its own fields, and the policy it
+    /// resolves to.
+    fn check_policies(&self, problems: &mut Vec<String>) {
+        validate_policy(
+            "idempotency",
+            &self.idempotency,
+            self.store.timeout,
+            problems,
+        );
+        let mut names = std::collections::HashSet::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            let at = format!("routes[{i}]");
+            if route.name.is_empty() {
+                problems.push(format!("{at}.name: must be set"));
+            } else if !names.insert(route.name.as_str()) {
+                problems.push(format!("{at}.name: `{}` is used twice", route.name));
+            }
+            if !route.path.starts_with('/') {
+                problems.push(format!("{at}.path: `{}` must start with `/`", route.path));
+            }
+            validate_policy(
+                &at,
+                &route.resolve(&self.idempotency),
+                self.store.timeout,
+                problems,
+            );
+        }
+    }
+
+    /// The effective configuration as TOML, as `idemproxy check` prints it.
+    pub fn to_toml(&self) -> String {
+        let mut shown = self.clone();
+        if shown.admin_token.is_some() {
+            shown.admin_token = Some("<redacted>".into());
+        }
+        if shown.store.password.is_some() {
+            shown.store.password = Some("<redacted>".into());
+        }
+        shown.store.url = redact_url(&shown.store.url);
+        shown.store.urls = shown.store.urls.iter().map(|u| redact_url(u)).collect();
+        toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    }
+}
+
+fn check_redis_url(at: &str, url: &str, problems: &mut Vec<String>) {
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        problems.push(format!(
+            "{at}: `{}` must be a redis:// or rediss:// URL",
+            redact_url(url)
+        ));
+    }
+}
+
+/// Hides the password of a `redis://user:password@host` URL.
+pub(super) fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        // Not a URL: where a password would be is anyone's guess.
+        (None, _) => "<not shown>".into(),
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let userinfo = &url[scheme_end + 3..at];
+            match userinfo.find(':') {
+                Some(colon) => format!(
+                    "{}{}:<redacted>{}",
+                    &url[..scheme_end + 3],
+                    &userinfo[..colon],
+                    &url[at..]
+                ),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// The longest `ttl` accepted.
+pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Checks a `log.level` filter: a level (`info`), or comma-separated
+/// `target=level` directives. tracing reads any other word as a target
+/// name, so `warning` would have turned off every log line, the request
+/// lines and startup errors included.
+fn check_log_level(level: &str) -> Result<(), String> {
+    for directive in level.split(',') {
+        let named = directive.rsplit_once('=').map_or(directive, |(_, l)| l);
+        if named
+            .trim()
+            .parse::<tracing::level_filters::LevelFilter>()
+            .is_err()
+        {
+            return Err(format!(
+                "`{directive}` names no level (trace, debug, info, warn, error, off), \
+                 alone or as `target=level`"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A timeout or margin longer than a day is a typo (`"30d"` for `"30s"`),
+/// and would overflow the instant arithmetic of the request path.
+fn check_at_most_a_day(field: &str, value: Duration, problems: &mut Vec<String>) {
+    if value > Duration::from_secs(24 * 3600) {
+        problems.push(format!(
+            "{field}: {} is longer than a day",
+            humantime::format_duration(value)
+        ));
+    }
+}
+
+fn validate_policy(
+    at: &str,
+    p: &IdempotencyConfig,
+    store_timeout: Duration,
+    problems: &mut Vec<String>,
+) {
+    // The lease is `upstream.timeout + lease_margin`: past it a retry
+    // presumes the holder dead and settles its key (or takes it over with
+    // `on_stale = "retry"`). The margin must leave a live holder time to
+    // claim the key and store its outcome, a store call each.
+    if p.lease_margin < store_timeout * 2 {
+        problems.push(format!(
+            "{at}.lease_margin: {} leaves a request that runs to upstream.timeout no time to store its outcome before its lease ends; use at least twice store.timeout ({})",
+            humantime::format_duration(p.lease_margin),
+            humantime::format_duration(store_timeout * 2)
+        ));
+    }
+    check_at_most_a_day(&format!("{at}.lease_margin"), p.lease_margin, problems);
+    check_at_most_a_day(&format!("{at}.wait_timeout"), p.wait_timeout, problems);
+    if p.methods.is_empty() {
+        problems.push(format!("{at}.methods: must name at least one method"));
+    }
+    if p.ttl.is_zero() {
+        problems.push(format!("{at}.ttl: must be greater than zero"));
+    }
+    // Expiry instants are formatted as HTTP and RFC 3339 dates, which end
+    // in the year 9999; past a year a TTL is a typo anyway.
+    if p.ttl > MAX_TTL {
+        problems.push(format!(
+            "{at}.ttl: {} is longer than a year",
+            humantime::format_duration(p.ttl)
+        ));
+    }
+    if p.wait_timeout.is_zero() && p.on_in_flight == OnInFlight::Wait {
+        problems.push(format!(
+            "{at}.wait_timeout: must be greater than zero with on_in_flight = \"wait\""
+        ));
+    }
+    for s in &p.release_statuses {
+        if !(100..=599).contains(s) {
+            problems.push(format!("{at}.release_statuses: {s} is not an HTTP status"));
+        }
+    }
+    if p.max_request_bytes == 0 {
+        problems.push(format!("{at}.max_request_bytes: must be greater than zero"));
+    }
+    // Zero would store no response body at all (every retry 502
+    // `response-not-stored`), not "unlimited".
+    if p.max_response_bytes == 0 {
+        problems.push(format!(
+            "{at}.max_response_bytes: must be greater than zero"
+        ));
+    }
+    // Methods, header names, JSON pointers and scope attributes are parsed
+    // (and reported by field) where they become the policy's own types,
+    // once: see `settings::policies` at the crate root.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::env;
+    use crate::config::FlagOverrides;
+
+    #[test]
+    fn a_lease_margin_too_short_for_the_store_or_any_timeout_over_a_day_is_refused() {
+        let problems = |c: &Config| match c.validate() {
+            Ok(()) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        let mut c = Config::default();
+        assert_eq!(problems(&c), "");
+        c.idempotency.lease_margin = Duration::ZERO;
+        assert!(
+            problems(&c).contains("idempotency.lease_margin"),
+            "{}",
+            problems(&c)
+        );
+        // Twice store.timeout (250 ms) is the least.
+        c.idempotency.lease_margin = Duration::from_millis(499);
+        assert!(
+            problems(&c).contains("at least twice store.timeout (500ms)"),
+            "{}",
+            problems(&c)
+        );
+        c.idempotency.lease_margin = Duration::from_millis(500);
+        assert_eq!(problems(&c), "");
+        // The same margin is too short for a slower store.
+        c.store.timeout = Duration::from_secs(1);
+        let err = problems(&c);
+        assert!(err.contains("idempotency.lease_margin"), "{err}");
+        c.idempotency.lease_margin = Duration::from_secs(5);
+        c.idempotency.wait_timeout = Duration::from_secs(400 * 24 * 3600);
+        c.upstream.timeout = Duration::from_secs(2 * 24 * 3600);
+        let err = problems(&c);
+        assert!(err.contains("idempotency.wait_timeout: 1year"), "{err}");
+        assert!(
+            err.contains("upstream.timeout: 2days is longer than a day"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn check_output_round_trips_and_redacts_the_admin_token() {
+        let c = Config {
+            admin_token: Some("s3cret".into()),
+            ..Config::default()
+        };
+        let text = c.to_toml();
+        assert!(!text.contains("s3cret"));
+        assert_eq!(
+            redact_url("redis://app:pw@127.0.0.1:6379/2"),
+            "redis://app:<redacted>@127.0.0.1:6379/2"
+        );
+        assert_eq!(redact_url("redis://127.0.0.1"), "redis://127.0.0.1");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(&file, text).expect("write");
+        Config::load(Some(&file), env(&[]), &FlagOverrides::default()).expect("re-loads");
+    }
+}
