@@ -28,8 +28,8 @@ use super::replay::replay;
 use super::settle::Settling;
 use super::store_call::{owned_begin, release_late_claim, timed};
 use crate::core::{
-    millis, now_millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, Outcome,
-    RecordKey, UnknownCause, UpstreamFailure,
+    millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey,
+    UnknownCause, UpstreamFailure,
 };
 use crate::observe::{RequestLog, RequestOutcome};
 use crate::store::StoreError;
@@ -122,7 +122,7 @@ where
         let record_key = RecordKey::new(&scope, key.as_str());
         self.log.set_key(record_key);
         let claim = Claim {
-            arrived_at: now_millis(),
+            arrived_at: self.settings.clock.now_millis(),
             key: record_key,
             fingerprint,
             // No claim yet.
@@ -280,7 +280,8 @@ where
     /// 425 (or 409): the same request holds the key, its lease ends at
     /// `lease_expires_at`.
     fn in_flight(self, respond: Responder, lease_expires_at: u64) {
-        let remaining = Duration::from_millis(lease_expires_at.saturating_sub(now_millis()));
+        let now = self.settings.clock.now_millis();
+        let remaining = Duration::from_millis(lease_expires_at.saturating_sub(now));
         let retry_after = remaining.clamp(Duration::from_millis(100), Duration::from_secs(1));
         self.answer_rejection(
             respond,
@@ -408,7 +409,7 @@ where
 
     /// Stores `outcome` as the key's completed record.
     pub(super) async fn complete(&mut self, claim: &Claim, token: FencingToken, outcome: Outcome) {
-        let now = now_millis();
+        let now = self.settings.clock.now_millis();
         let record = CompletedRecord {
             fingerprint: claim.fingerprint,
             created_at: claim.arrived_at,

@@ -13,6 +13,7 @@ use tower::Layer;
 
 use super::policy::{Policies, Policy};
 use super::service::Idempotency;
+use crate::core::Clock;
 use crate::observe::{Metrics, RequestLog, RouteMetrics};
 use crate::store::SharedStore;
 
@@ -43,6 +44,9 @@ pub(super) struct Settings {
     /// went away still counts until its outcome is stored:
     /// that is what bounds buffered bodies and upstream calls.
     pub(super) in_flight: Arc<Semaphore>,
+    /// Where a record's instants (`created_at`, `completed_at`, expiry)
+    /// are read; the store in `store` should read the same one.
+    pub(super) clock: Clock,
 }
 
 impl IdempotencyLayer {
@@ -59,6 +63,7 @@ impl IdempotencyLayer {
                 metrics,
                 tasks: TaskTracker::new(),
                 in_flight: Arc::new(Semaphore::new(DEFAULT_MAX_IN_FLIGHT)),
+                clock: Clock::wall(),
             }),
         }
     }
@@ -93,6 +98,12 @@ impl IdempotencyLayer {
         self.map(|s| s.in_flight = Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS))))
     }
 
+    /// Reads records' time from `clock` (the wall clock by default): give
+    /// the store the same one.
+    pub fn clock(self, clock: Clock) -> Self {
+        self.map(|s| s.clock = clock)
+    }
+
     /// Tracks every execution in flight, for graceful shutdown.
     pub fn tasks(&self) -> TaskTracker {
         self.settings.tasks.clone()
@@ -111,6 +122,7 @@ impl IdempotencyLayer {
                 route_metrics: shared.route_metrics.clone(),
                 tasks: shared.tasks.clone(),
                 in_flight: shared.in_flight.clone(),
+                clock: shared.clock,
             },
         };
         f(&mut settings);

@@ -57,7 +57,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use quick_cache::sync::Cache;
@@ -66,7 +66,7 @@ use super::{
     Begin, BeginOutcome, Removal, RemovalWatcher, Removed, SharedStore, Store, StoreError,
 };
 use crate::core::{
-    now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey,
+    millis, Clock, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnixMillis,
 };
 
 /// How long a cached record may be answered from before the store is asked
@@ -109,7 +109,8 @@ pub fn cached(store: SharedStore, entries: usize) -> Arc<CachedStore> {
 #[derive(Clone)]
 struct Entry {
     record: Arc<CompletedRecord>,
-    cached_at: Instant,
+    /// When it was cached, by the store's clock.
+    cached_at: UnixMillis,
 }
 
 /// An entry's weight: one per started [`ENTRY_BYTES`] of its response.
@@ -141,6 +142,8 @@ pub struct CachedStore<S: ?Sized = dyn Store> {
     /// Shared with the store's removal feed, through an [`RemovalWatcher`].
     shared: Arc<Shared>,
     max_age: Duration,
+    /// Where expiry and `max_age` read the time.
+    clock: Clock,
 }
 
 /// What a [`CachedStore`] and its removal feed share.
@@ -247,7 +250,14 @@ impl<S: Store + ?Sized> CachedStore<S> {
                 hits: AtomicU64::new(0),
             }),
             max_age: DEFAULT_MAX_AGE,
+            clock: Clock::wall(),
         }
+    }
+
+    /// Reads the time from `clock` instead of the wall clock.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// The handle for the store's removal feed (see [`RemovalWatcher`]).
@@ -288,7 +298,9 @@ impl<S: Store + ?Sized> CachedStore<S> {
             return None;
         }
         let entry = self.shared.cache.get(key)?;
-        if entry.record.expires_at > now_millis() && entry.cached_at.elapsed() < self.max_age {
+        let now = self.clock.now_millis();
+        let age = now.saturating_sub(entry.cached_at);
+        if entry.record.expires_at > now && age < millis(self.max_age) {
             Some(entry.record)
         } else {
             self.shared.cache.remove(key);
@@ -301,14 +313,15 @@ impl<S: Store + ?Sized> CachedStore<S> {
     /// docs).
     fn insert(&self, key: RecordKey, record: Arc<CompletedRecord>, epoch: u64) {
         let shared = &self.shared;
-        if record.expires_at <= now_millis() || !self.is_live() || shared.epoch() != epoch {
+        let now = self.clock.now_millis();
+        if record.expires_at <= now || !self.is_live() || shared.epoch() != epoch {
             return;
         }
         shared.cache.insert(
             key,
             Entry {
                 record,
-                cached_at: Instant::now(),
+                cached_at: now,
             },
         );
         // A report that bumped the epoch after the check above may have
@@ -408,7 +421,7 @@ mod tests {
     use bytes::Bytes;
 
     use super::*;
-    use crate::core::{millis, Fingerprint, Outcome, StoredResponse};
+    use crate::core::{millis, now_millis, Fingerprint, Outcome, StoredResponse};
     use crate::store::{MemoryStore, OnStale};
 
     const LEASE: Duration = Duration::from_secs(30);
@@ -585,7 +598,7 @@ mod tests {
             });
             let entry = Entry {
                 record: Arc::new(record),
-                cached_at: Instant::now(),
+                cached_at: 0,
             };
             quick_cache::Weighter::weight(&EntryWeight, &key(), &entry)
         };
@@ -648,17 +661,48 @@ mod tests {
         drop(writer);
     }
 
-    #[tokio::test]
+    /// A cache over a memory store, both on a clock that follows paused
+    /// tokio time, and a completion made now by that clock.
+    fn paused(
+        entries: usize,
+        ttl: Duration,
+    ) -> (Arc<Counting>, CachedStore<Counting>, CompletedRecord) {
+        let clock = Clock::tokio();
+        let inner = Arc::new(Counting {
+            inner: MemoryStore::new().with_clock(clock),
+            ..Counting::default()
+        });
+        let store = CachedStore::new(inner.clone(), entries).with_clock(clock);
+        let now = clock.now_millis();
+        let record = CompletedRecord {
+            created_at: now,
+            completed_at: now,
+            expires_at: now + millis(ttl),
+            ..completed(1, ttl)
+        };
+        (inner, store, record)
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn expired_records_are_not_answered() {
-        let (inner, store) = cached(16);
+        let (inner, store, record) = paused(16, Duration::from_millis(100));
         let k = key();
         let token = claim(&store, k, 1).await;
-        let record = completed(1, Duration::from_millis(100));
         store.complete(&k, token, &record).await.expect("complete");
         assert_eq!(store.len(), 1);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        // Expired: the store is asked, and the key is free again.
+        tokio::time::advance(Duration::from_millis(99)).await;
         let before = inner.begins.load(Ordering::SeqCst);
+        assert!(matches!(
+            store.begin(&begin(k, 1)).await,
+            Ok(BeginOutcome::Completed(_))
+        ));
+        assert_eq!(
+            inner.begins.load(Ordering::SeqCst),
+            before,
+            "answered by the cache"
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        // Expired: the store is asked, and the key is free again.
         assert!(matches!(
             store.begin(&begin(k, 2)).await,
             Ok(BeginOutcome::Acquired { .. })
@@ -667,13 +711,19 @@ mod tests {
         assert!(store.is_empty());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn entries_older_than_max_age_are_asked_again() {
-        let inner = Arc::new(Counting::default());
-        let store = CachedStore::new(inner.clone(), 16).max_age(Duration::from_millis(50));
-        let k = complete_new_key(&store, &completed(1, TTL)).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (inner, store, record) = paused(16, TTL);
+        let store = store.max_age(Duration::from_millis(50));
+        let k = complete_new_key(&store, &record).await;
+        tokio::time::advance(Duration::from_millis(49)).await;
         let before = inner.begins.load(Ordering::SeqCst);
+        assert!(matches!(
+            store.begin(&begin(k, 1)).await,
+            Ok(BeginOutcome::Completed(_))
+        ));
+        assert_eq!(inner.begins.load(Ordering::SeqCst), before, "still young");
+        tokio::time::advance(Duration::from_millis(1)).await;
         assert!(matches!(
             store.begin(&begin(k, 1)).await,
             Ok(BeginOutcome::Completed(_))

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 
 use super::{check_owner, Begin, BeginOutcome, Removal, Removed, Store, StoreError};
 use crate::core::{
-    decide_begin, now_millis, running_lease, CompletedRecord, FencingToken, Record, RecordKey,
+    decide_begin, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
     UnixMillis,
 };
 
@@ -27,6 +27,8 @@ pub struct MemoryStore {
     /// map of half a million records stalled every request for tens of ms
     /// at each doubling (and each purge walked all of it under one lock).
     shards: Arc<[Mutex<Shard>]>,
+    /// Where leases and expiry read the time.
+    clock: Clock,
 }
 
 type Shard = HashMap<RecordKey, Stored>;
@@ -92,6 +94,7 @@ impl Default for MemoryStore {
     fn default() -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::new())).collect(),
+            clock: Clock::wall(),
         }
     }
 }
@@ -101,11 +104,17 @@ impl MemoryStore {
         Self::default()
     }
 
+    /// Reads the time from `clock` instead of the wall clock.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
     /// Drops every expired record and returns how many there were. Reads
     /// already treat expired records as absent; this only bounds memory for
     /// keys that are never asked for again.
     pub fn purge_expired(&self) -> usize {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         let mut purged = 0;
         for shard in self.shards.iter() {
             let mut records = lock(shard);
@@ -121,6 +130,7 @@ impl MemoryStore {
     /// their TTL. A purge walks every record, one shard locked at a time.
     pub fn spawn_purger(&self, every: Duration) -> tokio::task::JoinHandle<()> {
         let shards = Arc::downgrade(&self.shards);
+        let clock = self.clock;
         tokio::spawn(async move {
             let mut ticker = tokio::time::interval(every);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -129,7 +139,7 @@ impl MemoryStore {
                 let Some(shards) = shards.upgrade() else {
                     return;
                 };
-                let purged = MemoryStore { shards }.purge_expired();
+                let purged = MemoryStore { shards, clock }.purge_expired();
                 if purged > 0 {
                     tracing::debug!(purged, "purged expired records");
                 }
@@ -157,7 +167,7 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 #[async_trait]
 impl Store for MemoryStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         let mut records = self.shard(&begin.key);
         let existing = read(&records, &begin.key, now)?;
         let (outcome, write) = decide_begin(begin, existing, now, FencingToken::random);
@@ -173,7 +183,7 @@ impl Store for MemoryStore {
         token: FencingToken,
         record: &CompletedRecord,
     ) -> Result<(), StoreError> {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         let mut records = self.shard(key);
         check_owner(read(&records, key, now)?.as_ref(), token)?;
         records.insert(*key, Stored::completed(record));
@@ -181,7 +191,7 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         let mut records = self.shard(key);
         check_owner(read(&records, key, now)?.as_ref(), token)?;
         records.remove(key);
@@ -189,12 +199,12 @@ impl Store for MemoryStore {
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         read(&self.shard(key), key, now)
     }
 
     async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         // Checked and removed under one lock of the shard, as `begin`
         // decides under it: no claim can come between the two.
         let mut records = self.shard(key);

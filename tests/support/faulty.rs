@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idemproxy::core::{CompletedRecord, FencingToken, Record, RecordKey};
+use idemproxy::core::{Clock, CompletedRecord, FencingToken, Record, RecordKey};
 use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Removal, Removed, Store, StoreError};
 
 /// How long a hanging call sleeps: far past any `store.timeout` in tests.
@@ -37,6 +37,14 @@ pub struct FaultyStore {
 impl FaultyStore {
     pub fn new() -> Arc<FaultyStore> {
         Arc::new(FaultyStore::default())
+    }
+
+    /// A faulty store whose memory store reads the time from `clock`.
+    pub fn with_clock(clock: Clock) -> Arc<FaultyStore> {
+        Arc::new(FaultyStore {
+            inner: MemoryStore::new().with_clock(clock),
+            ..FaultyStore::default()
+        })
     }
 
     pub fn set(&self, fault: Fault) {

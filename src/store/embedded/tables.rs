@@ -168,15 +168,19 @@ pub(super) fn purge_batch(db: &Database, now: UnixMillis) -> Result<(usize, bool
 mod tests {
     use std::time::Duration;
 
-    use crate::core::RecordKey;
+    use crate::core::{Clock, RecordKey};
     use crate::store::embedded::tests::{assert_index_matches, begin, completed, token};
     use crate::store::embedded::EmbeddedStore;
     use crate::store::{BeginOutcome, OnStale, Removal, Removed, Store};
 
-    #[tokio::test]
+    /// Leases run out and records expire by the store's clock, which
+    /// follows paused tokio time here: no waiting for them.
+    #[tokio::test(start_paused = true)]
     async fn every_write_keeps_the_expiry_index_in_step() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = EmbeddedStore::open(dir.path()).expect("open");
+        let store = EmbeddedStore::open(dir.path())
+            .expect("open")
+            .with_clock(Clock::tokio());
         let keys: Vec<RecordKey> = (0..7u8).map(|i| RecordKey::from_bytes([i; 32])).collect();
         let mut tokens = Vec::new();
         for (i, key) in keys.iter().enumerate() {
@@ -202,7 +206,7 @@ mod tests {
             store.remove(&keys[2], Removal::Any).await.expect("remove"),
             Removed::Deleted
         );
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(30)).await;
         token(
             store
                 .begin(&begin(keys[3], 60_000, OnStale::Retry))
@@ -219,7 +223,7 @@ mod tests {
         // Now expired: key 4 (settled with the 300 ms ttl), and keys 5 and 6
         // (past lease + ttl). Key 5 is claimed afresh over its expired record;
         // 4 and 6 are left for the purge.
-        tokio::time::sleep(Duration::from_millis(450)).await;
+        tokio::time::advance(Duration::from_millis(300)).await;
         token(
             store
                 .begin(&begin(keys[5], 60_000, OnStale::Store))

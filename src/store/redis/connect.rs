@@ -21,6 +21,7 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::removals::RemovalChannel;
 use super::{RedisSettings, RedisStore, SCRIPTS};
+use crate::core::Clock;
 use crate::store::StoreError;
 
 /// Floor of the connect and response timeouts. `store.timeout` (250 ms by
@@ -312,6 +313,7 @@ impl RedisStore {
             removals,
             prefix: config.key_prefix.clone(),
             kind,
+            clock: Clock::wall(),
         };
         // A key of our own that lives 1 ms: asking is the only check that
         // works the same through ACLs, proxies and managed Redis services.

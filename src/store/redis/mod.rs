@@ -53,7 +53,7 @@
 //! # Clocks
 //!
 //! Every instant compared (`now`, leases, expiries) comes from the calling
-//! proxy's wall clock ([`now_millis`]), never from Redis's, so the decisions
+//! proxy's clock ([`Clock`]), never from Redis's, so the decisions
 //! are exactly those of `decide_begin`. The assumption is that the
 //! proxies sharing a Redis keep their clocks in step (NTP): a proxy whose
 //! clock runs S ahead presumes a holder dead S early (and settles or takes
@@ -110,8 +110,8 @@ use self::value::{
 use super::RemovalWatcher;
 use super::{Begin, BeginOutcome, Removal, Removed, SharedStore, Store, StoreError};
 use crate::core::{
-    decide_begin, new_claim, now_millis, running_lease, CompletedRecord, FencingToken,
-    PendingRecord, Record, RecordKey, UnixMillis,
+    decide_begin, new_claim, running_lease, Clock, CompletedRecord, FencingToken, PendingRecord,
+    Record, RecordKey, UnixMillis,
 };
 
 struct Scripts {
@@ -217,6 +217,9 @@ pub struct RedisStore {
     removals: Arc<RemovalChannel>,
     prefix: String,
     kind: &'static str,
+    /// Where leases and expiry read the time (Redis's own expiry of a key
+    /// runs on Redis's clock, from the relative `PX` this computes).
+    clock: Clock,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -279,7 +282,7 @@ impl RedisStore {
 
     /// `GETDEL`, whatever the key holds.
     async fn delete_any(&self, key: &RecordKey) -> Result<Removed, StoreError> {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         let name = self.redis_key(key);
         let removed: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GETDEL")
             .arg(&name)
@@ -315,7 +318,7 @@ impl RedisStore {
     async fn delete_unless_leased(&self, key: &RecordKey) -> Result<Removed, StoreError> {
         let name = self.redis_key(key);
         for _ in 0..REMOVE_ATTEMPTS {
-            let now = now_millis();
+            let now = self.clock.now_millis();
             let read: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GET")
                 .arg(&name)
                 .query_async(&mut self.conn())
@@ -356,6 +359,12 @@ impl RedisStore {
     }
 
     /// The prefix of every key this store writes.
+    /// Reads the time from `clock` instead of the wall clock.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
     pub fn key_prefix(&self) -> &str {
         &self.prefix
     }
@@ -371,7 +380,7 @@ impl RedisStore {
         token: FencingToken,
         completed: Option<&CompletedRecord>,
     ) -> Result<(), StoreError> {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         let mut invocation = SCRIPTS.settle.key(self.redis_key(key));
         invocation.arg(now).arg(&claim_id(b'p', token.0)[..]);
         match completed {
@@ -417,7 +426,7 @@ impl Store for RedisStore {
         // this call's either way; `took_over` only feeds a metric).
         let mut took_over = false;
         for attempt in 1..=BEGIN_ATTEMPTS {
-            let now = now_millis();
+            let now = self.clock.now_millis();
             // The claim to write if the key is free: prepared here, because
             // its token is random and its encoding is Rust's.
             let claim = new_claim(begin, now, token);
@@ -460,7 +469,7 @@ impl Store for RedisStore {
             BEGIN_ATTEMPTS - 1
         );
         Ok(BeginOutcome::InFlight {
-            lease_expires_at: now_millis(),
+            lease_expires_at: self.clock.now_millis(),
         })
     }
 
@@ -478,7 +487,7 @@ impl Store for RedisStore {
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        let now = now_millis();
+        let now = self.clock.now_millis();
         let value: Option<Vec<u8>> = redis::cmd("GET")
             .arg(self.redis_key(key))
             .query_async(&mut self.conn())
@@ -597,6 +606,7 @@ fn redis_error(e: RedisError) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::now_millis;
     use crate::core::Fingerprint;
 
     #[test]
