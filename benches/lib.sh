@@ -82,11 +82,12 @@ start_redis() {
   PIDS+=($!); echo $! >"$WORK/redis-server.pid"; wait_port "$1"
 }
 
-# start_proxy NAME PORT STORE [VAR=value...]: the release binary in front of
-# the upstream, logging at info as in production; pid in $WORK/NAME.pid.
+# start_proxy NAME PORT STORE [VAR=value...]: the release binary (or
+# $PROXY_BIN, another build) in front of the upstream, logging at info as in
+# production; pid in $WORK/NAME.pid.
 start_proxy() {
   local name=$1 port=$2 kind=$3; shift 3
-  env IDEMPROXY_LOG__LEVEL=info "$@" "$BIN" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
+  env IDEMPROXY_LOG__LEVEL=info "$@" "${PROXY_BIN:-$BIN}" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
     --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "redis://127.0.0.1:${RP:-6379}" >"$WORK/$name.log" 2>&1 &
   PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
 }

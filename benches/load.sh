@@ -27,6 +27,10 @@
 #
 #   benches/load.sh                 # ROUNDS=3 DURATION=3 CONNS=32, about 3 minutes
 #   FIXED_RATE=5000 benches/load.sh # fixed-rate run at a chosen rate instead
+#   BASELINE_BIN=../old/target/release/idemproxy benches/load.sh
+#                                   # adds that build's memory and Redis proxies
+#                                   # (baseline-memory, baseline-redis): two
+#                                   # builds compared in the same run
 #
 # Needs nginx, wrk and redis-server (installed from Debian's packages when
 # missing and running as root). Everything binds 127.0.0.1 and stops at exit.
@@ -75,6 +79,14 @@ if [ "$WORKERS1" = 1 ]; then
   TARGETS+=(idemproxy-memory-1w idemproxy-redis-1w)
   REPLAY_TARGETS+=(idemproxy-memory-1w idemproxy-redis-1w)
 fi
+if [ -n "${BASELINE_BIN:-}" ]; then
+  BM=$(free_port); BR=$(free_port)
+  PROXY_BIN=$BASELINE_BIN start_proxy baseline-memory "$BM" memory
+  PROXY_BIN=$BASELINE_BIN start_proxy baseline-redis "$BR" redis
+  URL[baseline-memory]="http://127.0.0.1:$BM"; URL[baseline-redis]="http://127.0.0.1:$BR"
+  TARGETS+=(baseline-memory baseline-redis)
+  REPLAY_TARGETS+=(baseline-memory baseline-redis)
+fi
 FIXED_TARGETS=(nginx idemproxy-memory idemproxy-redis)
 RESULTS="$WORK/results.txt"; : >"$RESULTS"
 
@@ -106,6 +118,8 @@ proxy_pids() {
     idemproxy-redis-1w) cat "$WORK/redis-1w.pid" ;;
     idemproxy-redis-nocache) cat "$WORK/redis-nocache.pid" ;;
     idemproxy-embedded) cat "$WORK/embedded.pid" ;;
+    baseline-memory) cat "$WORK/baseline-memory.pid" ;;
+    baseline-redis) cat "$WORK/baseline-redis.pid" ;;
   esac
 }
 upstream_pids() { cat "$WORK/upstream.pid"; pgrep -P "$(cat "$WORK/upstream.pid")"; }

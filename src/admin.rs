@@ -41,6 +41,12 @@ pub struct AdminState {
     pub tasks: tokio_util::task::TaskTracker,
 }
 
+impl std::fmt::Debug for AdminState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminState").finish_non_exhaustive()
+    }
+}
+
 impl AdminState {
     pub fn token_digest(token: Option<&str>) -> Option<[u8; 32]> {
         token.map(|t| Sha256::digest(t.as_bytes()).into())

@@ -25,7 +25,7 @@ pub mod config;
 pub mod core;
 pub mod demo;
 pub mod forward;
-pub mod http;
+mod http;
 pub mod idempotency;
 pub mod observe;
 pub mod server;
@@ -81,6 +81,12 @@ pub struct App {
     stack: Stack,
 }
 
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App").finish_non_exhaustive()
+    }
+}
+
 /// What a worker thread needs to build its own traffic stack.
 struct Stack {
     layer: IdempotencyLayer,
@@ -112,6 +118,12 @@ pub fn validate(config: &Config) -> Result<(), ConfigError> {
     } else {
         Err(ConfigError::Invalid(problems))
     }
+}
+
+/// The effective configuration as `idemproxy check` prints it, secrets
+/// redacted.
+pub fn effective_toml(config: &Config) -> String {
+    settings::effective_toml(config)
 }
 
 /// The routes' policies as `config` sets them.
@@ -170,12 +182,9 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
             let store = MemoryStore::new();
             store.spawn_purger(config.store.purge_interval);
             // Its records are in this process's memory already: a cache in
-            // front of it held a second, decoded copy of the latest 10,000
-            // and saved no replay any CPU. Without it, in a same-run A/B
-            // (6 alternating rounds, `wrk -c32`; 4 of 6 pairs agreed),
-            // first executions cost 0.93x the CPU and peak RSS was 7 MiB
-            // lower while holding 5% (~8 MiB) more records; replays
-            // unchanged.
+            // front of it would hold a second, decoded copy of the latest
+            // ones and save no replay any CPU (measured:
+            // docs/performance.md).
             cache_entries = 0;
             Arc::new(store)
         }

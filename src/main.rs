@@ -122,7 +122,7 @@ fn main() -> ExitCode {
         }
     };
     if matches!(cli.command, Some(Command::Check)) {
-        print!("{}", config.to_toml());
+        print!("{}", idemproxy::effective_toml(&config));
         for variable in &config.ignored_env {
             eprintln!("ignored {variable}: it names no configuration field");
         }

@@ -14,7 +14,7 @@ use crate::idempotency::fingerprint::{parse_header, validate_pointer, Fingerprin
 use crate::idempotency::policy::{OnAmbiguous, OnInFlight, OnStoreError, Profile};
 use crate::idempotency::scope::{ScopeAttribute, ScopeRules};
 use crate::idempotency::{Policies, Policy};
-use crate::store::redis::RedisSettings;
+use crate::store::redis::{self, RedisSettings};
 
 /// Every problem of `config`: its own checks ([`Config::validate`]) and
 /// the values that do not parse into what the parts take.
@@ -27,10 +27,44 @@ pub(crate) fn problems(config: &Config) -> Vec<String> {
     if let Err(why) = UpstreamUrl::parse(&config.upstream.url) {
         problems.push(why);
     }
+    problems.extend(redis_url_problems(&config.store));
     if let Err(policy_problems) = policies(config) {
         problems.extend(policy_problems);
     }
     problems
+}
+
+/// The Redis URLs the store kind connects to, checked as the store checks
+/// them.
+fn redis_url_problems(store: &StoreConfig) -> Vec<String> {
+    let urls: Vec<(&str, &String)> = match store.kind {
+        StoreKind::Memory | StoreKind::Embedded => Vec::new(),
+        StoreKind::Redis => vec![("store.url", &store.url)],
+        StoreKind::RedisCluster => store.urls.iter().map(|url| ("store.urls", url)).collect(),
+    };
+    urls.into_iter()
+        .filter_map(|(at, url)| redis::check_url(at, url).err())
+        .collect()
+}
+
+/// The effective configuration as TOML, as `idemproxy check` prints it:
+/// secrets redacted, and passwords in Redis URLs.
+pub(crate) fn effective_toml(config: &Config) -> String {
+    let mut shown = config.clone();
+    if shown.admin_token.is_some() {
+        shown.admin_token = Some("<redacted>".into());
+    }
+    if shown.store.password.is_some() {
+        shown.store.password = Some("<redacted>".into());
+    }
+    shown.store.url = redis::redact_url(&shown.store.url);
+    shown.store.urls = shown
+        .store
+        .urls
+        .iter()
+        .map(|u| redis::redact_url(u))
+        .collect();
+    toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
 }
 
 /// The routes' policies, in order, and the default one.
@@ -390,5 +424,59 @@ mod tests {
         let mut c = Config::default();
         c.idempotency.fingerprint_ignore = vec!["/a~1b/~0".into()];
         accepted("escapes", c);
+    }
+
+    #[test]
+    fn check_output_round_trips_and_redacts_the_admin_token() {
+        let c = Config {
+            admin_token: Some("s3cret".into()),
+            ..Config::default()
+        };
+        let text = effective_toml(&c);
+        assert!(!text.contains("s3cret"));
+        let with_password = Config {
+            store: StoreConfig {
+                kind: StoreKind::RedisCluster,
+                urls: vec!["redis://app:pw@127.0.0.1:6379/2".into()],
+                password: Some("pw".into()),
+                ..StoreConfig::default()
+            },
+            ..Config::default()
+        };
+        let shown = effective_toml(&with_password);
+        assert!(
+            shown.contains("redis://app:<redacted>@127.0.0.1:6379/2"),
+            "{shown}"
+        );
+        assert!(
+            !shown.contains(":pw@") && !shown.contains("\"pw\""),
+            "{shown}"
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(&file, text).expect("write");
+        Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+            .and_then(|c| crate::validate(&c).map(|()| c))
+            .expect("re-loads");
+    }
+
+    /// The example files the README points to load and validate as they
+    /// are.
+    #[test]
+    fn the_example_configs_are_valid() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+        let mut loaded = 0;
+        for entry in std::fs::read_dir(&dir).expect("config/examples") {
+            let file = entry.expect("entry").path();
+            if file.extension().is_some_and(|e| e == "toml") {
+                let valid = Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+                    .and_then(|c| crate::validate(&c));
+                if let Err(e) = valid {
+                    panic!("{}: {e}", file.display());
+                }
+                loaded += 1;
+            }
+        }
+        assert!(loaded >= 2, "{loaded} example files");
     }
 }

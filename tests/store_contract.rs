@@ -33,6 +33,14 @@ pub struct Backend {
     pub _guard: Option<TempDir>,
 }
 
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend")
+            .field("store", &self.store.kind())
+            .finish_non_exhaustive()
+    }
+}
+
 async fn memory_backend() -> Backend {
     Backend {
         store: Arc::new(MemoryStore::new()),
@@ -189,7 +197,7 @@ fn assert_fenced(result: Result<(), StoreError>, what: &str) {
 mod cases {
     use super::*;
 
-    pub async fn absent_key_acquires_and_duplicates_wait(store: SharedStore) {
+    pub(crate) async fn absent_key_acquires_and_duplicates_wait(store: SharedStore) {
         let key = new_key();
         let before = now_millis();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
@@ -231,7 +239,7 @@ mod cases {
         );
     }
 
-    pub async fn completed_record_replays(store: SharedStore) {
+    pub(crate) async fn completed_record_replays(store: SharedStore) {
         let key = new_key();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
         let record = completed(1, TTL);
@@ -277,7 +285,7 @@ mod cases {
         );
     }
 
-    pub async fn wrong_token_is_fenced(store: SharedStore) {
+    pub(crate) async fn wrong_token_is_fenced(store: SharedStore) {
         let absent = new_key();
         assert_fenced(
             store
@@ -316,7 +324,7 @@ mod cases {
         );
     }
 
-    pub async fn release_frees_the_key(store: SharedStore) {
+    pub(crate) async fn release_frees_the_key(store: SharedStore) {
         let key = new_key();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
         store
@@ -331,7 +339,7 @@ mod cases {
         assert_ne!(next, token);
     }
 
-    pub async fn takeover_fences_the_stale_holder(store: SharedStore) {
+    pub(crate) async fn takeover_fences_the_stale_holder(store: SharedStore) {
         let key = new_key();
         let a = claim(&*store, key, 1, SHORT_LEASE).await;
 
@@ -376,7 +384,7 @@ mod cases {
         );
     }
 
-    pub async fn stale_claim_settles_as_unknown(store: SharedStore) {
+    pub(crate) async fn stale_claim_settles_as_unknown(store: SharedStore) {
         let key = new_key();
         let a = claim(&*store, key, 1, SHORT_LEASE).await;
         let Some(Record::Pending(pending)) = store.get(&key).await.expect("get") else {
@@ -443,7 +451,7 @@ mod cases {
         );
     }
 
-    pub async fn completed_record_expires(store: SharedStore) {
+    pub(crate) async fn completed_record_expires(store: SharedStore) {
         let key = new_key();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
         let record = completed(1, Duration::from_millis(500));
@@ -470,7 +478,7 @@ mod cases {
         acquired(again, false);
     }
 
-    pub async fn abandoned_claim_expires(store: SharedStore) {
+    pub(crate) async fn abandoned_claim_expires(store: SharedStore) {
         // A claim is kept for lease + ttl; after that it is forgotten rather
         // than settled as abandoned.
         let key = new_key();
@@ -488,7 +496,7 @@ mod cases {
         acquired(again, false);
     }
 
-    pub async fn get_remove_ping(store: SharedStore) {
+    pub(crate) async fn get_remove_ping(store: SharedStore) {
         store.ping().await.expect("ping");
         assert!(!store.kind().is_empty());
 
@@ -554,7 +562,7 @@ mod cases {
         ));
     }
 
-    pub async fn a_running_claim_is_removed_only_by_force(store: SharedStore) {
+    pub(crate) async fn a_running_claim_is_removed_only_by_force(store: SharedStore) {
         // A request executing now keeps its claim against a guarded removal.
         let key = new_key();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
@@ -627,7 +635,7 @@ mod cases {
         );
     }
 
-    pub async fn concurrent_begins_acquire_once(store: SharedStore) {
+    pub(crate) async fn concurrent_begins_acquire_once(store: SharedStore) {
         const N: usize = 50;
         let key = new_key();
         let barrier = Arc::new(tokio::sync::Barrier::new(N));
@@ -749,7 +757,8 @@ mod embedded_only {
     use super::*;
     use redb::{ReadableDatabase, ReadableTableMetadata, TableDefinition};
 
-    const RAW_RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new(RECORDS_TABLE);
+    const RAW_RECORDS: TableDefinition<'static, &[u8; 32], &[u8]> =
+        TableDefinition::new(RECORDS_TABLE);
 
     fn open(dir: &TempDir) -> Arc<EmbeddedStore> {
         Arc::new(EmbeddedStore::open(dir.path()).expect("open the embedded store"))

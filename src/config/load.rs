@@ -310,7 +310,6 @@ mod tests {
 
     use super::*;
     use crate::config::tests::env;
-    use crate::config::validate::redact_url;
 
     /// `config/idemproxy.toml` claims to list every option with its
     /// default: loading it must give exactly the defaults.
@@ -319,25 +318,8 @@ mod tests {
         let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/idemproxy.toml");
         let shipped =
             Config::load(Some(&file), env(&[]), &FlagOverrides::default()).expect("file loads");
-        assert_eq!(shipped.to_toml(), Config::default().to_toml());
-    }
-
-    /// The example files the README points to load and validate as they
-    /// are.
-    #[test]
-    fn the_example_configs_are_valid() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples");
-        let mut loaded = 0;
-        for entry in std::fs::read_dir(&dir).expect("config/examples") {
-            let file = entry.expect("entry").path();
-            if file.extension().is_some_and(|e| e == "toml") {
-                if let Err(e) = Config::load(Some(&file), env(&[]), &FlagOverrides::default()) {
-                    panic!("{}: {e}", file.display());
-                }
-                loaded += 1;
-            }
-        }
-        assert!(loaded >= 2, "{loaded} example files");
+        let toml = |c: &Config| toml::to_string_pretty(c).expect("renders");
+        assert_eq!(toml(&shipped), toml(&Config::default()));
     }
 
     #[test]
@@ -617,11 +599,5 @@ require_key = true
         .expect_err("store is a table")
         .to_string();
         assert!(!err.contains("s3cretpw") && err.contains("store"), "{err}");
-
-        assert!(!redact_url("idemproxy:S3cret@redis:6379").contains("S3cret"));
-        assert_eq!(
-            redact_url("redis://u:S3cret@h:6379/0"),
-            "redis://u:<redacted>@h:6379/0"
-        );
     }
 }

@@ -175,8 +175,8 @@ pub struct StoreConfig {
 
 /// Completed records each proxy keeps to answer replays itself: up to about
 /// 40 MiB of responses (see `store::cache::ENTRY_BYTES`). A replay it holds
-/// costs no store round trip: on Redis, 1.61-1.75x nginx's requests/s
-/// instead of 1.19-1.52x in the same runs (`benches/load.sh`).
+/// costs no store round trip (measured: docs/performance.md, "What made it
+/// faster").
 pub const DEFAULT_LOCAL_CACHE_ENTRIES: usize = 10_000;
 
 impl Default for StoreConfig {

@@ -65,14 +65,13 @@ impl Config {
     fn check_store(&self, problems: &mut Vec<String>) {
         match self.store.kind {
             StoreKind::Memory | StoreKind::Embedded => {}
-            StoreKind::Redis => check_redis_url("store.url", &self.store.url, problems),
+            // URLs are checked where they are parsed: the Redis store's
+            // `check_url`, which the composition root runs.
+            StoreKind::Redis => {}
             StoreKind::RedisCluster => {
                 if self.store.urls.is_empty() {
                     problems
                         .push("store.urls: redis-cluster needs at least one seed node URL".into());
-                }
-                for url in &self.store.urls {
-                    check_redis_url("store.urls", url, problems);
                 }
                 if self.store.database.is_some_and(|db| db != 0) {
                     problems.push("store.database: Redis Cluster has only database 0".into());
@@ -138,50 +137,6 @@ impl Config {
                 problems,
             );
         }
-    }
-
-    /// The effective configuration as TOML, as `idemproxy check` prints it.
-    pub fn to_toml(&self) -> String {
-        let mut shown = self.clone();
-        if shown.admin_token.is_some() {
-            shown.admin_token = Some("<redacted>".into());
-        }
-        if shown.store.password.is_some() {
-            shown.store.password = Some("<redacted>".into());
-        }
-        shown.store.url = redact_url(&shown.store.url);
-        shown.store.urls = shown.store.urls.iter().map(|u| redact_url(u)).collect();
-        toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
-    }
-}
-
-fn check_redis_url(at: &str, url: &str, problems: &mut Vec<String>) {
-    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-        problems.push(format!(
-            "{at}: `{}` must be a redis:// or rediss:// URL",
-            redact_url(url)
-        ));
-    }
-}
-
-/// Hides the password of a `redis://user:password@host` URL.
-pub(super) fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        // Not a URL: where a password would be is anyone's guess.
-        (None, _) => "<not shown>".into(),
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let userinfo = &url[scheme_end + 3..at];
-            match userinfo.find(':') {
-                Some(colon) => format!(
-                    "{}{}:<redacted>{}",
-                    &url[..scheme_end + 3],
-                    &userinfo[..colon],
-                    &url[at..]
-                ),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
     }
 }
 
@@ -281,8 +236,6 @@ fn validate_policy(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::tests::env;
-    use crate::config::FlagOverrides;
 
     #[test]
     fn a_lease_margin_too_short_for_the_store_or_any_timeout_over_a_day_is_refused() {
@@ -320,24 +273,5 @@ mod tests {
             err.contains("upstream.timeout: 2days is longer than a day"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn check_output_round_trips_and_redacts_the_admin_token() {
-        let c = Config {
-            admin_token: Some("s3cret".into()),
-            ..Config::default()
-        };
-        let text = c.to_toml();
-        assert!(!text.contains("s3cret"));
-        assert_eq!(
-            redact_url("redis://app:pw@127.0.0.1:6379/2"),
-            "redis://app:<redacted>@127.0.0.1:6379/2"
-        );
-        assert_eq!(redact_url("redis://127.0.0.1"), "redis://127.0.0.1");
-        let dir = tempfile::tempdir().expect("tempdir");
-        let file = dir.path().join("c.toml");
-        std::fs::write(&file, text).expect("write");
-        Config::load(Some(&file), env(&[]), &FlagOverrides::default()).expect("re-loads");
     }
 }

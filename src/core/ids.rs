@@ -62,6 +62,12 @@ impl KeyHex {
     }
 }
 
+impl fmt::Debug for KeyHex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KeyHex({})", self.as_str())
+    }
+}
+
 impl fmt::Display for KeyHex {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

@@ -425,7 +425,7 @@ fn join_path(base: &str, inbound: &Uri) -> String {
 /// Removes the hop-by-hop headers: the fixed list and every header the
 /// `Connection` header names. `Content-Length` survives even when named:
 /// it frames the body the proxy forwards unchanged.
-pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
+pub(super) fn remove_hop_by_hop(headers: &mut HeaderMap) {
     // Runs on every request and response, and most carry none or only
     // `Connection: keep-alive`: one pass of name comparisons finds which
     // fixed names are present, and only those are removed (a removal is a

@@ -5,8 +5,8 @@
 //! - [`error`]: [`UpstreamError`] (and its class, as the idempotency layer
 //!   sees it) and [`ClientInfo`], which the server attaches per connection.
 
-pub mod client;
-pub mod error;
+mod client;
+mod error;
 
 use std::task::{Context, Poll};
 use std::time::Duration;

@@ -5,23 +5,23 @@
 use http::{HeaderMap, HeaderName};
 
 /// The caller's key (draft-ietf-httpapi-idempotency-key-header).
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub(crate) const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 /// The request id, generated when absent and returned to the client.
-pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// `true` on every answer served from a stored record.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub(crate) const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 /// When the replayed outcome was first stored (an IMF-fixdate).
-pub const IDEMPOTENCY_ORIGINAL_DATE: HeaderName =
+pub(crate) const IDEMPOTENCY_ORIGINAL_DATE: HeaderName =
     HeaderName::from_static("idempotency-original-date");
 /// The retry hint the OpenAI and Anthropic SDKs read.
-pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+pub(crate) const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 /// The retry hint stripe's SDKs read.
-pub const STRIPE_SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-should-retry");
+pub(crate) const STRIPE_SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-should-retry");
 /// `Retry-After` in milliseconds, for SDKs that read the finer hint.
-pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+pub(crate) const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
 
 /// A message's `Content-Length`, when it has a valid one.
-pub fn content_length(headers: &HeaderMap) -> Option<u64> {
+pub(crate) fn content_length(headers: &HeaderMap) -> Option<u64> {
     headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())

@@ -3,7 +3,7 @@
 //! ([`problem`]) behind the proxy's rejections and the admin API's errors
 //! alike.
 
-pub mod headers;
-pub mod problem;
+pub(crate) mod headers;
+pub(crate) mod problem;
 
-pub use problem::{Problem, PROBLEM_BASE};
+pub(crate) use problem::Problem;

@@ -8,12 +8,12 @@ use serde::Serialize;
 
 /// Problem types are URNs (RFC 9457 allows any URI): stable names that need
 /// no web server. Each slug is documented in the README.
-pub const PROBLEM_BASE: &str = "urn:idemproxy:problem:";
+pub(crate) const PROBLEM_BASE: &str = "urn:idemproxy:problem:";
 
 /// One problem document: `type` (from its slug), `title`, `status`,
 /// `detail` and, where the answer concerns a key, the key's state.
 #[derive(Debug, Clone)]
-pub struct Problem {
+pub(crate) struct Problem {
     status: StatusCode,
     slug: &'static str,
     title: &'static str,
@@ -33,7 +33,7 @@ struct Document<'a> {
 }
 
 impl Problem {
-    pub fn new(
+    pub(crate) fn new(
         status: StatusCode,
         slug: &'static str,
         title: &'static str,
@@ -50,12 +50,12 @@ impl Problem {
 
     /// The state of the key the answer concerns (`pending`, `completed`,
     /// `released`).
-    pub fn key_status(mut self, key_status: Option<&'static str>) -> Self {
+    pub(crate) fn key_status(mut self, key_status: Option<&'static str>) -> Self {
         self.key_status = key_status;
         self
     }
 
-    pub fn into_response(self) -> Response<Body> {
+    pub(crate) fn into_response(self) -> Response<Body> {
         let document = Document {
             kind: format!("{PROBLEM_BASE}{}", self.slug),
             title: self.title,

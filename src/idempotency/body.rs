@@ -22,11 +22,11 @@ use tokio::time::{Instant, Sleep};
 use super::rejection::Rejection;
 use crate::http::headers::content_length;
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Reads a request body of at most `limit` bytes. A declared length over the
 /// limit is refused before reading anything.
-pub async fn read_request_body(
+pub(super) async fn read_request_body(
     headers: &HeaderMap,
     body: Body,
     limit: usize,
@@ -46,7 +46,7 @@ pub async fn read_request_body(
 
 /// Keeps a copy of a response body up to a cap; past it, gives the copy up
 /// (the client still gets every byte).
-pub struct BoundedCopy {
+pub(super) struct BoundedCopy {
     chunks: Vec<Bytes>,
     len: usize,
     limit: usize,
@@ -54,7 +54,7 @@ pub struct BoundedCopy {
 }
 
 impl BoundedCopy {
-    pub fn new(limit: usize) -> Self {
+    pub(super) fn new(limit: usize) -> Self {
         Self {
             chunks: Vec::new(),
             len: 0,
@@ -63,7 +63,7 @@ impl BoundedCopy {
         }
     }
 
-    pub fn push(&mut self, data: &Bytes) {
+    pub(super) fn push(&mut self, data: &Bytes) {
         if self.overflowed {
             return;
         }
@@ -79,17 +79,17 @@ impl BoundedCopy {
 
     /// Whether the copy is still whole: what [`Self::finish`] gives if the
     /// body ends now.
-    pub fn is_whole(&self) -> bool {
+    pub(super) fn is_whole(&self) -> bool {
         !self.overflowed
     }
 
     /// [`BoundedCopy::finish`], leaving an empty copy behind.
-    pub fn take(&mut self) -> Option<Bytes> {
+    pub(super) fn take(&mut self) -> Option<Bytes> {
         std::mem::replace(self, Self::new(self.limit)).finish()
     }
 
     /// The whole body, or `None` if it went over the cap.
-    pub fn finish(self) -> Option<Bytes> {
+    pub(super) fn finish(self) -> Option<Bytes> {
         if self.overflowed {
             return None;
         }
@@ -110,7 +110,7 @@ impl BoundedCopy {
 /// before that, or one that sends an error, aborts it: the client sees a
 /// broken body, never a truncated one that looks complete (a chunked body
 /// would otherwise end cleanly when a stalled client's sender is dropped).
-pub struct ChannelBody {
+pub(super) struct ChannelBody {
     rx: mpsc::Receiver<Result<Frame<Bytes>, BoxError>>,
     finished: Arc<AtomicBool>,
     /// Set once the abort was reported: the body then ends.
@@ -118,14 +118,14 @@ pub struct ChannelBody {
 }
 
 /// The sending half of a [`ChannelBody`].
-pub struct BodySender {
+pub(super) struct BodySender {
     tx: mpsc::Sender<Result<Frame<Bytes>, BoxError>>,
     finished: Arc<AtomicBool>,
 }
 
 impl BodySender {
     /// Waits for room and sends `frame`; an error if the body was dropped.
-    pub async fn send(&self, frame: Result<Frame<Bytes>, BoxError>) -> Result<(), BoxError> {
+    pub(super) async fn send(&self, frame: Result<Frame<Bytes>, BoxError>) -> Result<(), BoxError> {
         self.tx
             .send(frame)
             .await
@@ -133,7 +133,7 @@ impl BodySender {
     }
 
     /// Sends `frame` if there is room now; gives it back otherwise.
-    pub fn try_send(
+    pub(super) fn try_send(
         &self,
         frame: Result<Frame<Bytes>, BoxError>,
     ) -> Result<(), TrySendError<Result<Frame<Bytes>, BoxError>>> {
@@ -142,7 +142,7 @@ impl BodySender {
 
     /// Sends the frames of `backlog` the channel has room for now, without
     /// waiting; false if the body was dropped.
-    pub fn offer(&self, backlog: &mut VecDeque<Frame<Bytes>>) -> bool {
+    pub(super) fn offer(&self, backlog: &mut VecDeque<Frame<Bytes>>) -> bool {
         while let Some(frame) = backlog.pop_front() {
             match self.tx.try_send(Ok(frame)) {
                 Ok(()) => {}
@@ -159,7 +159,7 @@ impl BodySender {
     /// Waits for room and sends the first frame of `backlog`; false if the
     /// body was dropped. Cancel-safe: the frame leaves `backlog` only with
     /// room to go to.
-    pub async fn send_front(&self, backlog: &mut VecDeque<Frame<Bytes>>) -> bool {
+    pub(super) async fn send_front(&self, backlog: &mut VecDeque<Frame<Bytes>>) -> bool {
         let Ok(room) = self.tx.reserve().await else {
             return false;
         };
@@ -171,7 +171,11 @@ impl BodySender {
 
     /// Sends every frame of `backlog`, waiting for room until `deadline`;
     /// false if the body was dropped or the deadline came first.
-    pub async fn send_all(&self, backlog: &mut VecDeque<Frame<Bytes>>, deadline: Instant) -> bool {
+    pub(super) async fn send_all(
+        &self,
+        backlog: &mut VecDeque<Frame<Bytes>>,
+        deadline: Instant,
+    ) -> bool {
         while let Some(frame) = backlog.pop_front() {
             let sent = tokio::time::timeout_at(deadline, self.send(Ok(frame))).await;
             if !matches!(sent, Ok(Ok(()))) {
@@ -182,7 +186,7 @@ impl BodySender {
     }
 
     /// The body is complete: the client sees it end after what was sent.
-    pub fn finish(self) {
+    pub(super) fn finish(self) {
         // Stored before the channel closes (when `self.tx` drops, below),
         // so the reader, which looks once it sees the channel closed, sees
         // it.
@@ -191,7 +195,7 @@ impl BodySender {
 }
 
 /// A sender and the response body it feeds.
-pub fn channel_body(capacity: usize) -> (BodySender, Body) {
+pub(super) fn channel_body(capacity: usize) -> (BodySender, Body) {
     let (tx, rx) = mpsc::channel(capacity);
     let finished = Arc::new(AtomicBool::new(false));
     let body = ChannelBody {
@@ -241,7 +245,7 @@ struct Holding<T> {
 }
 
 /// `body`, holding `held` until it is dropped, cut off at `deadline`.
-pub fn holding<T: Send + Unpin + 'static>(body: Body, held: T, deadline: Instant) -> Body {
+pub(super) fn holding<T: Send + Unpin + 'static>(body: Body, held: T, deadline: Instant) -> Body {
     Body::new(Holding {
         body,
         _held: held,

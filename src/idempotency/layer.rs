@@ -26,6 +26,12 @@ pub struct IdempotencyLayer {
     settings: Arc<Settings>,
 }
 
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer").finish_non_exhaustive()
+    }
+}
+
 pub(super) struct Settings {
     pub(super) policies: Policies,
     pub(super) store: SharedStore,

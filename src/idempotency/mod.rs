@@ -22,19 +22,19 @@
 //! caller" mean), [`policy`] (per-route settings), [`body`] (bounded
 //! reading and relaying), [`rejection`] (the proxy's own answers).
 
-pub mod body;
+mod body;
 mod detach;
 mod exchange;
 pub mod fingerprint;
-pub mod jcs;
+mod jcs;
 pub mod key;
-pub mod layer;
+mod layer;
 pub mod policy;
-pub mod rejection;
+mod rejection;
 mod relay;
 mod replay;
 pub mod scope;
-pub mod service;
+mod service;
 mod settle;
 mod store_call;
 

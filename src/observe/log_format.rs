@@ -17,11 +17,9 @@
 //! `flatten_event(true)`): the same objects, written directly instead of
 //! through a serde serializer over an adaptor that checks every write.
 //!
-//! With logging on, idemproxy spent ~3.5 µs of CPU per request on its log
-//! line (wrk against the same proxy with `log.level` `info` and `warn`),
-//! about 15% of a replay. Per request line with whole-microsecond
-//! durations (criterion, `log line`, same run): human 1.37 µs with
-//! tracing-subscriber's format, 0.46 µs here; JSON 1.97 -> 0.48 µs.
+//! The line is written on every request, so its cost is a visible part of
+//! a replay's; `benches/micro.rs` (`log line`) measures both formats, and
+//! docs/performance.md has the figures.
 
 use std::cell::RefCell;
 use std::fmt::{self, Write as _};
@@ -277,6 +275,12 @@ fn up_to_the_second(secs: u64) -> String {
 pub struct DirectLines<F> {
     full: F,
     line: fn(&mut String, &Event<'_>) -> fmt::Result,
+}
+
+impl<F> std::fmt::Debug for DirectLines<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectLines").finish_non_exhaustive()
+    }
 }
 
 /// Human lines, as tracing-subscriber's default format writes them without

@@ -47,6 +47,12 @@ pub struct BatchedWriter {
     shared: Arc<Shared>,
 }
 
+impl std::fmt::Debug for BatchedWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchedWriter").finish_non_exhaustive()
+    }
+}
+
 struct Shared {
     state: Mutex<State>,
     /// Signals the flusher: a full buffer or shutdown.
@@ -70,6 +76,12 @@ struct State {
 pub struct FlushGuard {
     shared: Arc<Shared>,
     flusher: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for FlushGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlushGuard").finish_non_exhaustive()
+    }
 }
 
 impl BatchedWriter {
@@ -160,6 +172,12 @@ fn flush_loop<W: Write>(shared: &Shared, mut output: W) {
 /// writes it in one call.
 pub struct LineWriter<'a> {
     shared: &'a Shared,
+}
+
+impl std::fmt::Debug for LineWriter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LineWriter").finish_non_exhaustive()
+    }
 }
 
 impl Write for LineWriter<'_> {

@@ -78,6 +78,12 @@ pub struct Metrics {
     log_lines_dropped: Counter,
 }
 
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
 impl Metrics {
     pub fn new() -> Arc<Self> {
         let store_duration = histograms();
@@ -263,6 +269,12 @@ pub struct RouteMetrics {
     stale: Counter,
 }
 
+impl std::fmt::Debug for RouteMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouteMetrics").finish_non_exhaustive()
+    }
+}
+
 impl RouteMetrics {
     pub fn request(&self, outcome: RequestOutcome, elapsed: Duration) {
         self.outcomes[outcome.index()].inc();
@@ -285,6 +297,12 @@ impl RouteMetrics {
 /// One up on a gauge for as long as it lives ([`Metrics::executing`],
 /// [`Metrics::settling`]).
 pub struct GaugeGuard(Gauge);
+
+impl std::fmt::Debug for GaugeGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GaugeGuard").finish_non_exhaustive()
+    }
+}
 
 impl GaugeGuard {
     fn new(gauge: &Gauge) -> Self {

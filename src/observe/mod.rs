@@ -6,9 +6,9 @@
 pub mod log_format;
 pub mod log_writer;
 pub mod metrics;
-pub mod outcome;
+mod outcome;
 pub mod request_id;
-pub mod request_log;
+mod request_log;
 
 pub use metrics::{Metrics, RouteMetrics};
 pub use outcome::RequestOutcome;

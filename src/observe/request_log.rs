@@ -42,6 +42,16 @@ pub struct RequestLog {
     unsettled: bool,
 }
 
+impl std::fmt::Debug for RequestLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestLog")
+            .field("route", &self.route)
+            .field("method", &self.method)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Drop for RequestLog {
     fn drop(&mut self) {
         if self.written {

@@ -19,6 +19,14 @@ pub struct Workers<S> {
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
+impl<S> std::fmt::Debug for Workers<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workers")
+            .field("workers", &self.workers.len())
+            .finish_non_exhaustive()
+    }
+}
+
 pub(super) struct Worker<S> {
     /// Jobs run inside the worker's runtime, so the tasks they spawn land
     /// there. Dropping every sender ends the worker: its loop stops once the
@@ -38,11 +46,10 @@ pub(super) type Job = Box<dyn FnOnce() + Send>;
 /// thread and its replays to its replay cache, and its reads (`get`,
 /// `ping`) come from the admin listener, on the main runtime. Tokio's
 /// default (512) lets a burst of slow blocking calls start a thread per
-/// call, each with an allocator heap of its own; when the embedded store
-/// still read on this pool, a burst of replays under `wrk -c32` ran 72
-/// threads instead of 16, with 20 MiB more RSS and no more throughput. The
-/// bound keeps a slow resolver from doing the same; calls queued behind it
-/// wait, under `upstream.connect_timeout`.
+/// call, each with an allocator heap of its own (measured when the
+/// embedded store still read on this pool: docs/performance.md, "What made
+/// it faster"). The bound keeps a slow resolver from doing the same; calls
+/// queued behind it wait, under `upstream.connect_timeout`.
 pub(super) const MAX_BLOCKING_THREADS: usize = 8;
 
 impl<S> Workers<S> {

@@ -31,6 +31,14 @@ pub struct MemoryStore {
     clock: Clock,
 }
 
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
 type Shard = HashMap<RecordKey, Stored>;
 
 /// A record as this store keeps it: encoded (`Record::encode`, the format
@@ -84,10 +92,9 @@ fn read(records: &Shard, key: &RecordKey, now: UnixMillis) -> Result<Option<Reco
 /// of them doubled within a fraction of a second, a stall that a proxy
 /// near capacity took tens of ms to work off. With 1024 a shard holds 16
 /// times fewer records, and the relative spread of shard sizes, so of the
-/// moments they double, is 4 times wider. At a fixed 27.5k req/s, in two
-/// runs that crossed a doubling: p99 89 -> 27 ms and 35 -> 24 ms. Also a
-/// power of two far above the worker count, so shards rarely contend; the
-/// empty maps cost about 56 KB.
+/// moments they double, is 4 times wider (measured at a fixed rate across a
+/// doubling: docs/performance.md). Also a power of two far above the
+/// worker count, so shards rarely contend; the empty maps cost about 56 KB.
 const SHARDS: usize = 1024;
 
 impl Default for MemoryStore {

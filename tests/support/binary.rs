@@ -9,6 +9,8 @@
 //! (SIGTERM, a graceful drain), [`ProxyProcess::kill`] (SIGKILL, a crash),
 //! and on drop (SIGKILL, so that a failing test leaves nothing running).
 
+#![allow(unreachable_pub)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};

@@ -2,6 +2,8 @@
 //! exchanges that tolerate a connection the server (or a crash) breaks, and
 //! a check that no path ever executed twice.
 
+#![allow(unreachable_pub)]
+
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -4,6 +4,8 @@
 //! [`Fault::None`] models a store that recovered, without restarting the
 //! proxy.
 
+#![allow(unreachable_pub)]
+
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

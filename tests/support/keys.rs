@@ -2,6 +2,8 @@
 //! way from request parts built in the test, so a test can look a key up in
 //! the store or plant a record the proxy will find.
 
+#![allow(unreachable_pub)]
+
 use std::time::Duration;
 
 use http::request::Parts;

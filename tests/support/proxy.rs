@@ -1,6 +1,8 @@
 //! Runs the real proxy in-process on `127.0.0.1:0`, and a small HTTP client
 //! to talk to it.
 
+#![allow(unreachable_pub)]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

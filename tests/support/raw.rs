@@ -1,6 +1,8 @@
 //! HTTP/1.1 over a bare `TcpStream`, for requests no HTTP client library
 //! will send (bytes a `HeaderValue` refuses) and for clients that vanish.
 
+#![allow(unreachable_pub)]
+
 use std::net::SocketAddr;
 use std::time::Duration;
 

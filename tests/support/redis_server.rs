@@ -15,6 +15,7 @@
 //! the binaries (default: `redis-server` and `redis-cli` from `PATH`; on
 //! Debian, the `redis-server` package).
 
+#![allow(unreachable_pub)]
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};

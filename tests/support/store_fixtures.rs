@@ -2,6 +2,8 @@
 //! `redis_store.rs`), which include this file by path so that they do not
 //! compile the rest of `support/`.
 
+#![allow(unreachable_pub)]
+
 use std::time::Duration;
 
 use bytes::Bytes;

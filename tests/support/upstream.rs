@@ -25,6 +25,8 @@
 //! moment the upstream has the request. Every response carries
 //! `x-upstream-execution: <n>`, the count for its path after this request.
 
+#![allow(unreachable_pub)]
+
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;

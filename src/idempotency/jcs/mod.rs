@@ -34,7 +34,7 @@ use std::cmp::Ordering;
 /// members stay in document order; the order they are written in is the
 /// sorted list of their positions, kept for all objects in a second `Vec`.
 #[derive(Debug)]
-pub struct Document<'a> {
+pub(super) struct Document<'a> {
     tape: Vec<Entry<'a>>,
     /// Positions of object member names, each object's run sorted.
     order: Vec<usize>,
@@ -44,11 +44,11 @@ pub struct Document<'a> {
 
 /// A value in a [`Document`]; the root is [`Document::root`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NodeId(usize);
+pub(super) struct NodeId(usize);
 
 /// What a JSON pointer can step into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub(super) enum Kind {
     Object,
     Array,
     Scalar,
@@ -91,7 +91,7 @@ impl Document<'_> {
     /// the ignore pointers are removed, so that such a number in an ignored
     /// member (a nanosecond timestamp) does not matter. Free for documents
     /// without one.
-    pub fn is_exact(&self) -> bool {
+    pub(super) fn is_exact(&self) -> bool {
         !self.inexact || !self.reaches_inexact(self.root().0)
     }
 
@@ -109,11 +109,11 @@ impl Document<'_> {
         }
     }
 
-    pub fn root(&self) -> NodeId {
+    pub(super) fn root(&self) -> NodeId {
         NodeId(0)
     }
 
-    pub fn kind(&self, node: NodeId) -> Kind {
+    pub(super) fn kind(&self, node: NodeId) -> Kind {
         match self.tape.get(node.0) {
             Some(Entry::Object { .. }) => Kind::Object,
             Some(Entry::Array { .. }) => Kind::Array,
@@ -122,7 +122,7 @@ impl Document<'_> {
     }
 
     /// The value of `object`'s member `name`.
-    pub fn member(&self, object: NodeId, name: &str) -> Option<NodeId> {
+    pub(super) fn member(&self, object: NodeId, name: &str) -> Option<NodeId> {
         let names = self.members(object);
         let i = names
             .binary_search_by(|&at| utf16_cmp(self.name(at), name))
@@ -131,12 +131,12 @@ impl Document<'_> {
     }
 
     /// Element `index` of `array`, counting only elements not removed.
-    pub fn element(&self, array: NodeId, index: usize) -> Option<NodeId> {
+    pub(super) fn element(&self, array: NodeId, index: usize) -> Option<NodeId> {
         self.elements(array).nth(index).map(NodeId)
     }
 
     /// Removes `object`'s member `name`; false if there is none.
-    pub fn remove_member(&mut self, object: NodeId, name: &str) -> bool {
+    pub(super) fn remove_member(&mut self, object: NodeId, name: &str) -> bool {
         let Some(Entry::Object { first, len, .. }) = self.tape.get(object.0) else {
             return false;
         };
@@ -160,7 +160,7 @@ impl Document<'_> {
 
     /// Removes element `index` of `array`, shifting the later ones down;
     /// false if there is none.
-    pub fn remove_element(&mut self, array: NodeId, index: usize) -> bool {
+    pub(super) fn remove_element(&mut self, array: NodeId, index: usize) -> bool {
         let Some(at) = self.elements(array).nth(index) else {
             return false;
         };
@@ -216,7 +216,7 @@ fn name_at<'t>(tape: &'t [Entry<'_>], at: usize) -> &'t str {
 
 /// Where the canonical form goes: a `Vec`, or a hasher that never needs the
 /// whole of it at once.
-pub trait Sink {
+pub(super) trait Sink {
     fn put(&mut self, bytes: &[u8]);
 }
 

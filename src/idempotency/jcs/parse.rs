@@ -16,7 +16,7 @@ impl<'a> Document<'a> {
     /// one wins) and without numbers beyond the double range. Integers a
     /// double cannot hold exactly (beyond ±2^53, see [`EXACT_INTEGERS`]) are
     /// kept apart: see [`Document::is_exact`].
-    pub fn parse(body: &'a [u8]) -> Result<Self, serde_json::Error> {
+    pub(crate) fn parse(body: &'a [u8]) -> Result<Self, serde_json::Error> {
         let mut builder = Builder {
             // Guesses that save typical bodies most of the regrowing.
             tape: Vec::with_capacity(body.len() / 8),

@@ -8,7 +8,7 @@ use super::{Document, Entry, NodeId, Sink};
 
 impl Document<'_> {
     /// Writes the canonical form to `out`.
-    pub fn write<S: Sink + ?Sized>(&self, out: &mut S) {
+    pub(crate) fn write<S: Sink + ?Sized>(&self, out: &mut S) {
         self.write_node(self.root().0, out);
     }
 

@@ -79,10 +79,9 @@ pub const RECORDS_TABLE: &str = "records";
 /// Upper bound of redb's page cache (its read cache and write buffer).
 /// redb's default (1 GiB) is sized for a database server, not a sidecar;
 /// the OS's page cache backs what does not fit. The proxy's RSS levels off
-/// at about this plus 50 MiB however large the file grows (unique keys
-/// under `wrk -c32`, file 18 -> 128 MB: 65-71 MiB at 16 MiB, 93-95 MiB at
-/// 32 MiB, over 140 MiB at 64 MiB), and 16 and 32 MiB served the same
-/// first executions per second in a same-run A/B (0.99x).
+/// at about this plus its own working set however large the file grows,
+/// and a larger cache served no more first executions per second
+/// (docs/performance.md, "What made it faster").
 const CACHE_BYTES: usize = 16 * 1024 * 1024;
 
 /// A [`Store`] on local disk, backed by redb.
@@ -105,6 +104,14 @@ pub struct EmbeddedStore {
     /// runtime, and handed to the writer with the change: a clock that
     /// follows (paused) tokio time has no runtime on the writer's thread.
     clock: Clock,
+}
+
+impl std::fmt::Debug for EmbeddedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
 }
 
 impl EmbeddedStore {
@@ -256,11 +263,8 @@ impl Store for EmbeddedStore {
         // never gets here (the replay cache in front of this store answers
         // it, see `open_store`); duplicates and older replays change nothing,
         // and a group of such ends without a commit. Reading a snapshot on
-        // the blocking pool first, as this did, cost every first execution
-        // a second round trip between threads: in two same-run A/Bs under
-        // `wrk -c32`, deciding in the writer alone took 169 -> 127 and
-        // 143 -> 115 µs of CPU per request, 7.2k -> 8.4k and 8.2k -> 9.3k
-        // req/s.
+        // the blocking pool first would cost every first execution a second
+        // round trip between threads.
         let begin = begin.clone();
         let now = self.clock.now_millis();
         self.write(Waited::Only, move |tables| {

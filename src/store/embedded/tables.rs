@@ -11,8 +11,10 @@ use super::RECORDS_TABLE;
 use crate::core::{Record, RecordKey, UnixMillis};
 use crate::store::StoreError;
 
-pub(super) const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new(RECORDS_TABLE);
-pub(super) const EXPIRY: TableDefinition<(u64, &[u8; 32]), ()> = TableDefinition::new("expiry");
+pub(super) const RECORDS: TableDefinition<'static, &[u8; 32], &[u8]> =
+    TableDefinition::new(RECORDS_TABLE);
+pub(super) const EXPIRY: TableDefinition<'static, (u64, &[u8; 32]), ()> =
+    TableDefinition::new("expiry");
 
 /// Records deleted per purge transaction. Purging holds the single writer
 /// lock, so it works in short batches that let `begin` calls interleave.

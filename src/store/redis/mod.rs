@@ -93,6 +93,8 @@ mod connect;
 mod removals;
 mod value;
 
+pub use connect::{check_url, redact_url};
+
 use std::path::PathBuf;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
