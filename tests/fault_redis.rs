@@ -349,6 +349,58 @@ async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
     assert_eq!(upstream.executions("/v1/late"), 1);
 }
 
+/// A `begin` the Redis client itself gives up on (its response timeout,
+/// 1 s here) while Redis holds writes for 1.5 s: the request is answered
+/// 503 and not executed, and Redis applies the claim after the client has
+/// stopped waiting for it. The claim is released all the same, by the
+/// token the request drew before it asked, so the retry executes, once,
+/// instead of finding a claim nobody holds (425 for the whole lease, then
+/// `outcome-unknown` for a request that never ran).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_the_redis_client_gave_up_on_does_not_block_the_retry() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let mut c = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix("lost-begin"),
+    );
+    c.store.timeout = Duration::from_millis(100);
+    let proxy = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+    for i in 0..4 {
+        let warm = client
+            .post_json(&proxy.url("/v1/warm"), &format!("warm-{i}"), BODY)
+            .await;
+        assert_eq!(warm.status, 201, "{warm:?}\n{}", proxy.logs());
+    }
+
+    redis.cli(&["client", "pause", "1500", "write"]);
+    let first = client
+        .post_json(&proxy.url("/v1/lost"), "lost-1", BODY)
+        .await;
+    first.assert_problem(503, "store-unavailable");
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let retry = loop {
+        let reply = client
+            .post_json(&proxy.url("/v1/lost"), "lost-1", BODY)
+            .await;
+        if reply.status == 201 || Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(retry.status, 201, "{retry:?}\n{}", proxy.logs());
+    assert_eq!(upstream.executions("/v1/lost"), 1);
+    let again = client
+        .post_json(&proxy.url("/v1/lost"), "lost-1", BODY)
+        .await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(upstream.executions("/v1/lost"), 1);
+}
+
 /// A proxy started while its Redis is down (restarting, or started after
 /// it) waits for it instead of exiting, and serves once it is up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

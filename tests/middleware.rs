@@ -11,7 +11,7 @@ use axum::body::Body;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use idemproxy::config::Config;
-use idemproxy::core::{Begin, BeginOutcome, Clock, OnStale, Record, UpstreamFailure};
+use idemproxy::core::{Begin, BeginOutcome, Clock, FencingToken, OnStale, Record, UpstreamFailure};
 use idemproxy::idempotency::IdempotencyLayer;
 use idemproxy::observe::Metrics;
 use idemproxy::store::{MemoryStore, SharedStore, Store};
@@ -151,6 +151,7 @@ async fn a_dead_holders_lease_runs_out_by_the_clock() {
             lease,
             ttl: Duration::from_secs(3600),
             on_stale: OnStale::Store,
+            token: FencingToken::random(),
         })
         .await
         .expect("begin");
@@ -255,5 +256,38 @@ async fn an_outcome_the_store_refused_is_stored_once_it_is_back() {
         (201, "{\"charge\":1}")
     );
     assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A `begin` the store applied but whose answer was lost: the request is
+/// answered 503 and not executed, and the claim it made is released in the
+/// background by the token it drew, so the retry executes, once.
+#[tokio::test(start_paused = true)]
+async fn a_claim_whose_answer_was_lost_is_released_by_its_token() {
+    let clock = Clock::tokio();
+    let faulty = FaultyStore::with_clock(clock);
+    let store: SharedStore = faulty.clone();
+    let (calls, service) = counted_service(&Config::default(), store, clock);
+
+    faulty.set(Fault::LoseAnswer);
+    let (status, _, body) = send(&service, "lost").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("store-unavailable"), "{body}");
+    faulty.set(Fault::None);
+    // The release runs in its own task; give it its first turn.
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let key = keys::record_key(&keys::json_post(TARGET), "lost");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while faulty.inner().get(&key).await.expect("get").is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the claim is still held"
+        );
+        tokio::time::advance(Duration::from_millis(50)).await;
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "nothing executed");
+    let (status, headers, _) = send(&service, "lost").await;
+    assert_eq!(status, 201);
+    assert!(headers.get("idempotent-replayed").is_none());
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }

@@ -31,6 +31,13 @@ pub struct Begin {
     /// How long a completed record (and an abandoned claim) is kept.
     pub ttl: Duration,
     pub on_stale: OnStale,
+    /// The token a claim made by this call is held with, drawn by the
+    /// caller ([`FencingToken::random`]), once per request: a claim found
+    /// holding it is this request's own (a reply lost on the way, the
+    /// command sent again). Knowing it before the answer is what lets a
+    /// caller that never heard the answer release the claim. Never shared
+    /// between requests.
+    pub token: FencingToken,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,18 +81,14 @@ pub fn new_claim(begin: &Begin, now: UnixMillis, token: FencingToken) -> Pending
 /// The decision `begin` makes, shared by all stores so that they cannot
 /// drift apart. `existing` is the live (unexpired) record, if any; returns
 /// the outcome and the record to write, if the key changes. A claim it
-/// makes is held with the token `token` gives: a fresh one per `begin`
-/// call ([`FencingToken::random`]), which the Redis store keeps across its
-/// attempts to recognise its own claim read back. Asked for only when a
-/// claim is made (replays and duplicates draw none).
+/// makes is held with `begin.token`.
 pub fn decide_begin(
     begin: &Begin,
     existing: Option<Record>,
     now: UnixMillis,
-    token: impl FnOnce() -> FencingToken,
 ) -> (BeginOutcome, Option<Record>) {
     let claim = |took_over: bool| {
-        let claim = new_claim(begin, now, token());
+        let claim = new_claim(begin, now, begin.token);
         (
             BeginOutcome::Acquired {
                 token: claim.token,

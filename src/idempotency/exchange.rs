@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use futures_util::future::FusedFuture;
 use http::{Request, Response};
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 use tokio::time::Instant;
@@ -26,7 +25,7 @@ use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policy};
 use super::rejection::Rejection;
 use super::replay::replay;
 use super::settle::Settling;
-use super::store_call::{owned_begin, release_late_claim, timed};
+use super::store_call::{owned_begin, release_unanswered_claim, timed};
 use crate::core::{
     millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey,
     UnknownCause, UpstreamFailure,
@@ -193,6 +192,7 @@ where
             lease: self.policy.lease,
             ttl: self.policy.ttl,
             on_stale: self.policy.on_stale,
+            token: FencingToken::random(),
         };
         let mut waiting = Waiting::new(self.policy.wait_timeout);
         loop {
@@ -213,18 +213,16 @@ where
                 Ok(outcome) => outcome,
                 Err(e) => {
                     let pass = self.passes(&e) && !waiting.seen_in_flight;
-                    // Timed out, the call may still claim the key. Rejected,
-                    // this request executes nothing, so such a claim only
-                    // blocks the retry: released once it shows up. (Passed
-                    // on unprotected, the request does execute; its claim
-                    // is then left to fail closed.)
-                    let late = (!call.is_terminated() && !pass)
-                        .then(|| (self.settings.store.clone(), self.policy.lease));
-                    self.store_failed(request, respond, e, pass).await;
-                    if let Some((store, lease)) = late {
-                        release_late_claim(store, claim.key, call, lease).await;
+                    // Failed or late, the call may have claimed the key all
+                    // the same. Rejected, this request executes nothing, so
+                    // such a claim only blocks the retry: released by its
+                    // token. (Passed on unprotected, the request does
+                    // execute; its claim is then left to fail closed.)
+                    if !pass {
+                        let lease_ends = asked_at + self.policy.lease;
+                        release_unanswered_claim(&self.settings, &begin, call, lease_ends);
                     }
-                    return;
+                    return self.store_failed(request, respond, e, pass).await;
                 }
             };
             match outcome {

@@ -13,6 +13,7 @@ use tower::Layer;
 
 use super::policy::{Policies, Policy};
 use super::service::Idempotency;
+use super::store_call::MAX_LATE_RELEASES;
 use crate::core::Clock;
 use crate::observe::{Metrics, RequestLog, RouteMetrics};
 use crate::store::SharedStore;
@@ -50,6 +51,10 @@ pub(super) struct Settings {
     /// went away still counts until its outcome is stored:
     /// that is what bounds buffered bodies and upstream calls.
     pub(super) in_flight: Arc<Semaphore>,
+    /// Slots for claims released in the background after their request
+    /// was answered 503 (see `store_call::release_unanswered_claim`):
+    /// they hold no `max_in_flight` slot, and this bounds them instead.
+    pub(super) late_releases: Arc<Semaphore>,
     /// Where a record's instants (`created_at`, `completed_at`, expiry)
     /// are read; the store in `store` should read the same one.
     pub(super) clock: Clock,
@@ -69,6 +74,7 @@ impl IdempotencyLayer {
                 metrics,
                 tasks: TaskTracker::new(),
                 in_flight: Arc::new(Semaphore::new(DEFAULT_MAX_IN_FLIGHT)),
+                late_releases: Arc::new(Semaphore::new(MAX_LATE_RELEASES)),
                 clock: Clock::wall(),
             }),
         }
@@ -128,6 +134,7 @@ impl IdempotencyLayer {
                 route_metrics: shared.route_metrics.clone(),
                 tasks: shared.tasks.clone(),
                 in_flight: shared.in_flight.clone(),
+                late_releases: shared.late_releases.clone(),
                 clock: shared.clock,
             },
         };

@@ -5,17 +5,19 @@
 use std::future::Future;
 use std::time::Duration;
 
+use futures_util::future::FusedFuture;
 use futures_util::future::{BoxFuture, Fuse};
 use futures_util::FutureExt;
 use tokio::time::Instant;
 
 use super::layer::Settings;
-use crate::core::{Begin, BeginOutcome, RecordKey};
+use crate::core::{Begin, BeginOutcome, FencingToken, RecordKey};
 use crate::observe::RequestLog;
 use crate::store::{SharedStore, Store, StoreError};
 
 /// A `begin` that owns what it needs, so that it can outlive the caller's
-/// wait (see [`release_late_claim`]); fused, to tell whether it finished.
+/// wait (see [`release_unanswered_claim`]); fused, to tell whether it
+/// finished.
 pub(super) type OwnedBegin = Fuse<BoxFuture<'static, Result<BeginOutcome, StoreError>>>;
 
 pub(super) fn owned_begin(store: &SharedStore, begin: &Begin) -> OwnedBegin {
@@ -23,38 +25,90 @@ pub(super) fn owned_begin(store: &SharedStore, begin: &Begin) -> OwnedBegin {
     async move { store.begin(&begin).await }.boxed().fuse()
 }
 
-/// Finishes a `begin` that gave no answer within `store.timeout`, after its
-/// request was answered 503 without executing. If it turns out to have
-/// claimed the key, the claim is released: otherwise the caller's retry
-/// would find the key in flight and, once the lease ran out, settled as
-/// outcome-unknown, for a request that never ran. Waits at most a lease
-/// (after that the claim is stale anyway).
-pub(super) async fn release_late_claim(
-    store: SharedStore,
-    key: RecordKey,
+/// Background releases of unanswered claims at once; past it a claim is
+/// left to fail closed when its lease ends, as it would without them.
+pub(super) const MAX_LATE_RELEASES: usize = 1024;
+
+/// Releases the claim a `begin` may have made for a request that was
+/// answered 503 without executing: the call failed, or gave no answer
+/// within `store.timeout`, and Redis may have applied it all the same (a
+/// reply lost to a reset connection, the client's own response timeout,
+/// a write held by `CLIENT PAUSE`). Without this the caller's retry finds
+/// a claim nobody holds: 425 for the whole lease, then `outcome-unknown`
+/// for a request that never ran.
+///
+/// The release is by the token the request drew before it asked
+/// (`Begin::token`): fenced, so a claim that is not this request's, or no
+/// claim, is left alone. It runs in a task of its own, holding no
+/// `max_in_flight` slot, tracked for shutdown, and at most
+/// [`MAX_LATE_RELEASES`] at once; it tries again, backing off, while the
+/// claim could still appear or be held, until `lease_ends`.
+pub(super) fn release_unanswered_claim(
+    settings: &Settings,
+    begin: &Begin,
     call: OwnedBegin,
-    lease: Duration,
+    lease_ends: Instant,
 ) {
-    let Ok(Ok(BeginOutcome::Acquired { token, .. })) = tokio::time::timeout(lease, call).await
-    else {
+    let Ok(slot) = settings.late_releases.clone().try_acquire_owned() else {
+        tracing::warn!(
+            key = %begin.key.hex(),
+            "too many claims being released in the background; this one fails closed when its lease ends"
+        );
         return;
     };
-    match tokio::time::timeout(lease, store.release(&key, token)).await {
-        Ok(Ok(())) => tracing::warn!(
-            key = %key.hex(),
-            "released a claim whose begin answered after store.timeout (its request was answered 503 and not executed)"
-        ),
-        Ok(Err(StoreError::Fenced)) => {}
-        Ok(Err(e)) => tracing::error!(
-            key = %key.hex(),
-            error = %e,
-            "could not release a claim whose begin answered late; it fails closed when its lease ends"
-        ),
-        Err(_) => tracing::error!(
-            key = %key.hex(),
-            "no answer releasing a claim whose begin answered late; it fails closed when its lease ends"
-        ),
+    let (store, key, token) = (settings.store.clone(), begin.key, begin.token);
+    settings.tasks.spawn(async move {
+        let _slot = slot;
+        // What the call still does says whether it claimed the key.
+        if !call.is_terminated() {
+            match tokio::time::timeout_at(lease_ends, call).await {
+                Ok(Ok(BeginOutcome::Acquired { .. })) | Ok(Err(_)) | Err(_) => {}
+                // The key was settled or held by another request: no claim
+                // of this one's is there.
+                Ok(Ok(_)) => return,
+            }
+        }
+        release_by_token(store, key, token, lease_ends).await;
+    });
+}
+
+/// Releases `key` if `token` holds it, trying again until the release
+/// lands or `lease_ends`: a claim may still appear (a write Redis has not
+/// applied yet), and a store that failed may come back.
+async fn release_by_token(
+    store: SharedStore,
+    key: RecordKey,
+    token: FencingToken,
+    lease_ends: Instant,
+) {
+    for attempt in 0u32.. {
+        match tokio::time::timeout_at(lease_ends, store.release(&key, token)).await {
+            Ok(Ok(())) => {
+                tracing::warn!(
+                    key = %key.hex(),
+                    "released a claim whose begin answered after store.timeout or failed (its request was answered 503 and not executed)"
+                );
+                return;
+            }
+            // Not there (yet), or another request's: look again.
+            Ok(Err(StoreError::Fenced)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(key = %key.hex(), error = %e, attempt, "releasing an unanswered claim failed; trying again")
+            }
+            Err(_) => break,
+        }
+        let remaining = lease_ends.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            break;
+        }
+        tokio::time::sleep(release_backoff(attempt).min(remaining)).await;
     }
+}
+
+/// The pause after release attempt `attempt` (from 0): 50 ms, doubling,
+/// at most 1.6 s.
+fn release_backoff(attempt: u32) -> Duration {
+    Duration::from_millis(50 << attempt.min(5))
 }
 
 /// Every store call is bounded by `store.timeout` and timed for the log.

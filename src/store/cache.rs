@@ -503,6 +503,7 @@ mod tests {
             lease: LEASE,
             ttl: TTL,
             on_stale: OnStale::Store,
+            token: FencingToken::random(),
         }
     }
 

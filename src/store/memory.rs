@@ -177,7 +177,7 @@ impl Store for MemoryStore {
         let now = self.clock.now_millis();
         let mut records = self.shard(&begin.key);
         let existing = read(&records, &begin.key, now)?;
-        let (outcome, write) = decide_begin(begin, existing, now, FencingToken::random);
+        let (outcome, write) = decide_begin(begin, existing, now);
         if let Some(record) = write {
             records.insert(begin.key, Stored::new(&record));
         }

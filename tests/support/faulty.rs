@@ -26,6 +26,10 @@ pub enum Fault {
     Hang = 1,
     /// Every call fails at once with `StoreError::Unavailable`.
     Fail = 2,
+    /// Every call runs, and its answer is lost: it fails with
+    /// `StoreError::Unavailable` after the memory store applied it (a
+    /// connection reset after the write, a client that gave up waiting).
+    LoseAnswer = 3,
 }
 
 #[derive(Default)]
@@ -69,7 +73,7 @@ impl FaultyStore {
         let mode = self.mode.load(Ordering::SeqCst);
         self.calls.fetch_add(1, Ordering::SeqCst);
         match mode {
-            0 => Ok(()),
+            0 | 3 => Ok(()),
             1 => {
                 tokio::time::sleep(HANG).await;
                 Err(StoreError::Unavailable("hung (test fault)".into()))
@@ -83,7 +87,11 @@ impl FaultyStore {
 impl Store for FaultyStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         self.gate().await?;
-        self.inner.begin(begin).await
+        let outcome = self.inner.begin(begin).await;
+        if self.mode.load(Ordering::SeqCst) == Fault::LoseAnswer as u8 {
+            return Err(StoreError::Unavailable("answer lost (test fault)".into()));
+        }
+        outcome
     }
 
     async fn complete(

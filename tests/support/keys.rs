@@ -64,6 +64,7 @@ pub async fn plant_stale_claim(
             lease: Duration::from_millis(50),
             ttl: Duration::from_secs(3600),
             on_stale: OnStale::Store,
+            token: FencingToken::random(),
         })
         .await
         .expect("begin");

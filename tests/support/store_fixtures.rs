@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idemproxy::core::{
-    millis, now_millis, CompletedRecord, Fingerprint, Outcome, RecordKey, StoredResponse,
+    millis, now_millis, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey,
+    StoredResponse,
 };
 use idemproxy::store::{Begin, OnStale};
 
@@ -25,6 +26,7 @@ pub fn begin(key: RecordKey, fingerprint: u8, lease: Duration, on_stale: OnStale
         lease,
         ttl: TTL,
         on_stale,
+        token: FencingToken::random(),
     }
 }
 

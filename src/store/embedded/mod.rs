@@ -272,7 +272,7 @@ impl Store for EmbeddedStore {
             // An expired record is absent to the decision, but its index
             // entry is still there to replace.
             let old_expiry = stored.as_ref().map(Record::expires_at);
-            let (outcome, new) = decide_begin(&begin, live(stored, now), now, FencingToken::random);
+            let (outcome, new) = decide_begin(&begin, live(stored, now), now);
             if let Some(new) = new {
                 replace(
                     tables,
@@ -413,6 +413,7 @@ mod tests {
             lease: Duration::from_millis(lease_ms),
             ttl: Duration::from_millis(300),
             on_stale,
+            token: FencingToken::random(),
         }
     }
 

@@ -414,15 +414,15 @@ impl Store for RedisStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         let key = self.redis_key(&begin.key);
         let mut conn = self.conn();
-        // One token for every claim this call writes, its takeovers
-        // included. The cluster client sends a command again when the
-        // connection broke before its reply came, so a `SET` or a `swap`
-        // that did run can come back as a failure, and the next read then
-        // finds this call's own claim: without the token to recognise it,
-        // the request got 425 for its own claim, nobody held the key, and
-        // it settled as `outcome-unknown` once the lease ran out, though
+        // The request's token, for every claim this call writes, its
+        // takeovers included. The cluster client sends a command again when
+        // the connection broke before its reply came, so a `SET` or a
+        // `swap` that did run can come back as a failure, and the next read
+        // then finds this call's own claim: without the token to recognise
+        // it, the request got 425 for its own claim, nobody held the key,
+        // and it settled as `outcome-unknown` once the lease ran out, though
         // nothing had been sent upstream.
-        let token = FencingToken::random();
+        let token = begin.token;
         // Whether a takeover was written: the claim read back came from it
         // then (or, after a failed one, from a later `SET`: the claim is
         // this call's either way; `took_over` only feeds a metric).
@@ -439,7 +439,7 @@ impl Store for RedisStore {
                 });
             };
             let existing = read_stored(&current)?;
-            let (outcome, replacement) = decide_read(begin, existing, now, token, took_over);
+            let (outcome, replacement) = decide_read(begin, existing, now, took_over);
             let Some(replacement) = replacement else {
                 return Ok(outcome);
             };
@@ -581,14 +581,14 @@ fn decide_read(
     begin: &Begin,
     existing: Record,
     now: UnixMillis,
-    token: FencingToken,
     took_over: bool,
 ) -> (BeginOutcome, Option<Record>) {
-    if matches!(&existing, Record::Pending(p) if p.token == token) {
+    if matches!(&existing, Record::Pending(p) if p.token == begin.token) {
+        let token = begin.token;
         return (BeginOutcome::Acquired { token, took_over }, None);
     }
     let live = (existing.expires_at() > now).then_some(existing);
-    decide_begin(begin, live, now, || token)
+    decide_begin(begin, live, now)
 }
 
 /// A failed command. A value of the wrong type under a record key (for the
@@ -619,13 +619,14 @@ mod tests {
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
             on_stale: crate::store::OnStale::Store,
+            token: FencingToken(7),
         };
         let now = now_millis();
         let claimed = |token| Record::Pending(new_claim(&begin, now, FencingToken(token)));
         // The `SET` ran, its reply was lost, the one sent again read it.
         for took_over in [false, true] {
             assert_eq!(
-                decide_read(&begin, claimed(7), now, FencingToken(7), took_over),
+                decide_read(&begin, claimed(7), now, took_over),
                 (
                     BeginOutcome::Acquired {
                         token: FencingToken(7),
@@ -637,7 +638,7 @@ mod tests {
         }
         // Anyone else's live claim is theirs.
         assert!(matches!(
-            decide_read(&begin, claimed(8), now, FencingToken(7), false),
+            decide_read(&begin, claimed(8), now, false),
             (BeginOutcome::InFlight { .. }, None)
         ));
     }
