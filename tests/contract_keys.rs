@@ -326,3 +326,50 @@ async fn routes_override_the_defaults_by_prefix_and_the_first_match_wins() {
     }
     assert_eq!(upstream.executions("/v1/things/t_1"), 3);
 }
+
+/// A route is matched on the path as upstream routers read it: spelled
+/// with a doubled slash, an encoded letter or a dot segment, a keyless POST
+/// to `payments` still gets its 400, instead of falling to the default
+/// policy and passing unprotected. The path is forwarded as it was sent.
+#[tokio::test]
+async fn a_route_matches_its_path_however_it_is_spelled() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.routes = vec![RouteConfig {
+        name: "payments".into(),
+        path: "/v1/payments".into(),
+        require_key: Some(true),
+        ..Default::default()
+    }];
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    for path in [
+        "/v1//payments",
+        "/v1/%70ayments",
+        "/v1/./payments",
+        "/v1/x/../payments",
+        "/v1/%2e/payments/p_1",
+    ] {
+        let reply = client
+            .send(Method::POST, &proxy.url(path), &[JSON], "{}")
+            .await;
+        assert_eq!(reply.status, 400, "{path}: {reply:?}");
+        assert_eq!(reply.problem(), "missing-key", "{path}");
+    }
+    assert_eq!(upstream.total(), 0, "nothing was forwarded");
+
+    // With a key, protected and forwarded as sent.
+    for n in 1..=2 {
+        let reply = client
+            .send(
+                Method::POST,
+                &proxy.url("/v1//payments"),
+                &[("idempotency-key", "spelled-1"), JSON],
+                "{}",
+            )
+            .await;
+        assert_eq!(reply.status, 201, "{reply:?}");
+        assert_eq!(reply.replayed(), n == 2, "POST #{n}");
+    }
+    assert_eq!(upstream.executions("/v1//payments"), 1);
+}

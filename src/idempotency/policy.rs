@@ -2,6 +2,7 @@
 //! order, first match wins; everything else gets `[idempotency]` under the
 //! route name `default`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -97,7 +98,7 @@ impl Policies {
         Self {
             routes: routes
                 .into_iter()
-                .map(|(prefix, policy)| (prefix, Arc::new(policy)))
+                .map(|(prefix, policy)| (normalize_path(&prefix).into_owned(), Arc::new(policy)))
                 .collect(),
             default: Arc::new(default),
         }
@@ -105,10 +106,17 @@ impl Policies {
 
     /// The policy of the first route whose prefix matches `path` on a segment
     /// boundary (`/v1/pay` matches `/v1/pay` and `/v1/pay/x`, not `/v1/payx`).
+    ///
+    /// Matched on the normalized path ([`normalize_path`]): `/v1//payments`,
+    /// `/v1/%70ayments` and `/v1/./payments` are `/v1/payments` to most
+    /// upstream routers, so they get its policy here too, instead of a
+    /// narrower default under which a keyed POST would pass unprotected.
+    /// The request is still forwarded as it was sent.
     pub fn for_path(&self, path: &str) -> &Arc<Policy> {
+        let path = normalize_path(path);
         self.routes
             .iter()
-            .find(|(prefix, _)| prefix_matches(prefix, path))
+            .find(|(prefix, _)| prefix_matches(prefix, &path))
             .map(|(_, p)| p)
             .unwrap_or(&self.default)
     }
@@ -139,5 +147,105 @@ fn prefix_matches(prefix: &str, path: &str) -> bool {
     match path.strip_prefix(prefix) {
         Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
         None => false,
+    }
+}
+
+/// A path as an upstream router reads it, for matching only (RFC 3986
+/// §6.2.2): percent-encoded unreserved characters decoded (`%70` is `p`;
+/// an encoded `/` or anything else stays encoded, as it names no segment
+/// boundary), empty segments dropped (`//`), and `.` and `..` segments
+/// resolved (§5.2.4; `..` never climbs above the root). A path that needs
+/// none of it, the usual case, is returned as it is, without a copy.
+pub fn normalize_path(path: &str) -> Cow<'_, str> {
+    if !path.contains('%') && !path.contains("//") && !path.contains("/.") {
+        return Cow::Borrowed(path);
+    }
+    let decoded = decode_unreserved(path);
+    let mut segments: Vec<&str> = Vec::new();
+    let mut trailing_slash = false;
+    for segment in decoded.split('/') {
+        trailing_slash = false;
+        match segment {
+            "" | "." => trailing_slash = true,
+            ".." => {
+                segments.pop();
+                trailing_slash = true;
+            }
+            segment => segments.push(segment),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len());
+    for segment in &segments {
+        out.push('/');
+        out.push_str(segment);
+    }
+    if trailing_slash || segments.is_empty() {
+        out.push('/');
+    }
+    Cow::Owned(out)
+}
+
+/// `%XX` decoded where it encodes an unreserved character (ALPHA, DIGIT,
+/// `-`, `.`, `_`, `~`); every other byte as it is.
+fn decode_unreserved(path: &str) -> Cow<'_, str> {
+    if !path.contains('%') {
+        return Cow::Borrowed(path);
+    }
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let decoded = (bytes[i] == b'%')
+            .then(|| path.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+            .filter(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~'));
+        match decoded {
+            Some(b) => {
+                out.push(char::from(b));
+                i += 3;
+            }
+            None => {
+                // Whole characters: `i` is always at a char boundary here,
+                // since only ASCII triples are skipped.
+                let ch = path[i..].chars().next().unwrap_or_default();
+                out.push(ch);
+                i += ch.len_utf8().max(1);
+            }
+        }
+    }
+    Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_matched_as_routers_read_them() {
+        for (sent, read) in [
+            ("/v1/payments", "/v1/payments"),
+            ("/v1//payments", "/v1/payments"),
+            ("//v1/payments/", "/v1/payments/"),
+            ("/v1/%70ayments", "/v1/payments"),
+            ("/v1/%2e/payments", "/v1/payments"),
+            ("/v1/./payments", "/v1/payments"),
+            ("/v1/x/../payments", "/v1/payments"),
+            ("/../../v1/payments", "/v1/payments"),
+            ("/v1/payments/.", "/v1/payments/"),
+            ("/v1/pay%2Fments", "/v1/pay%2Fments"),
+            ("/v1/caf%C3%A9/ü", "/v1/caf%C3%A9/ü"),
+            ("/v1/%7euser", "/v1/~user"),
+            ("/v1/%zz", "/v1/%zz"),
+            ("/v1/%", "/v1/%"),
+            ("/", "/"),
+            ("//", "/"),
+        ] {
+            assert_eq!(normalize_path(sent), read, "{sent}");
+        }
+        assert!(matches!(
+            normalize_path("/v1/payments/p_1"),
+            Cow::Borrowed(_)
+        ));
     }
 }
