@@ -401,6 +401,57 @@ async fn a_begin_the_redis_client_gave_up_on_does_not_block_the_retry() {
     assert_eq!(upstream.executions("/v1/lost"), 1);
 }
 
+/// A Redis that restarted and is reported ready serves the next request:
+/// each traffic worker's connection learns that it broke only when it is
+/// used, and the command it could not send then is sent again on a fresh
+/// one instead of failing its request with 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_requests_after_a_redis_restart_are_served() {
+    let mut redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let c = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix("restart"),
+    );
+    let proxy = ProxyProcess::start(c).await;
+    // Connections held open at once land on different workers, so every
+    // worker opens its own Redis connection.
+    let clients: Vec<TestClient> = (0..4).map(|_| TestClient::new()).collect();
+    for (i, client) in clients.iter().enumerate() {
+        let warm = client
+            .post_json(&proxy.url("/v1/warm"), &format!("warm-{i}"), BODY)
+            .await;
+        assert_eq!(warm.status, 201, "{warm:?}\n{}", proxy.logs());
+    }
+
+    tokio::task::block_in_place(|| redis.restart());
+    let ready = proxy.admin_url("/readyz");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = clients[0].send(http::Method::GET, &ready, &[], "").await;
+        if reply.status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready: {reply:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    for (i, client) in clients.iter().enumerate() {
+        let path = format!("/v1/after-restart/{i}");
+        let reply = client
+            .post_json(&proxy.url(&path), &format!("after-{i}"), BODY)
+            .await;
+        assert_eq!(
+            reply.status,
+            201,
+            "request {i}: {reply:?}\n{}",
+            proxy.logs()
+        );
+        assert_eq!(upstream.executions(&path), 1);
+    }
+}
+
 /// A proxy started while its Redis is down (restarting, or started after
 /// it) waits for it instead of exiting, and serves once it is up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -103,7 +103,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use redis::{RedisError, Script, Value};
 
-use self::connect::{Conn, LoopConnections};
+use self::connect::{Conn, LoopConnections, Resending};
 use self::removals::RemovalChannel;
 use self::value::{
     claim_id, pexpire_ms, read_stored, stored, stored_completed, stored_expires_at, stored_pending,
@@ -238,6 +238,12 @@ impl RedisStore {
     /// [`LoopConnections`]).
     fn conn(&self) -> Conn {
         self.loops.current().unwrap_or_else(|| self.shared.clone())
+    }
+
+    /// [`RedisStore::conn`], for the request path's commands, which are
+    /// sent again once if the connection was gone (see [`Resending`]).
+    fn resending(&self) -> Resending {
+        Resending(self.conn())
     }
 
     /// Tells the other replicas' caches that `key` was removed. The record
@@ -392,7 +398,7 @@ impl RedisStore {
             None => invocation.arg("").arg(0),
         };
         let reply: Value = invocation
-            .invoke_async(&mut self.conn())
+            .invoke_async(&mut self.resending())
             .await
             .map_err(redis_error)?;
         match reply {
@@ -413,7 +419,7 @@ impl RedisStore {
 impl Store for RedisStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         let key = self.redis_key(&begin.key);
-        let mut conn = self.conn();
+        let mut conn = self.resending();
         // The request's token, for every claim this call writes, its
         // takeovers included. The cluster client sends a command again when
         // the connection broke before its reply came, so a `SET` or a
@@ -492,7 +498,7 @@ impl Store for RedisStore {
         let now = self.clock.now_millis();
         let value: Option<Vec<u8>> = redis::cmd("GET")
             .arg(self.redis_key(key))
-            .query_async(&mut self.conn())
+            .query_async(&mut self.resending())
             .await
             .map_err(redis_error)?;
         let Some(value) = value else {
@@ -520,7 +526,7 @@ impl Store for RedisStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         redis::cmd("PING")
-            .query_async::<()>(&mut self.conn())
+            .query_async::<()>(&mut self.resending())
             .await
             .map_err(redis_error)
     }
@@ -533,7 +539,7 @@ impl Store for RedisStore {
 /// `SET key claim NX GET PX …`: writes `claim` if the key is free (`None`),
 /// else leaves the key alone and returns what it holds.
 async fn claim_unless_held(
-    conn: &mut Conn,
+    conn: &mut Resending,
     key: &str,
     claim: &PendingRecord,
     now: UnixMillis,
@@ -555,7 +561,7 @@ async fn claim_unless_held(
 /// holds `current`, what `begin` read and decided on. False when another
 /// writer changed it in between.
 async fn swap(
-    conn: &mut Conn,
+    conn: &mut Resending,
     key: &str,
     current: &[u8],
     replacement: &Record,
