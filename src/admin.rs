@@ -282,7 +282,10 @@ async fn lookup_key(
         .body(())
         .map_err(|e| bad(format!("`headers`: {e}")))?
         .into_parts();
-    let scope = policy.scope.scope(&parts);
+    let scope = policy
+        .scope
+        .scope(&parts)
+        .map_err(|e| bad(format!("`headers` name no caller: {e:?}")))?;
     read(&state, RecordKey::new(&scope, key.as_str())).await
 }
 

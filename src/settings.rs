@@ -7,12 +7,15 @@ use std::sync::Arc;
 
 use http::Method;
 
-use crate::config::{self, Config, IdempotencyConfig, StoreConfig, StoreKind, UpstreamConfig};
+use crate::config::{
+    self, Config, IdempotencyConfig, IdentityConfig, StoreConfig, StoreKind, UpstreamConfig,
+};
 use crate::core::OnStale;
 use crate::forward::{UpstreamSettings, UpstreamUrl};
 use crate::idempotency::fingerprint::{parse_header, validate_pointer, FingerprintRules};
+use crate::idempotency::identity::{IdentitySettings, TokenVerifier};
 use crate::idempotency::policy::{OnAmbiguous, OnInFlight, OnStoreError, Profile};
-use crate::idempotency::scope::{ScopeAttribute, ScopeRules};
+use crate::idempotency::scope::{Anonymous, ScopeAttribute, ScopeRules};
 use crate::idempotency::{Policies, Policy};
 use crate::store::redis::{self, RedisSettings};
 
@@ -67,15 +70,44 @@ pub(crate) fn effective_toml(config: &Config) -> String {
     toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
 }
 
+/// What an operator should hear at startup about `config`: each route that
+/// scopes by the raw `Authorization` header, where a retry sent with a
+/// refreshed token executes again.
+pub(crate) fn warnings(config: &Config) -> Vec<String> {
+    let routes = config
+        .routes
+        .iter()
+        .map(|r| (r.name.as_str(), r.resolve(&config.idempotency)))
+        .chain(std::iter::once(("default", config.idempotency.clone())));
+    routes
+        .filter(|(_, c)| {
+            c.scope
+                .iter()
+                .any(|s| s.eq_ignore_ascii_case("header:authorization"))
+        })
+        .map(|(route, _)| {
+            format!(
+                "route `{route}` scopes keys by the raw Authorization header: a retry sent with a \
+                 refreshed token lands in a new scope and executes again; scope by who calls \
+                 (jwt:sub with [identity], or a tenant header)"
+            )
+        })
+        .collect()
+}
+
 /// The routes' policies, in order, and the default one.
 pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
     let mut problems = Vec::new();
-    let timeout = config.upstream.timeout;
+    let verifier = token_verifier(&config.identity, &mut problems);
+    let shared = Shared {
+        upstream_timeout: config.upstream.timeout,
+        verifier: verifier.as_ref(),
+    };
     let mut routes = Vec::with_capacity(config.routes.len());
     for (i, route) in config.routes.iter().enumerate() {
         let resolved = route.resolve(&config.idempotency);
         let at = format!("routes[{i}]");
-        if let Some(policy) = policy(&at, &route.name, &resolved, timeout, &mut problems) {
+        if let Some(policy) = policy(&at, &route.name, &resolved, &shared, &mut problems) {
             routes.push((route.path.clone(), policy));
         }
     }
@@ -83,7 +115,7 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
         "idempotency",
         "default",
         &config.idempotency,
-        timeout,
+        &shared,
         &mut problems,
     );
     match default {
@@ -92,12 +124,40 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
     }
 }
 
+/// What every route's policy is built with.
+struct Shared<'a> {
+    upstream_timeout: std::time::Duration,
+    /// Set when `[identity] jwks_file` is, and it reads.
+    verifier: Option<&'a TokenVerifier>,
+}
+
+/// The verifier of `[identity]`, when a key set is configured.
+fn token_verifier(identity: &IdentityConfig, problems: &mut Vec<String>) -> Option<TokenVerifier> {
+    let path = identity.jwks_file.as_ref()?;
+    let jwks = match std::fs::read_to_string(path) {
+        Ok(jwks) => jwks,
+        Err(e) => {
+            problems.push(format!("identity.jwks_file: {}: {e}", path.display()));
+            return None;
+        }
+    };
+    let settings = IdentitySettings {
+        jwks,
+        issuer: identity.issuer.clone(),
+        audience: identity.audience.clone(),
+        leeway: identity.leeway,
+    };
+    TokenVerifier::new(&settings)
+        .map_err(|why| problems.push(format!("identity.jwks_file: {}: {why}", path.display())))
+        .ok()
+}
+
 /// One route's policy, or `None` with its problems added to `problems`.
 fn policy(
     at: &str,
     route: &str,
     c: &IdempotencyConfig,
-    upstream_timeout: std::time::Duration,
+    shared: &Shared<'_>,
     problems: &mut Vec<String>,
 ) -> Option<Policy> {
     let before = problems.len();
@@ -123,6 +183,7 @@ fn policy(
         str::parse::<ScopeAttribute>,
         problems,
     );
+    let scope = scope_rules(at, scope, c.anonymous, shared.verifier, problems);
     if problems.len() > before {
         return None;
     }
@@ -132,7 +193,7 @@ fn policy(
         require_key: c.require_key,
         profile: profile(c.profile),
         ttl: c.ttl,
-        lease: upstream_timeout + c.lease_margin,
+        lease: shared.upstream_timeout + c.lease_margin,
         on_in_flight: on_in_flight(c.on_in_flight),
         wait_timeout: c.wait_timeout,
         on_store_error: on_store_error(c.on_store_error),
@@ -142,8 +203,35 @@ fn policy(
         max_request_bytes: c.max_request_bytes,
         max_response_bytes: c.max_response_bytes,
         fingerprint: FingerprintRules::new(headers, ignore),
-        scope: ScopeRules::new(scope),
+        scope,
     })
+}
+
+/// The scope rules of one route: `jwt:` attributes need the key set.
+fn scope_rules(
+    at: &str,
+    attributes: Vec<ScopeAttribute>,
+    anonymous: config::Anonymous,
+    verifier: Option<&TokenVerifier>,
+    problems: &mut Vec<String>,
+) -> ScopeRules {
+    let needs_tokens = attributes
+        .iter()
+        .any(|a| matches!(a, ScopeAttribute::Jwt(_)));
+    let rules = ScopeRules::new(attributes).anonymous(match anonymous {
+        config::Anonymous::Shared => Anonymous::Shared,
+        config::Anonymous::Reject => Anonymous::Reject,
+    });
+    match verifier {
+        Some(verifier) if needs_tokens => rules.verifier(verifier.clone()),
+        None if needs_tokens => {
+            problems.push(format!(
+                "{at}.scope: a `jwt:` attribute needs [identity] jwks_file, the keys its tokens are verified with"
+            ));
+            rules
+        }
+        _ => rules,
+    }
 }
 
 /// Parses every entry of the list `field` of `at`, reporting each one that
@@ -478,5 +566,18 @@ mod tests {
             }
         }
         assert!(loaded >= 2, "{loaded} example files");
+    }
+
+    #[test]
+    fn a_route_scoped_by_the_raw_authorization_header_is_warned_about() {
+        let warned = warnings(&Config::default());
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert!(warned[0].contains("`default`") && warned[0].contains("refreshed token"));
+        let mut c = config();
+        c.idempotency.scope = vec!["jwt:sub".into()];
+        c.routes[0].scope = Some(vec!["Header:Authorization".into()]);
+        let warned = warnings(&c);
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert!(warned[0].contains("`payments`"), "{warned:?}");
     }
 }

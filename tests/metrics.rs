@@ -21,7 +21,7 @@ use tokio::time::Instant;
 const ARRIVAL: Duration = Duration::from_secs(5);
 
 /// The `outcome` values the README lists for `idemproxy_requests_total`.
-const OUTCOMES: [&str; 17] = [
+const OUTCOMES: [&str; 18] = [
     "executed",
     "replayed",
     "mismatch",
@@ -39,6 +39,7 @@ const OUTCOMES: [&str; 17] = [
     "shutting_down",
     "unprotected",
     "client_closed",
+    "unauthenticated",
 ];
 
 /// One sample line of the text exposition: `name{labels} value`.

@@ -30,6 +30,8 @@ pub struct Config {
     pub store: StoreConfig,
     pub idempotency: IdempotencyConfig,
     pub routes: Vec<RouteConfig>,
+    /// How callers are identified for `jwt:<claim>` scopes.
+    pub identity: IdentityConfig,
     pub log: LogConfig,
     /// On SIGTERM/SIGINT: how long open connections and running executions
     /// get to finish (and store their outcomes) before the process exits.
@@ -66,6 +68,7 @@ impl Default for Config {
             store: StoreConfig::default(),
             idempotency: IdempotencyConfig::default(),
             routes: Vec::new(),
+            identity: IdentityConfig::default(),
             log: LogConfig::default(),
             drain_timeout: Duration::from_secs(35),
             workers: 0,
@@ -230,6 +233,44 @@ pub enum OnAmbiguous {
     Release,
 }
 
+/// What a covered request that names no caller gets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Anonymous {
+    /// The shared anonymous scope.
+    #[default]
+    Shared,
+    /// 401 `missing-identity`.
+    Reject,
+}
+
+/// Bearer tokens that name their caller (`jwt:<claim>` scope attributes).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdentityConfig {
+    /// A JWKS file (`{"keys": [...]}`) of the keys tokens are signed with
+    /// (RS256, ES256, EdDSA). Read at startup.
+    pub jwks_file: Option<PathBuf>,
+    /// Required `iss` claim, if set.
+    pub issuer: Option<String>,
+    /// Required `aud` claim, if set.
+    pub audience: Option<String>,
+    /// Clock skew allowed on `exp` and `nbf`.
+    #[serde(with = "humantime_serde")]
+    pub leeway: Duration,
+}
+
+impl Default for IdentityConfig {
+    fn default() -> Self {
+        Self {
+            jwks_file: None,
+            issuer: None,
+            audience: None,
+            leeway: Duration::from_secs(60),
+        }
+    }
+}
+
 /// What to do with a pending record whose lease expired (its holder died
 /// mid-call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -266,6 +307,7 @@ pub struct IdempotencyConfig {
     pub fingerprint_headers: Vec<String>,
     pub fingerprint_ignore: Vec<String>,
     pub scope: Vec<String>,
+    pub anonymous: Anonymous,
 }
 
 impl Default for IdempotencyConfig {
@@ -287,6 +329,7 @@ impl Default for IdempotencyConfig {
             fingerprint_headers: Vec::new(),
             fingerprint_ignore: Vec::new(),
             scope: vec!["header:authorization".into()],
+            anonymous: Anonymous::Shared,
         }
     }
 }
@@ -317,6 +360,7 @@ pub struct RouteConfig {
     pub fingerprint_headers: Option<Vec<String>>,
     pub fingerprint_ignore: Option<Vec<String>>,
     pub scope: Option<Vec<String>>,
+    pub anonymous: Option<Anonymous>,
 }
 
 impl RouteConfig {
@@ -346,6 +390,7 @@ impl RouteConfig {
                 .clone()
                 .unwrap_or(d.fingerprint_ignore),
             scope: self.scope.clone().unwrap_or(d.scope),
+            anonymous: self.anonymous.unwrap_or(d.anonymous),
         }
     }
 }

@@ -24,6 +24,7 @@ use super::layer::Settings;
 use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policy};
 use super::rejection::Rejection;
 use super::replay::replay;
+use super::scope::ScopeError;
 use super::settle::Settling;
 use super::store_call::{owned_begin, release_unanswered_claim, timed};
 use crate::core::{
@@ -107,6 +108,18 @@ where
     /// until it answers (see [`DetachOnDrop`]).
     pub(super) async fn start(mut self, req: Request<Body>, key: IdempotencyKey) -> Response<Body> {
         let (parts, body) = req.into_parts();
+        // Who calls, before reading a body for a caller that cannot say.
+        let scope = match self.policy.scope.scope(&parts) {
+            Ok(scope) => scope,
+            Err(ScopeError::InvalidToken(why)) => {
+                let rejection = Rejection::InvalidToken { why };
+                return self.reject(RequestOutcome::Unauthenticated, rejection);
+            }
+            Err(ScopeError::MissingIdentity) => {
+                let rejection = Rejection::MissingIdentity;
+                return self.reject(RequestOutcome::Unauthenticated, rejection);
+            }
+        };
         let read = read_request_body(&parts.headers, body, self.policy.max_request_bytes);
         let body = match tokio::time::timeout(self.settings.request_body_timeout, read).await {
             Ok(Ok(body)) => body,
@@ -117,7 +130,6 @@ where
             }
         };
         let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
-        let scope = self.policy.scope.scope(&parts);
         let record_key = RecordKey::new(&scope, key.as_str());
         self.log.set_key(record_key);
         let claim = Claim {

@@ -26,6 +26,7 @@ mod body;
 mod detach;
 mod exchange;
 pub mod fingerprint;
+pub mod identity;
 mod jcs;
 pub mod key;
 mod layer;

@@ -72,6 +72,13 @@ pub enum Rejection {
     /// A bug in the proxy: the task answering the request ended without an
     /// answer. The key, if claimed, is settled by its lease.
     Internal,
+    /// A covered request whose bearer token does not verify: the scope it
+    /// names cannot be trusted, so nothing is claimed or forwarded.
+    InvalidToken {
+        why: String,
+    },
+    /// A covered request that names no caller, under `anonymous = "reject"`.
+    MissingIdentity,
 }
 
 impl Rejection {
@@ -93,6 +100,8 @@ impl Rejection {
             Rejection::PassthroughFailed { .. } => "upstream-failed",
             Rejection::Internal => "internal",
             Rejection::ShuttingDown => "shutting-down",
+            Rejection::InvalidToken { .. } => "invalid-token",
+            Rejection::MissingIdentity => "missing-identity",
         }
     }
 
@@ -115,6 +124,9 @@ impl Rejection {
             | (Rejection::PassthroughFailed { timeout: false }, _) => StatusCode::BAD_GATEWAY,
             (Rejection::PassthroughFailed { timeout: true }, _) => StatusCode::GATEWAY_TIMEOUT,
             (Rejection::Internal, _) => StatusCode::INTERNAL_SERVER_ERROR,
+            (Rejection::InvalidToken { .. }, _) | (Rejection::MissingIdentity, _) => {
+                StatusCode::UNAUTHORIZED
+            }
             (Rejection::OutcomeUnknown { cause, .. }, _) => {
                 StatusCode::from_u16(cause.status()).unwrap_or(StatusCode::BAD_GATEWAY)
             }
@@ -138,6 +150,8 @@ impl Rejection {
             Rejection::PassthroughFailed { .. } => "Upstream request failed",
             Rejection::Internal => "Internal proxy error",
             Rejection::ShuttingDown => "Proxy shutting down",
+            Rejection::InvalidToken { .. } => "Bearer token not accepted",
+            Rejection::MissingIdentity => "Caller identity required",
         }
     }
 
@@ -205,6 +219,13 @@ impl Rejection {
                  or forwarded. Retrying is safe."
                     .into()
             }
+            Rejection::InvalidToken { why } => format!(
+                "The bearer token did not verify ({why}); nothing was claimed or forwarded. \
+                 Retry with the same key and a valid token."
+            ),
+            Rejection::MissingIdentity => "This route requires a caller identity (a bearer token \
+                 naming the caller); nothing was claimed or forwarded."
+                .into(),
         }
     }
 
@@ -232,6 +253,8 @@ impl Rejection {
             | Rejection::ResponseNotStored { .. }
             | Rejection::MissingKey
             | Rejection::InvalidKey(_)
+            | Rejection::InvalidToken { .. }
+            | Rejection::MissingIdentity
             | Rejection::BodyTooLarge { .. } => Some(false),
             Rejection::InFlight { .. }
             | Rejection::StoreUnavailable { .. }
@@ -272,6 +295,17 @@ impl Rejection {
             headers.insert(
                 RETRY_AFTER_MS,
                 HeaderValue::from(retry_after.as_millis() as u64),
+            );
+        }
+        if let Rejection::InvalidToken { .. } = self {
+            headers.insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer error=\"invalid_token\""),
+            );
+        } else if let Rejection::MissingIdentity = self {
+            headers.insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
             );
         }
         if let Rejection::ShuttingDown = self {

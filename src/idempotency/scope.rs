@@ -8,10 +8,14 @@
 //! (`RecordKey`), so credentials are never stored, logged or compared in
 //! the clear.
 //!
-//! Attribute values are hashed as received, byte for byte: `Bearer x` and
-//! `bearer x` are different scopes. Normalizing would require knowing each
-//! auth scheme, and a spurious split only costs a replay, whereas a
-//! spurious merge would leak a response across callers.
+//! Header values are hashed as received, byte for byte: `Bearer x` and
+//! `bearer x` are different scopes. A spurious split is not harmless: a
+//! retry that lands in another scope executes again. So the scope must
+//! name *who calls*, not the credential it calls with: a bearer token is
+//! refreshed between a lost response and the retry, and
+//! `header:authorization` then splits one caller's keys. `jwt:<claim>`
+//! (see [`identity`](super::identity)) names the caller by a claim of its
+//! verified token, the same across refreshes.
 
 use std::fmt;
 use std::str::FromStr;
@@ -20,6 +24,8 @@ use std::sync::LazyLock;
 use http::request::Parts;
 use http::HeaderName;
 use sha2::{Digest, Sha256};
+
+use super::identity::{bearer, TokenVerifier};
 
 /// Bumping this moves every key to a new namespace (all stored records
 /// become unreachable); do it only with the record format.
@@ -39,18 +45,35 @@ pub fn anonymous_scope() -> [u8; 32] {
 }
 
 const HEADER_PREFIX: &str = "header:";
+const JWT_PREFIX: &str = "jwt:";
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ScopeAttribute {
+    /// A request header's values, as sent.
     Header(HeaderName),
+    /// A claim of the verified bearer token (`Authorization: Bearer`).
+    Jwt(String),
 }
 
 /// Accepts `header:<name>` (the prefix is case-insensitive, the name is
-/// lower-cased), the form used in the `scope` configuration list.
+/// lower-cased) and `jwt:<claim>` (the claim as named in the token), the
+/// forms used in the `scope` configuration list.
 impl FromStr for ScopeAttribute {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(claim) = s
+            .get(..JWT_PREFIX.len())
+            .filter(|p| p.eq_ignore_ascii_case(JWT_PREFIX))
+            .and_then(|_| s.get(JWT_PREFIX.len()..))
+        {
+            if claim.is_empty() || claim.contains(char::is_whitespace) {
+                return Err(format!(
+                    "`{s}` names no claim; expected `jwt:<claim>`, e.g. `jwt:sub`"
+                ));
+            }
+            return Ok(ScopeAttribute::Jwt(claim.to_owned()));
+        }
         let prefix = s.get(..HEADER_PREFIX.len());
         match prefix {
             Some(p) if p.eq_ignore_ascii_case(HEADER_PREFIX) => {
@@ -70,8 +93,8 @@ impl FromStr for ScopeAttribute {
                     })
             }
             _ => Err(format!(
-                "`{s}` is not a scope attribute; the accepted form is `header:<name>`, \
-                 e.g. `header:authorization`"
+                "`{s}` is not a scope attribute; the accepted forms are `jwt:<claim>` \
+                 (e.g. `jwt:sub`) and `header:<name>` (e.g. `header:x-tenant-id`)"
             )),
         }
     }
@@ -82,18 +105,59 @@ impl fmt::Display for ScopeAttribute {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ScopeAttribute::Header(name) => write!(f, "{HEADER_PREFIX}{name}"),
+            ScopeAttribute::Jwt(claim) => write!(f, "{JWT_PREFIX}{claim}"),
         }
     }
+}
+
+/// What a request without any identity gets (`anonymous`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Anonymous {
+    /// The shared anonymous scope: keys there are only as private as they
+    /// are unguessable.
+    #[default]
+    Shared,
+    /// 401 `missing-identity`: every covered request must say who calls.
+    Reject,
+}
+
+/// Why a request has no scope to run under.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ScopeError {
+    /// A bearer token that does not verify (401 `invalid-token`).
+    InvalidToken(String),
+    /// None of the attributes is present and `anonymous = "reject"`
+    /// (401 `missing-identity`).
+    MissingIdentity,
 }
 
 #[derive(Clone, Debug, Default)]
 pub struct ScopeRules {
     pub attributes: Vec<ScopeAttribute>,
+    /// Verifies tokens for `jwt:` attributes; set when one is configured.
+    pub verifier: Option<TokenVerifier>,
+    pub anonymous: Anonymous,
 }
 
 impl ScopeRules {
     pub fn new(attributes: Vec<ScopeAttribute>) -> Self {
-        Self { attributes }
+        Self {
+            attributes,
+            verifier: None,
+            anonymous: Anonymous::Shared,
+        }
+    }
+
+    /// Tokens for `jwt:` attributes are verified by `verifier`.
+    pub fn verifier(mut self, verifier: TokenVerifier) -> Self {
+        self.verifier = Some(verifier);
+        self
+    }
+
+    /// What a request without any identity gets.
+    pub fn anonymous(mut self, anonymous: Anonymous) -> Self {
+        self.anonymous = anonymous;
+        self
     }
 
     /// Parses a `scope` list, naming the first bad entry: for tests and
@@ -114,12 +178,16 @@ impl ScopeRules {
     /// different namespaces, which is deterministic for a given config.
     ///
     /// When no attribute is present the request has no identity to scope
-    /// by, and lands in [`anonymous_scope`] regardless of configuration, so
-    /// anonymous callers of differently configured routes still agree.
-    pub fn scope(&self, parts: &Parts) -> [u8; 32] {
+    /// by: it lands in [`anonymous_scope`] regardless of configuration, so
+    /// anonymous callers of differently configured routes still agree, or
+    /// is refused under `anonymous = "reject"`. A bearer token that a
+    /// `jwt:` attribute needs and that does not verify is refused.
+    pub fn scope(&self, parts: &Parts) -> Result<[u8; 32], ScopeError> {
         let mut h = Sha256::new();
         h.update(DOMAIN);
         let mut any_present = false;
+        // Verified once, whatever the number of `jwt:` attributes.
+        let mut claims = None;
         for attr in &self.attributes {
             match attr {
                 ScopeAttribute::Header(name) => {
@@ -132,13 +200,50 @@ impl ScopeRules {
                     }
                     h.update([0]);
                 }
+                ScopeAttribute::Jwt(claim) => {
+                    h.update(b"J");
+                    put_field(&mut h, claim.as_bytes());
+                    if claims.is_none() {
+                        claims = Some(self.verified_claims(parts)?);
+                    }
+                    let value = claims.as_ref().and_then(|c| c.as_ref()?.get(claim));
+                    if let Some(value) = value.filter(|v| !v.is_null()) {
+                        any_present = true;
+                        h.update([1]);
+                        match value {
+                            serde_json::Value::String(s) => put_field(&mut h, s.as_bytes()),
+                            other => put_field(&mut h, other.to_string().as_bytes()),
+                        }
+                    }
+                    h.update([0]);
+                }
             }
         }
-        if any_present {
-            h.finalize().into()
-        } else {
-            anonymous_scope()
+        match (any_present, self.anonymous) {
+            (true, _) => Ok(h.finalize().into()),
+            (false, Anonymous::Shared) => Ok(anonymous_scope()),
+            (false, Anonymous::Reject) => Err(ScopeError::MissingIdentity),
         }
+    }
+
+    /// The claims of the request's bearer token; `None` without one.
+    fn verified_claims(
+        &self,
+        parts: &Parts,
+    ) -> Result<Option<serde_json::Map<String, serde_json::Value>>, ScopeError> {
+        let Some(header) = parts.headers.get(http::header::AUTHORIZATION) else {
+            return Ok(None);
+        };
+        let token = bearer(header.as_bytes())
+            .ok_or_else(|| ScopeError::InvalidToken("not a bearer token".into()))?;
+        let verifier = self
+            .verifier
+            .as_ref()
+            .ok_or_else(|| ScopeError::InvalidToken("no key set to verify it with".into()))?;
+        verifier
+            .verify(token)
+            .map(Some)
+            .map_err(ScopeError::InvalidToken)
     }
 }
 
@@ -231,60 +336,82 @@ mod tests {
     fn different_authorization_different_scope() {
         let r = default_rules();
         assert_ne!(
-            r.scope(&parts(&[("authorization", "Bearer alice")])),
+            r.scope(&parts(&[("authorization", "Bearer alice")]))
+                .expect("scope"),
             r.scope(&parts(&[("authorization", "Bearer bob")]))
+                .expect("scope")
         );
         // Byte for byte: no scheme normalization.
         assert_ne!(
-            r.scope(&parts(&[("authorization", "Bearer alice")])),
+            r.scope(&parts(&[("authorization", "Bearer alice")]))
+                .expect("scope"),
             r.scope(&parts(&[("authorization", "bearer alice")]))
+                .expect("scope")
         );
     }
 
     #[test]
     fn same_authorization_same_scope() {
         let r = default_rules();
-        let a = r.scope(&parts(&[
-            ("authorization", "Bearer alice"),
-            ("x-other", "1"),
-        ]));
-        let b = r.scope(&parts(&[
-            ("authorization", "Bearer alice"),
-            ("x-other", "2"),
-        ]));
+        let a = r
+            .scope(&parts(&[
+                ("authorization", "Bearer alice"),
+                ("x-other", "1"),
+            ]))
+            .expect("scope");
+        let b = r
+            .scope(&parts(&[
+                ("authorization", "Bearer alice"),
+                ("x-other", "2"),
+            ]))
+            .expect("scope");
         assert_eq!(a, b);
         // And it is stable across rule instances (replicas, restarts).
         assert_eq!(
             a,
-            default_rules().scope(&parts(&[("authorization", "Bearer alice")]))
+            default_rules()
+                .scope(&parts(&[("authorization", "Bearer alice")]))
+                .expect("scope")
         );
     }
 
     #[test]
     fn absent_is_the_anonymous_scope() {
         let r = default_rules();
-        let a = r.scope(&parts(&[]));
-        let b = r.scope(&parts(&[("x-other", "1")]));
+        let a = r.scope(&parts(&[])).expect("scope");
+        let b = r.scope(&parts(&[("x-other", "1")])).expect("scope");
         assert_eq!(a, anonymous_scope());
         assert_eq!(a, b);
         assert_eq!(
-            ScopeRules::default().scope(&parts(&[("authorization", "x")])),
+            ScopeRules::default()
+                .scope(&parts(&[("authorization", "x")]))
+                .expect("scope"),
             a
         );
-        assert_eq!(rules(&["header:x-a", "header:x-b"]).scope(&parts(&[])), a);
+        assert_eq!(
+            rules(&["header:x-a", "header:x-b"])
+                .scope(&parts(&[]))
+                .expect("scope"),
+            a
+        );
     }
 
     #[test]
     fn empty_credential_is_not_anonymous() {
         let r = default_rules();
-        assert_ne!(r.scope(&parts(&[("authorization", "")])), anonymous_scope());
+        assert_ne!(
+            r.scope(&parts(&[("authorization", "")])).expect("scope"),
+            anonymous_scope()
+        );
     }
 
     #[test]
     fn scope_does_not_contain_the_credential() {
         let r = default_rules();
         let secret = "Bearer sk_live_0123456789abcdef";
-        let scope = r.scope(&parts(&[("authorization", secret)]));
+        let scope = r
+            .scope(&parts(&[("authorization", secret)]))
+            .expect("scope");
         assert_ne!(&scope[..], secret.as_bytes().get(..32).unwrap_or_default());
         assert!(!hex::encode(scope).contains("0123456789abcdef"));
     }
@@ -304,39 +431,46 @@ mod tests {
         // Values cannot slide between attributes.
         let r = rules(&["header:x-a", "header:x-b"]);
         assert_ne!(
-            r.scope(&parts(&[("x-a", "12")])),
+            r.scope(&parts(&[("x-a", "12")])).expect("scope"),
             r.scope(&parts(&[("x-a", "1"), ("x-b", "2")]))
+                .expect("scope")
         );
         assert_ne!(
-            r.scope(&parts(&[("x-a", "1")])),
-            r.scope(&parts(&[("x-b", "1")]))
+            r.scope(&parts(&[("x-a", "1")])).expect("scope"),
+            r.scope(&parts(&[("x-b", "1")])).expect("scope")
         );
         // Multiple values: all count, in order.
         let one = rules(&["header:x-a"]);
         assert_ne!(
-            one.scope(&parts(&[("x-a", "1"), ("x-a", "2")])),
+            one.scope(&parts(&[("x-a", "1"), ("x-a", "2")]))
+                .expect("scope"),
             one.scope(&parts(&[("x-a", "2"), ("x-a", "1")]))
+                .expect("scope")
         );
         assert_ne!(
-            one.scope(&parts(&[("x-a", "1"), ("x-a", "2")])),
-            one.scope(&parts(&[("x-a", "12")]))
+            one.scope(&parts(&[("x-a", "1"), ("x-a", "2")]))
+                .expect("scope"),
+            one.scope(&parts(&[("x-a", "12")])).expect("scope")
         );
     }
 
     #[test]
     fn partially_present_is_not_anonymous() {
         let r = rules(&["header:authorization", "header:x-tenant"]);
-        let only_tenant = r.scope(&parts(&[("x-tenant", "t1")]));
+        let only_tenant = r.scope(&parts(&[("x-tenant", "t1")])).expect("scope");
         assert_ne!(only_tenant, anonymous_scope());
-        assert_ne!(only_tenant, r.scope(&parts(&[("x-tenant", "t2")])));
+        assert_ne!(
+            only_tenant,
+            r.scope(&parts(&[("x-tenant", "t2")])).expect("scope")
+        );
     }
 
     proptest! {
         #[test]
         fn distinct_credentials_distinct_scopes(a in "[ -~]{0,40}", b in "[ -~]{0,40}") {
             let r = default_rules();
-            let sa = r.scope(&parts(&[("authorization", a.as_str())]));
-            let sb = r.scope(&parts(&[("authorization", b.as_str())]));
+            let sa = r.scope(&parts(&[("authorization", a.as_str())])).expect("scope");
+            let sb = r.scope(&parts(&[("authorization", b.as_str())])).expect("scope");
             // HeaderValue parsing trims nothing, so equal iff equal bytes.
             prop_assert_eq!(sa == sb, a == b);
             prop_assert_ne!(sa, anonymous_scope());

@@ -44,10 +44,13 @@ pub enum RequestOutcome {
     /// waiting for the upstream (which is cancelled). A covered execution
     /// whose client leaves runs on and gets its own outcome.
     ClientClosed,
+    /// A covered request that could not say who calls: a bearer token that
+    /// did not verify, or none under `anonymous = "reject"` (401).
+    Unauthenticated,
 }
 
 impl RequestOutcome {
-    pub const ALL: [RequestOutcome; 17] = [
+    pub const ALL: [RequestOutcome; 18] = [
         RequestOutcome::Executed,
         RequestOutcome::Replayed,
         RequestOutcome::Mismatch,
@@ -65,6 +68,7 @@ impl RequestOutcome {
         RequestOutcome::Overloaded,
         RequestOutcome::ShuttingDown,
         RequestOutcome::ClientClosed,
+        RequestOutcome::Unauthenticated,
     ];
 
     /// Position in [`Self::ALL`].
@@ -91,6 +95,7 @@ impl RequestOutcome {
             RequestOutcome::Overloaded => "overloaded",
             RequestOutcome::ShuttingDown => "shutting_down",
             RequestOutcome::ClientClosed => "client_closed",
+            RequestOutcome::Unauthenticated => "unauthenticated",
         }
     }
 }

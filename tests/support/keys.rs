@@ -27,7 +27,7 @@ pub fn parts(method: Method, target: &str, headers: &[(&str, &str)]) -> Parts {
 /// The record key of `key` under the default scope (`header:authorization`).
 pub fn record_key(parts: &Parts, key: &str) -> RecordKey {
     let scope = ScopeRules::parse(&["header:authorization".into()]).expect("default scope rules");
-    RecordKey::new(&scope.scope(parts), key)
+    RecordKey::new(&scope.scope(parts).expect("the default scope"), key)
 }
 
 /// The fingerprint under the default rules (no extra headers, no ignores).

@@ -7,4 +7,5 @@ pub mod keys;
 pub mod proxy;
 pub mod raw;
 pub mod redis_server;
+pub mod tokens;
 pub mod upstream;

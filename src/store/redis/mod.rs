@@ -89,8 +89,10 @@
 //! A value that is not a record this build can read surfaces as
 //! [`StoreError::Corrupt`].
 
+mod claim;
 mod connect;
 mod removals;
+mod resending;
 mod value;
 
 pub use connect::{check_url, redact_url};
@@ -103,17 +105,17 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use redis::{RedisError, Script, Value};
 
-use self::connect::{Conn, LoopConnections, Resending};
+use self::claim::{claim_unless_held, decide_read, swap};
+use self::connect::{Conn, LoopConnections};
 use self::removals::RemovalChannel;
+use self::resending::Resending;
 use self::value::{
-    claim_id, pexpire_ms, read_stored, stored, stored_completed, stored_expires_at, stored_pending,
-    unexpected, Reply,
+    claim_id, pexpire_ms, read_stored, stored_completed, stored_expires_at, unexpected, Reply,
 };
 use super::RemovalWatcher;
 use super::{Begin, BeginOutcome, Removal, Removed, SharedStore, Store, StoreError};
 use crate::core::{
-    decide_begin, new_claim, running_lease, Clock, CompletedRecord, FencingToken, PendingRecord,
-    Record, RecordKey, UnixMillis,
+    new_claim, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
 };
 
 struct Scripts {
@@ -534,67 +536,6 @@ impl Store for RedisStore {
     fn kind(&self) -> &'static str {
         self.kind
     }
-}
-
-/// `SET key claim NX GET PX …`: writes `claim` if the key is free (`None`),
-/// else leaves the key alone and returns what it holds.
-async fn claim_unless_held(
-    conn: &mut Resending,
-    key: &str,
-    claim: &PendingRecord,
-    now: UnixMillis,
-) -> Result<Option<Bytes>, StoreError> {
-    let current: Option<Vec<u8>> = redis::cmd("SET")
-        .arg(key)
-        .arg(stored_pending(claim))
-        .arg("NX")
-        .arg("GET")
-        .arg("PX")
-        .arg(pexpire_ms(claim.expires_at, now))
-        .query_async(conn)
-        .await
-        .map_err(redis_error)?;
-    Ok(current.map(Bytes::from))
-}
-
-/// `swap.lua`: replaces the key's value with `replacement` only if it still
-/// holds `current`, what `begin` read and decided on. False when another
-/// writer changed it in between.
-async fn swap(
-    conn: &mut Resending,
-    key: &str,
-    current: &[u8],
-    replacement: &Record,
-    now: UnixMillis,
-) -> Result<bool, StoreError> {
-    let swapped: i64 = SCRIPTS
-        .swap
-        .key(key)
-        .arg(current)
-        .arg(stored(replacement))
-        .arg(pexpire_ms(replacement.expires_at(), now))
-        .invoke_async(conn)
-        .await
-        .map_err(redis_error)?;
-    Ok(swapped == 1)
-}
-
-/// What `begin` makes of the record a `SET … NX GET` read back: this
-/// call's own claim (`token`: a command the cluster client sent twice),
-/// or [`decide_begin`]'s decision on it, the record absent once expired by
-/// this proxy's clock (whenever Redis reclaims it).
-fn decide_read(
-    begin: &Begin,
-    existing: Record,
-    now: UnixMillis,
-    took_over: bool,
-) -> (BeginOutcome, Option<Record>) {
-    if matches!(&existing, Record::Pending(p) if p.token == begin.token) {
-        let token = begin.token;
-        return (BeginOutcome::Acquired { token, took_over }, None);
-    }
-    let live = (existing.expires_at() > now).then_some(existing);
-    decide_begin(begin, live, now)
 }
 
 /// A failed command. A value of the wrong type under a record key (for the

@@ -1,0 +1,236 @@
+//! Scopes that survive token refresh: `jwt:<claim>` names the caller by a
+//! claim of its verified bearer token, so a retry sent with a refreshed
+//! token is the same caller's retry, and a token that does not verify
+//! chooses no scope (401 `invalid-token`, nothing forwarded).
+
+mod support;
+
+use std::time::Duration;
+
+use http::Method;
+use idemproxy::config::{Anonymous, RouteConfig};
+use idemproxy::idempotency::identity::{IdentitySettings, TokenVerifier};
+use serde_json::json;
+use support::proxy::{config, TestClient, TestProxy};
+use support::tokens::{at, jwks, Signer};
+use support::upstream::TestUpstream;
+
+const JSON: (&str, &str) = ("content-type", "application/json");
+const ISSUER: &str = "https://auth.test/";
+const AUDIENCE: &str = "payments";
+
+fn claims(sub: &str, jti: u32) -> serde_json::Value {
+    json!({ "sub": sub, "iss": ISSUER, "aud": AUDIENCE, "iat": at(0), "exp": at(600), "jti": jti })
+}
+
+fn verifier(signers: &[&Signer]) -> TokenVerifier {
+    TokenVerifier::new(&IdentitySettings {
+        jwks: jwks(signers),
+        issuer: Some(ISSUER.into()),
+        audience: Some(AUDIENCE.into()),
+        leeway: Duration::from_secs(5),
+    })
+    .expect("key set")
+}
+
+#[test]
+fn tokens_verify_by_key_algorithm_expiry_issuer_and_audience() {
+    let (es, ed) = (Signer::es256("es-1"), Signer::eddsa("ed-1"));
+    let v = verifier(&[&es, &ed]);
+    for signer in [&es, &ed] {
+        let verified = v
+            .verify(&signer.token(claims("alice", 1)))
+            .expect("verifies");
+        assert_eq!(verified["sub"], "alice");
+    }
+    let refused = |claims: serde_json::Value, signer: &Signer, why: &str| {
+        let err = v.verify(&signer.token(claims)).expect_err(why);
+        assert!(!err.is_empty(), "{why}");
+    };
+    let mut expired = claims("alice", 2);
+    expired["exp"] = at(-60).into();
+    refused(expired, &es, "expired past the leeway");
+    let mut early = claims("alice", 3);
+    early["nbf"] = at(600).into();
+    refused(early, &es, "not yet valid");
+    let mut other_issuer = claims("alice", 4);
+    other_issuer["iss"] = "https://evil.test/".into();
+    refused(other_issuer, &ed, "another issuer");
+    let mut other_audience = claims("alice", 5);
+    other_audience["aud"] = "mail".into();
+    refused(other_audience, &ed, "another audience");
+    let mut no_expiry = claims("alice", 6);
+    no_expiry.as_object_mut().expect("object").remove("exp");
+    refused(no_expiry, &es, "no exp");
+    // A key the set does not hold, even under a kid it does.
+    refused(claims("alice", 7), &Signer::es256("es-1"), "unknown key");
+    refused(claims("alice", 8), &Signer::es256("es-9"), "unknown kid");
+    // HS256: a shared secret is no proof of who signed.
+    let hs = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims("alice", 9),
+        &jsonwebtoken::EncodingKey::from_secret(b"secret"),
+    )
+    .expect("sign");
+    assert!(v.verify(&hs).is_err(), "HS256 refused");
+    assert!(v.verify("not.a.token").is_err());
+}
+
+#[test]
+fn a_key_set_without_usable_keys_is_refused() {
+    for bad in [
+        "{}",
+        r#"{"keys": []}"#,
+        r#"{"keys": [{"kty": "oct", "k": "c2VjcmV0", "alg": "HS256"}]}"#,
+        "not json",
+    ] {
+        let err = TokenVerifier::new(&IdentitySettings {
+            jwks: bad.into(),
+            ..IdentitySettings::default()
+        })
+        .expect_err(bad);
+        assert!(!err.is_empty());
+    }
+}
+
+/// The proxy in front of a counting upstream, scoping by `jwt:sub` on
+/// `/v1/payments` and by the raw header on `/v1/legacy`.
+async fn proxy_with_identity(signers: &[&Signer]) -> (TestUpstream, TestProxy, tempfile::TempDir) {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jwks_file = dir.path().join("jwks.json");
+    std::fs::write(&jwks_file, jwks(signers)).expect("write the key set");
+    let mut c = config(&upstream.url());
+    c.identity.jwks_file = Some(jwks_file);
+    c.identity.issuer = Some(ISSUER.into());
+    c.identity.audience = Some(AUDIENCE.into());
+    c.routes = vec![
+        RouteConfig {
+            name: "payments".into(),
+            path: "/v1/payments".into(),
+            scope: Some(vec!["jwt:sub".into()]),
+            anonymous: Some(Anonymous::Reject),
+            ..Default::default()
+        },
+        RouteConfig {
+            name: "legacy".into(),
+            path: "/v1/legacy".into(),
+            scope: Some(vec!["header:authorization".into()]),
+            ..Default::default()
+        },
+    ];
+    let proxy = TestProxy::start(c).await;
+    (upstream, proxy, dir)
+}
+
+#[tokio::test]
+async fn a_retry_with_a_refreshed_token_replays_under_jwt_scope() {
+    let signer = Signer::es256("k1");
+    let (upstream, proxy, _dir) = proxy_with_identity(&[&signer]).await;
+    let client = TestClient::new();
+    let post = |path: &'static str, token: String, key: &'static str| {
+        let (client, url) = (&client, proxy.url(path));
+        async move {
+            let auth = format!("Bearer {token}");
+            client
+                .send(
+                    Method::POST,
+                    &url,
+                    &[("authorization", &auth), ("idempotency-key", key), JSON],
+                    "{}",
+                )
+                .await
+        }
+    };
+
+    let first = post("/v1/payments", signer.token(claims("alice", 1)), "k").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    // The token was refreshed between the lost answer and the retry.
+    let retry = post("/v1/payments", signer.token(claims("alice", 2)), "k").await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(
+        retry.replayed(),
+        "the same caller's retry replays: {retry:?}"
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.executions("/v1/payments"), 1);
+
+    // Another caller, the same key: a key of its own.
+    let bob = post("/v1/payments", signer.token(claims("bob", 3)), "k").await;
+    assert_eq!(bob.status, 201);
+    assert!(!bob.replayed());
+    assert_eq!(upstream.executions("/v1/payments"), 2);
+
+    // Under `header:authorization` the refreshed token is another scope:
+    // the retry executes again, which is why the scope must name the caller.
+    let first = post("/v1/legacy", signer.token(claims("alice", 4)), "k").await;
+    let retry = post("/v1/legacy", signer.token(claims("alice", 5)), "k").await;
+    assert_eq!((first.status.as_u16(), retry.status.as_u16()), (201, 201));
+    assert!(!retry.replayed());
+    assert_eq!(upstream.executions("/v1/legacy"), 2);
+}
+
+#[tokio::test]
+async fn a_token_that_does_not_verify_or_no_caller_is_refused_unforwarded() {
+    let signer = Signer::eddsa("k1");
+    let (upstream, proxy, _dir) = proxy_with_identity(&[&signer]).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/payments");
+
+    let forged = Signer::eddsa("k1").token(claims("alice", 1));
+    let mut expired = claims("alice", 2);
+    expired["exp"] = at(-3600).into();
+    for (what, auth) in [
+        ("another key", format!("Bearer {forged}")),
+        ("expired", format!("Bearer {}", signer.token(expired))),
+        ("not a bearer token", "Basic YWxpY2U6cHc=".to_owned()),
+    ] {
+        let reply = client
+            .send(
+                Method::POST,
+                &url,
+                &[("authorization", &auth), ("idempotency-key", "k"), JSON],
+                "{}",
+            )
+            .await;
+        reply.assert_problem(401, "invalid-token");
+        assert!(
+            reply
+                .header("www-authenticate")
+                .is_some_and(|v| v.contains("invalid_token")),
+            "{what}: {reply:?}"
+        );
+        assert_eq!(reply.header("x-should-retry"), Some("false"), "{what}");
+    }
+    let anonymous = client
+        .send(Method::POST, &url, &[("idempotency-key", "k"), JSON], "{}")
+        .await;
+    anonymous.assert_problem(401, "missing-identity");
+    assert_eq!(upstream.total(), 0, "nothing was forwarded");
+    // Counted, as every request is, under their own outcome.
+    let metrics = client
+        .send(Method::GET, &proxy.admin_url("/metrics"), &[], "")
+        .await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    let line = r#"idemproxy_requests_total{route="payments",outcome="unauthenticated"} 4"#;
+    assert!(text.lines().any(|l| l == line), "{text}");
+}
+
+#[tokio::test]
+async fn a_jwt_scope_without_a_key_set_or_a_bad_key_set_is_a_configuration_error() {
+    let mut c = config("http://127.0.0.1:9");
+    c.idempotency.scope = vec!["jwt:sub".into()];
+    let err = idemproxy::validate(&c).expect_err("no key set").to_string();
+    assert!(
+        err.contains("idempotency.scope") && err.contains("jwks_file"),
+        "{err}"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("jwks.json");
+    std::fs::write(&file, r#"{"keys": []}"#).expect("write");
+    c.identity.jwks_file = Some(file);
+    let err = idemproxy::validate(&c)
+        .expect_err("empty key set")
+        .to_string();
+    assert!(err.contains("identity.jwks_file"), "{err}");
+}
