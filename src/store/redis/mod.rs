@@ -275,10 +275,7 @@ impl RedisStore {
         key: &RecordKey,
         removal: Removal,
     ) -> Result<Removed, StoreError> {
-        let removed = match removal {
-            Removal::Any => self.delete_any(key).await?,
-            Removal::UnlessLeased => self.delete_unless_leased(key).await?,
-        };
+        let removed = self.delete_read(key, removal).await?;
         // A running claim left in place changed nothing to announce. Any
         // other answer is announced even when nothing was there: a removal
         // whose answer was lost (its caller timed out after the deletion
@@ -290,42 +287,15 @@ impl RedisStore {
         Ok(removed)
     }
 
-    /// `GETDEL`, whatever the key holds.
-    async fn delete_any(&self, key: &RecordKey) -> Result<Removed, StoreError> {
-        let now = self.clock.now_millis();
-        let name = self.redis_key(key);
-        let removed: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GETDEL")
-            .arg(&name)
-            .query_async(&mut self.conn())
-            .await;
-        let live = match removed {
-            Ok(None) => false,
-            // A value without a readable expiry counts as live: removing it
-            // is how an operator clears a corrupt record.
-            Ok(Some(value)) => stored_expires_at(&value).is_none_or(|exp| exp > now),
-            // Not a string (a hash of an earlier build, or anything else).
-            Err(e) if e.code() == Some("WRONGTYPE") => {
-                let deleted: i64 = redis::cmd("DEL")
-                    .arg(&name)
-                    .query_async(&mut self.conn())
-                    .await
-                    .map_err(redis_error)?;
-                deleted != 0
-            }
-            Err(e) => return Err(redis_error(e)),
-        };
-        Ok(if live {
-            Removed::Deleted
-        } else {
-            Removed::Absent
-        })
-    }
-
-    /// Reads the key, and deletes what it read only if that is no running
-    /// claim and the key still holds it (`remove.lua`): a request that
-    /// claimed the key after the read keeps its claim. A key that changed
-    /// under the script is read again.
-    async fn delete_unless_leased(&self, key: &RecordKey) -> Result<Removed, StoreError> {
+    /// Deletes what the key holds, whatever it is (`Removal::Any`), or
+    /// anything but a running claim (`Removal::UnlessLeased`). Either way
+    /// the key is read, then deleted only if it still holds what was read
+    /// (`remove.lua`): a request that claimed the key after the read keeps
+    /// its claim, and a deletion the cluster client sends again (its
+    /// connection broke before the reply) finds the value changed instead
+    /// of deleting a newer claim. A key that changed under the script is
+    /// read again.
+    async fn delete_read(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
         let name = self.redis_key(key);
         for _ in 0..REMOVE_ATTEMPTS {
             let now = self.clock.now_millis();
@@ -337,7 +307,7 @@ impl RedisStore {
                 Ok(None) => return Ok(Removed::Absent),
                 Ok(Some(value)) => Bytes::from(value),
                 // Not a string, so no record of this store's, nor a claim.
-                Err(e) if e.code() == Some("WRONGTYPE") => return self.delete_any(key).await,
+                Err(e) if e.code() == Some("WRONGTYPE") => return self.delete_foreign(&name).await,
                 Err(e) => return Err(redis_error(e)),
             };
             // A value that does not decode is no running claim: removing it
@@ -345,7 +315,7 @@ impl RedisStore {
             let running = read_stored(&value)
                 .ok()
                 .and_then(|record| running_lease(&record, now));
-            if let Some(until) = running {
+            if let (Removal::UnlessLeased, Some(until)) = (removal, running) {
                 return Ok(Removed::Leased { until });
             }
             let deleted: i64 = SCRIPTS
@@ -356,6 +326,7 @@ impl RedisStore {
                 .await
                 .map_err(redis_error)?;
             if deleted == 1 {
+                // A value without a readable expiry counts as live.
                 return Ok(if stored_expires_at(&value).is_none_or(|exp| exp > now) {
                     Removed::Deleted
                 } else {
@@ -366,6 +337,21 @@ impl RedisStore {
         Err(StoreError::Unavailable(format!(
             "the key changed under each of {REMOVE_ATTEMPTS} attempts to remove it: it is in use, try again"
         )))
+    }
+
+    /// Deletes a key that holds no string (a hash of an earlier build, or
+    /// anything else): no record of this store's, so nothing to fence.
+    async fn delete_foreign(&self, name: &str) -> Result<Removed, StoreError> {
+        let deleted: i64 = redis::cmd("DEL")
+            .arg(name)
+            .query_async(&mut self.conn())
+            .await
+            .map_err(redis_error)?;
+        Ok(if deleted != 0 {
+            Removed::Deleted
+        } else {
+            Removed::Absent
+        })
     }
 
     /// The prefix of every key this store writes.
