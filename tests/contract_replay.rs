@@ -419,3 +419,32 @@ async fn a_completed_key_expires_after_its_ttl_and_then_executes_again() {
     assert_eq!(after.header("x-upstream-execution"), Some("2"));
     assert_eq!(upstream.executions("/v1/orders"), 2);
 }
+
+/// A stored response is replayed to retries that may accept another
+/// content coding than the first request did, so the first is sent to the
+/// upstream asking for none; a request that is not covered keeps its own.
+#[tokio::test]
+async fn an_executed_request_asks_the_upstream_for_no_content_coding() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+    let gzip = ("accept-encoding", "gzip, br");
+    let reply = client
+        .send(
+            Method::POST,
+            &proxy.url("/v1/coded"),
+            &[("idempotency-key", "coded-1"), JSON, gzip],
+            "{}",
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let sent = upstream.last_headers("/v1/coded").expect("forwarded");
+    assert_eq!(sent["accept-encoding"], "identity");
+
+    let keyless = client
+        .send(Method::POST, &proxy.url("/v1/plain"), &[JSON, gzip], "{}")
+        .await;
+    assert_eq!(keyless.status, 201, "{keyless:?}");
+    let sent = upstream.last_headers("/v1/plain").expect("forwarded");
+    assert_eq!(sent["accept-encoding"], "gzip, br");
+}

@@ -360,7 +360,7 @@ where
         let deadline = Instant::now() + self.settings.upstream_timeout;
         let started = Instant::now();
         self.log.set_unsettled(true);
-        let result = self.inner.clone().oneshot(request).await;
+        let result = self.inner.clone().oneshot(uncompressed(request)).await;
         self.upstream_done(started);
         let response = match result.map_err(Into::into) {
             Ok(response) => response,
@@ -437,4 +437,18 @@ where
     async fn release(&mut self, claim: &Claim, token: FencingToken) {
         self.settle(claim, token, Settling::Release).await;
     }
+}
+
+/// The request as sent to the upstream when its response will be stored:
+/// asking for no content coding. A stored response is replayed to every
+/// retry, and a retry may not accept the coding the first request did
+/// (gzip to one client, plain to the next): a replay must never hand a
+/// client a `Content-Encoding` it did not ask for. Between a sidecar and
+/// its upstream, on one host, compression saves nothing worth that.
+fn uncompressed(mut request: Request<Body>) -> Request<Body> {
+    request.headers_mut().insert(
+        http::header::ACCEPT_ENCODING,
+        http::HeaderValue::from_static("identity"),
+    );
+    request
 }
