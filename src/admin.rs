@@ -39,6 +39,49 @@ pub struct AdminState {
     /// `/readyz` reports so that a load balancer stops sending traffic the
     /// proxy would only answer 503 `shutting-down`.
     pub tasks: tokio_util::task::TaskTracker,
+    /// Failed attempts at the key API, for its rate limit.
+    pub failures: Arc<FailedAttempts>,
+}
+
+/// Failed attempts at the admin token allowed per window, all callers
+/// together: past them every attempt, a right one too, is answered 429
+/// until the window ends, so the token cannot be guessed at line rate.
+/// With tokens of at least 32 bytes (checked at startup) guessing is
+/// hopeless anyway; this keeps a misbehaving script from hammering the
+/// store lookups behind the API.
+const MAX_FAILURES: u32 = 100;
+const FAILURE_WINDOW: Duration = Duration::from_secs(10);
+
+/// The failures of the current window.
+#[derive(Debug, Default)]
+pub struct FailedAttempts(std::sync::Mutex<Option<(std::time::Instant, u32)>>);
+
+impl FailedAttempts {
+    /// Whether the window's failures are used up; a window that ended is
+    /// forgotten.
+    fn exhausted(&self) -> bool {
+        let mut window = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match *window {
+            Some((started, _)) if started.elapsed() >= FAILURE_WINDOW => {
+                *window = None;
+                false
+            }
+            Some((_, failures)) => failures >= MAX_FAILURES,
+            None => false,
+        }
+    }
+
+    fn record(&self) {
+        let mut window = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (_, failures) = window.get_or_insert((std::time::Instant::now(), 0));
+        *failures += 1;
+    }
 }
 
 impl std::fmt::Debug for AdminState {
@@ -110,6 +153,11 @@ impl IntoResponse for AdminProblem {
     fn into_response(self) -> Response {
         let title = self.status.canonical_reason().unwrap_or("Error");
         let mut response = Problem::new(self.status, self.slug, title, self.detail).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("10"));
+        }
         if self.status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()
@@ -127,6 +175,16 @@ fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem
             detail: "The key API is disabled: set admin_token (or IDEMPROXY_ADMIN_TOKEN).".into(),
         });
     };
+    if state.failures.exhausted() {
+        return Err(AdminProblem {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            slug: "admin-rate-limited",
+            detail: format!(
+                "More than {MAX_FAILURES} failed attempts at the admin token within {}s; try again shortly.",
+                FAILURE_WINDOW.as_secs()
+            ),
+        });
+    }
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -141,6 +199,7 @@ fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem
     if ok {
         Ok(())
     } else {
+        state.failures.record();
         Err(AdminProblem {
             status: StatusCode::UNAUTHORIZED,
             slug: "admin-unauthorized",

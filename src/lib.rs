@@ -154,6 +154,7 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
         metrics: metrics.clone(),
         policies: Arc::new(policies),
         token_digest: AdminState::token_digest(config.admin_token.as_deref()),
+        failures: Arc::default(),
     });
     let tls = config
         .tls

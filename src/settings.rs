@@ -333,7 +333,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::config::{FlagOverrides, RouteConfig, MAX_TTL};
+    use crate::config::{ConfigError, FlagOverrides, RouteConfig, MAX_TTL};
 
     fn config() -> Config {
         Config {
@@ -504,7 +504,12 @@ mod tests {
         for token in ["s3cret\n", " s3cret", "s3crét"] {
             refused(token, with_token(token), "admin_token");
         }
-        accepted("a plain token", with_token("s3cret-Token_1"));
+        accepted(
+            "a plain token",
+            with_token("s3cret-Token_1-0123456789abcdefghij"),
+        );
+        refused("31 bytes", with_token(&"x".repeat(31)), "at least 32");
+        accepted("32 bytes", with_token(&"x".repeat(32)));
 
         let mut c = Config::default();
         c.idempotency.fingerprint_ignore = vec!["/a~2".into()];
@@ -517,7 +522,7 @@ mod tests {
     #[test]
     fn check_output_round_trips_and_redacts_the_admin_token() {
         let c = Config {
-            admin_token: Some("s3cret".into()),
+            admin_token: Some("s3cret-0123456789abcdef0123456789abcdef".into()),
             ..Config::default()
         };
         let text = effective_toml(&c);
@@ -543,9 +548,16 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("c.toml");
         std::fs::write(&file, text).expect("write");
-        Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
-            .and_then(|c| crate::validate(&c).map(|()| c))
-            .expect("re-loads");
+        let reloaded =
+            Config::load(Some(&file), Vec::new(), &FlagOverrides::default()).expect("re-loads");
+        // Everything but the placeholder is valid as printed; the
+        // placeholder is too short to pass for a token by mistake.
+        let err = crate::validate(&reloaded).expect_err("a placeholder token");
+        let ConfigError::Invalid(problems) = err else {
+            panic!("not a validation error: {err}");
+        };
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("admin_token:"), "{problems:?}");
     }
 
     /// The example files the README points to load and validate as they

@@ -18,7 +18,7 @@ use support::keys;
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::upstream::TestUpstream;
 
-const TOKEN: &str = "admin-test-token-5f2c";
+const TOKEN: &str = "admin-test-token-5f2c-9e0a7b31c4d8f265";
 const ARRIVAL: Duration = Duration::from_secs(5);
 const TENANT_A: &str = "Bearer sk_tenant_a_d41d8cd98f";
 const TENANT_B: &str = "Bearer sk_tenant_b_0cc175b9c0";
@@ -168,6 +168,35 @@ async fn without_an_admin_token_the_key_api_is_refused() {
             .await;
         assert_eq!(reply.status, 200, "{path}: {reply:?}");
     }
+}
+
+/// Past 100 failed attempts within 10 s every attempt at the key API, a
+/// right one too, is answered 429 until the window ends: the token cannot
+/// be guessed at line rate.
+#[tokio::test]
+async fn failed_attempts_at_the_token_are_rate_limited() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(with_routes(config(&upstream.url()), Some(TOKEN))).await;
+    let hash = hash_of("/v1/payments", "k-1", TENANT_A);
+    let wrong = Admin::new(
+        &proxy,
+        Some("Bearer guess-0123456789abcdef0123456789abcdef"),
+    );
+    let right = Admin::new(&proxy, Some(&format!("Bearer {TOKEN}")));
+    right.get(&hash).await.assert_problem(404, "key-not-found");
+    for _ in 0..100 {
+        wrong
+            .get(&hash)
+            .await
+            .assert_problem(401, "admin-unauthorized");
+    }
+    let limited = wrong.get(&hash).await;
+    limited.assert_problem(429, "admin-rate-limited");
+    assert_eq!(limited.header("retry-after"), Some("10"));
+    right
+        .get(&hash)
+        .await
+        .assert_problem(429, "admin-rate-limited");
 }
 
 #[tokio::test]

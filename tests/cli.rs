@@ -179,7 +179,7 @@ fn check_ignores_variables_that_name_no_field_and_says_so() {
         .env("IDEMPROXY_CONFIG", &file)
         .env("IDEMPROXY_PORT", "tcp://10.0.0.7:8080")
         .env("IDEMPROXY_SERVICE_HOST", "10.0.0.7")
-        .env("IDEMPROXY_ADMIN_TOKEN", "12345678"));
+        .env("IDEMPROXY_ADMIN_TOKEN", "12345678901234567890123456789012"));
     assert!(out.status.success(), "{:?}\n{stderr}", out.status);
     assert!(stderr.contains("ignored IDEMPROXY_PORT"), "{stderr}");
     assert!(

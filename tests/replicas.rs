@@ -48,7 +48,7 @@ async fn cached_replica(mut c: Config) -> (TestProxy, Arc<CachedStore>) {
     (TestProxy::start_with_store(c, cache.clone()).await, cache)
 }
 
-const ADMIN_TOKEN: &str = "replicas-admin-token-7d1e";
+const ADMIN_TOKEN: &str = "replicas-admin-token-7d1e-3b9f04a6c2e1";
 
 /// The value of `proxy`'s `idemproxy_local_cache_live{store="redis"}`.
 async fn cache_live_metric(client: &TestClient, proxy: &TestProxy) -> String {

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use self::validate::MAX_TTL;
+pub use self::validate::{MAX_TTL, MIN_ADMIN_TOKEN_BYTES};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

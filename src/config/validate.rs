@@ -106,6 +106,12 @@ impl Config {
                  (a trailing newline from a secret file?)"
                     .into(),
             ),
+            // It guards deleting records, which lets a request run again.
+            Some(token) if token.len() < MIN_ADMIN_TOKEN_BYTES => problems.push(format!(
+                "admin_token: {} bytes are too few to resist guessing; use at least \
+                 {MIN_ADMIN_TOKEN_BYTES} (e.g. `openssl rand -hex 32`); the token is not shown",
+                token.len()
+            )),
             _ => {}
         }
     }
@@ -139,6 +145,9 @@ impl Config {
         }
     }
 }
+
+/// The shortest admin token accepted.
+pub const MIN_ADMIN_TOKEN_BYTES: usize = 32;
 
 /// The longest `ttl` accepted.
 pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
