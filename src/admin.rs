@@ -22,6 +22,7 @@ use sha2::{Digest, Sha256};
 
 use crate::core::{from_millis, Outcome, Record, RecordKey};
 use crate::http::Problem;
+use crate::idempotency::identity::bearer;
 use crate::idempotency::Policies;
 use crate::observe::metrics::Metrics;
 use crate::store::{Removal, Removed, SharedStore};
@@ -187,11 +188,7 @@ fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem
     }
     let given = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split_once(' '))
-        // Auth schemes are case-insensitive (RFC 9110 §11.1).
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, token)| token);
+        .and_then(|v| bearer(v.as_bytes()));
     let ok = given.is_some_and(|g| {
         let digest: [u8; 32] = Sha256::digest(g.as_bytes()).into();
         digest == expected
