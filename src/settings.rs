@@ -16,7 +16,7 @@ use crate::idempotency::fingerprint::{parse_header, validate_pointer, Fingerprin
 use crate::idempotency::identity::{IdentitySettings, TokenVerifier};
 use crate::idempotency::policy::{OnAmbiguous, OnInFlight, OnStoreError, Profile};
 use crate::idempotency::scope::{Anonymous, ScopeAttribute, ScopeRules};
-use crate::idempotency::{Policies, Policy};
+use crate::idempotency::{store_time_in_lease, Policies, Policy};
 use crate::store::redis::{self, RedisSettings};
 
 /// Every problem of `config`: its own checks ([`Config::validate`]) and
@@ -101,6 +101,7 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
     let verifier = token_verifier(&config.identity, &mut problems);
     let shared = Shared {
         upstream_timeout: config.upstream.timeout,
+        store_timeout: config.store.timeout,
         verifier: verifier.as_ref(),
     };
     let mut routes = Vec::with_capacity(config.routes.len());
@@ -127,6 +128,7 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
 /// What every route's policy is built with.
 struct Shared<'a> {
     upstream_timeout: std::time::Duration,
+    store_timeout: std::time::Duration,
     /// Set when `[identity] jwks_file` is, and it reads.
     verifier: Option<&'a TokenVerifier>,
 }
@@ -184,6 +186,7 @@ fn policy(
         problems,
     );
     let scope = scope_rules(at, scope, c.anonymous, shared.verifier, problems);
+    check_lease_margin(at, c.lease_margin, shared.store_timeout, problems);
     if problems.len() > before {
         return None;
     }
@@ -205,6 +208,31 @@ fn policy(
         fingerprint: FingerprintRules::new(headers, ignore),
         scope,
     })
+}
+
+/// Clocks of replicas sharing a store differ a little; a lease read on
+/// another replica's clock must not end before its holder is done.
+const CLOCK_SKEW_ALLOWANCE: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The lease is `upstream.timeout + lease_margin`: past it a retry
+/// presumes the holder dead and settles its key (or takes it over with
+/// `on_stale = "retry"`). The margin must cover what a live holder spends
+/// beside the upstream exchange: its `begin`, its completion tries with
+/// their pauses, and the clock skew allowance.
+fn check_lease_margin(
+    at: &str,
+    margin: std::time::Duration,
+    store_timeout: std::time::Duration,
+    problems: &mut Vec<String>,
+) {
+    let needed = store_time_in_lease(store_timeout) + CLOCK_SKEW_ALLOWANCE;
+    if margin < needed {
+        problems.push(format!(
+            "{at}.lease_margin: {} leaves a request that runs to upstream.timeout too little time to claim its key and store its outcome before its lease ends; use at least {} (a begin and three completion tries of store.timeout each, 150 ms of pauses between them, and 250 ms for clock skew between replicas)",
+            humantime::format_duration(margin),
+            humantime::format_duration(needed)
+        ));
+    }
 }
 
 /// The scope rules of one route: `jwt:` attributes need the key set.
@@ -591,5 +619,44 @@ mod tests {
         let warned = warnings(&c);
         assert_eq!(warned.len(), 1, "{warned:?}");
         assert!(warned[0].contains("`payments`"), "{warned:?}");
+    }
+
+    #[test]
+    fn a_lease_margin_too_short_for_the_store_or_any_timeout_over_a_day_is_refused() {
+        let problems = |c: &Config| match crate::validate(c) {
+            Ok(()) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        let mut c = Config::default();
+        assert_eq!(problems(&c), "");
+        c.idempotency.lease_margin = Duration::ZERO;
+        assert!(
+            problems(&c).contains("idempotency.lease_margin"),
+            "{}",
+            problems(&c)
+        );
+        // With store.timeout 250 ms: a begin and three completion tries
+        // (1 s), their pauses (150 ms) and the skew allowance (250 ms).
+        c.idempotency.lease_margin = Duration::from_millis(1399);
+        assert!(
+            problems(&c).contains("use at least 1s 400ms"),
+            "{}",
+            problems(&c)
+        );
+        c.idempotency.lease_margin = Duration::from_millis(1400);
+        assert_eq!(problems(&c), "");
+        // The same margin is too short for a slower store.
+        c.store.timeout = Duration::from_secs(1);
+        let err = problems(&c);
+        assert!(err.contains("idempotency.lease_margin"), "{err}");
+        c.idempotency.lease_margin = Duration::from_secs(5);
+        c.idempotency.wait_timeout = Duration::from_secs(400 * 24 * 3600);
+        c.upstream.timeout = Duration::from_secs(2 * 24 * 3600);
+        let err = problems(&c);
+        assert!(err.contains("idempotency.wait_timeout: 1year"), "{err}");
+        assert!(
+            err.contains("upstream.timeout: 2days is longer than a day"),
+            "{err}"
+        );
     }
 }

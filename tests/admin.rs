@@ -600,6 +600,7 @@ async fn a_key_is_completed_by_the_time_its_response_has_arrived() {
     let upstream = TestUpstream::start().await;
     let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
     c.store.timeout = Duration::from_secs(2);
+    c.idempotency.lease_margin = Duration::from_secs(9);
     let proxy = TestProxy::start_with_store(c, Arc::new(SlowComplete::default())).await;
     let client = TestClient::new();
     let admin = Admin::bearer(&proxy);

@@ -102,8 +102,8 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
     let upstream = TestUpstream::start().await;
     let mut c = on_redis(&upstream, &redis, &redis_server::unique_prefix("kill9"));
     c.upstream.timeout = Duration::from_secs(4);
-    c.idempotency.lease_margin = Duration::from_millis(500);
-    let lease = Duration::from_millis(4500);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    let lease = Duration::from_millis(5400);
     let mut first = ProxyProcess::start(c.clone()).await;
     // Another proxy process on the same Redis, started now: its start-up
     // must not eat into the lease the early retry has to land in.
@@ -153,8 +153,8 @@ async fn a_sidecar_killed_on_the_embedded_store_keeps_its_answers_and_fails_clos
     // The restart (after a crash, redb checks the file) happens inside the
     // lease: leave it room on a loaded machine.
     c.upstream.timeout = Duration::from_secs(7);
-    c.idempotency.lease_margin = Duration::from_millis(500);
-    let lease = Duration::from_millis(7500);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    let lease = Duration::from_millis(8400);
     let mut first = ProxyProcess::start(c.clone()).await;
     let client = TestClient::new();
 

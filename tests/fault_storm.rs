@@ -42,6 +42,8 @@ async fn a_duplicate_storm_over_two_replicas_executes_each_operation_once() {
     // The storm tests at-most-once, not store timeouts: a slow moment on a
     // loaded machine must not turn into 503s.
     c.store.timeout = Duration::from_secs(2);
+    // The margin that timeout needs: see `lease_margin`.
+    c.idempotency.lease_margin = Duration::from_secs(9);
     // Each replica has its own Redis connection.
     let mut replicas = Vec::new();
     for _ in 0..2 {

@@ -28,7 +28,7 @@ async fn upstream_timeouts_resets_and_broken_bodies_are_stored_and_replayed() {
         &redis_server::unique_prefix("upstream-faults"),
     );
     c.upstream.timeout = Duration::from_secs(1);
-    c.idempotency.lease_margin = Duration::from_secs(1);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
     let a = ProxyProcess::start(c.clone()).await;
     let b = ProxyProcess::start(c).await;
     let client = TestClient::new();

@@ -43,3 +43,4 @@ pub use layer::{IdempotencyLayer, DEFAULT_MAX_IN_FLIGHT};
 pub use policy::{Policies, Policy};
 pub use rejection::Rejection;
 pub use service::{Idempotency, ResponseFuture};
+pub use settle::store_time_in_lease;

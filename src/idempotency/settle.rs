@@ -117,6 +117,16 @@ where
     }
 }
 
+/// The longest a live holder spends on store calls of its own inside its
+/// lease, besides the upstream exchange (which `upstream.timeout`
+/// bounds): its `begin`, and the completion tries made while the client
+/// waits with the pauses between them. A lease margin shorter than this
+/// lets a retry find a live request's claim expired.
+pub fn store_time_in_lease(store_timeout: Duration) -> Duration {
+    let pauses: Duration = (0..INLINE_SETTLE_ATTEMPTS - 1).map(settle_backoff).sum();
+    store_timeout * (1 + INLINE_SETTLE_ATTEMPTS) + pauses
+}
+
 /// `complete` and `release` are tried this many times while the client
 /// waits for its answer (~150 ms of pauses between them), then in the
 /// background until the lease ends (see `Exchange::settle_late`).
