@@ -38,23 +38,21 @@ pub struct IdentitySettings {
 #[derive(Clone)]
 pub struct TokenVerifier {
     keys: Arc<[VerifyingKey]>,
-    issuer: Option<String>,
-    audience: Option<String>,
-    leeway: Duration,
 }
 
 struct VerifyingKey {
     kid: Option<String>,
     algorithm: Algorithm,
     key: DecodingKey,
+    /// What a token signed with this key must satisfy: built once, not per
+    /// request (it holds the issuer and audience sets).
+    validation: Validation,
 }
 
 impl std::fmt::Debug for TokenVerifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TokenVerifier")
             .field("keys", &self.keys.len())
-            .field("issuer", &self.issuer)
-            .field("audience", &self.audience)
             .finish_non_exhaustive()
     }
 }
@@ -69,17 +67,12 @@ impl TokenVerifier {
             .keys
             .iter()
             .enumerate()
-            .map(|(i, jwk)| verifying_key(jwk).map_err(|why| format!("key {i}: {why}")))
+            .map(|(i, jwk)| verifying_key(jwk, settings).map_err(|why| format!("key {i}: {why}")))
             .collect::<Result<Vec<_>, _>>()?;
         if keys.is_empty() {
             return Err("the key set holds no key".into());
         }
-        Ok(Self {
-            keys: keys.into(),
-            issuer: settings.issuer.clone(),
-            audience: settings.audience.clone(),
-            leeway: settings.leeway,
-        })
+        Ok(Self { keys: keys.into() })
     }
 
     /// The claims of `token` once its signature, algorithm, expiry and the
@@ -95,24 +88,14 @@ impl TokenVerifier {
             .filter(|k| k.algorithm == header.alg)
             .find(|k| header.kid.is_none() || k.kid == header.kid)
             .ok_or("no key of the key set matches the token's kid and algorithm")?;
-        let mut validation = Validation::new(header.alg);
-        validation.leeway = self.leeway.as_secs();
-        validation.validate_nbf = true;
-        match &self.audience {
-            Some(audience) => validation.set_audience(&[audience]),
-            None => validation.validate_aud = false,
-        }
-        if let Some(issuer) = &self.issuer {
-            validation.set_issuer(&[issuer]);
-        }
-        jsonwebtoken::decode::<Map<String, Value>>(token, &key.key, &validation)
+        jsonwebtoken::decode::<Map<String, Value>>(token, &key.key, &key.validation)
             .map(|data| data.claims)
             .map_err(|e| e.to_string())
     }
 }
 
 /// One JWK as a verifying key, for an accepted algorithm only.
-fn verifying_key(jwk: &Jwk) -> Result<VerifyingKey, String> {
+fn verifying_key(jwk: &Jwk, settings: &IdentitySettings) -> Result<VerifyingKey, String> {
     let key = DecodingKey::from_jwk(jwk).map_err(|e| e.to_string())?;
     let declared = jwk
         .common
@@ -141,7 +124,24 @@ fn verifying_key(jwk: &Jwk) -> Result<VerifyingKey, String> {
         kid: jwk.common.key_id.clone(),
         algorithm,
         key,
+        validation: validation(algorithm, settings),
     })
+}
+
+/// The checks of a token signed with `algorithm`: `exp` (required), `nbf`,
+/// and the issuer and audience when they are set.
+fn validation(algorithm: Algorithm, settings: &IdentitySettings) -> Validation {
+    let mut validation = Validation::new(algorithm);
+    validation.leeway = settings.leeway.as_secs();
+    validation.validate_nbf = true;
+    match &settings.audience {
+        Some(audience) => validation.set_audience(&[audience]),
+        None => validation.validate_aud = false,
+    }
+    if let Some(issuer) = &settings.issuer {
+        validation.set_issuer(&[issuer]);
+    }
+    validation
 }
 
 /// The bearer token of an `Authorization` header value, if it is one.
