@@ -341,7 +341,7 @@ async fn lookup_key(
     let scope = policy
         .scope
         .scope(&parts)
-        .map_err(|e| bad(format!("`headers` name no caller: {e:?}")))?;
+        .map_err(|e| bad(format!("`headers`: {e}")))?;
     read(&state, RecordKey::new(&scope, key.as_str())).await
 }
 

@@ -18,6 +18,7 @@ use support::upstream::TestUpstream;
 const JSON: (&str, &str) = ("content-type", "application/json");
 const ISSUER: &str = "https://auth.test/";
 const AUDIENCE: &str = "payments";
+const ADMIN_TOKEN: &str = "identity-admin-token-0123456789abcdef";
 
 fn claims(sub: &str, jti: u32) -> serde_json::Value {
     json!({ "sub": sub, "iss": ISSUER, "aud": AUDIENCE, "iat": at(0), "exp": at(600), "jti": jti })
@@ -101,6 +102,7 @@ async fn proxy_with_identity(signers: &[&Signer]) -> (TestUpstream, TestProxy, t
     let jwks_file = dir.path().join("jwks.json");
     std::fs::write(&jwks_file, jwks(signers)).expect("write the key set");
     let mut c = config(&upstream.url());
+    c.admin_token = Some(ADMIN_TOKEN.into());
     c.identity.jwks_file = Some(jwks_file);
     c.identity.issuer = Some(ISSUER.into());
     c.identity.audience = Some(AUDIENCE.into());
@@ -233,4 +235,58 @@ async fn a_jwt_scope_without_a_key_set_or_a_bad_key_set_is_a_configuration_error
         .expect_err("empty key set")
         .to_string();
     assert!(err.contains("identity.jwks_file"), "{err}");
+}
+
+/// The admin lookup names the caller as requests do: a refreshed token of
+/// the same caller finds the record, a token that does not verify is
+/// refused by name.
+#[tokio::test]
+async fn the_admin_lookup_is_scoped_by_the_verified_caller() {
+    let signer = Signer::es256("k1");
+    let (_upstream, proxy, _dir) = proxy_with_identity(&[&signer]).await;
+    let client = TestClient::new();
+    let auth = format!("Bearer {}", signer.token(claims("alice", 1)));
+    let done = client
+        .send(
+            Method::POST,
+            &proxy.url("/v1/payments"),
+            &[
+                ("authorization", &auth),
+                ("idempotency-key", "look-1"),
+                JSON,
+            ],
+            "{}",
+        )
+        .await;
+    assert_eq!(done.status, 201, "{done:?}");
+    let lookup = |token: String| {
+        let body = json!({
+            "key": "look-1",
+            "route": "payments",
+            "headers": {"authorization": format!("Bearer {token}")},
+        });
+        let (client, url) = (&client, proxy.admin_url("/v1/keys/lookup"));
+        async move {
+            let admin = format!("Bearer {ADMIN_TOKEN}");
+            client
+                .send(
+                    Method::POST,
+                    &url,
+                    &[("authorization", &admin), JSON],
+                    body.to_string(),
+                )
+                .await
+        }
+    };
+    let found = lookup(signer.token(claims("alice", 2))).await;
+    assert_eq!(found.status, 200, "{found:?}");
+    assert_eq!(found.json()["state"], "completed", "{found:?}");
+    let forged = lookup(Signer::es256("k1").token(claims("alice", 3))).await;
+    forged.assert_problem(400, "invalid-lookup");
+    assert!(
+        forged.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("does not verify")),
+        "{forged:?}"
+    );
 }

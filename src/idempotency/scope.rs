@@ -131,6 +131,15 @@ pub enum ScopeError {
     MissingIdentity,
 }
 
+impl fmt::Display for ScopeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScopeError::InvalidToken(why) => write!(f, "the bearer token does not verify: {why}"),
+            ScopeError::MissingIdentity => f.write_str("no caller identity"),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct ScopeRules {
     pub attributes: Vec<ScopeAttribute>,
