@@ -4,7 +4,7 @@
 
 use bytes::Bytes;
 
-use super::resending::Resending;
+use super::connect::Conn;
 use super::value::{pexpire_ms, stored, stored_pending};
 use super::{redis_error, SCRIPTS};
 use crate::core::{decide_begin, Begin, BeginOutcome, PendingRecord, Record, UnixMillis};
@@ -13,7 +13,7 @@ use crate::store::StoreError;
 /// `SET key claim NX GET PX …`: writes `claim` if the key is free (`None`),
 /// else leaves the key alone and returns what it holds.
 pub(super) async fn claim_unless_held(
-    conn: &mut Resending,
+    conn: &mut Conn,
     key: &str,
     claim: &PendingRecord,
     now: UnixMillis,
@@ -35,7 +35,7 @@ pub(super) async fn claim_unless_held(
 /// holds `current`, what `begin` read and decided on. False when another
 /// writer changed it in between.
 pub(super) async fn swap(
-    conn: &mut Resending,
+    conn: &mut Conn,
     key: &str,
     current: &[u8],
     replacement: &Record,

@@ -37,6 +37,16 @@ const RECONNECT_RETRIES: usize = 2;
 
 /// The connection a store shares between all its calls. Both variants are
 /// multiplexed and cheap to clone (a handle to the same connection).
+///
+/// A command is sent once more when the connection turns out to be gone.
+/// A multiplexed connection learns that Redis went away (a restart, a
+/// failover) only when it is used; without this, that use was a request
+/// answered 503 while `/readyz` already said the store was back. The
+/// single-node manager reconnects on the error and the repeat waits for the
+/// new connection; the cluster client repeats by itself. Every command this
+/// store sends is safe to repeat: claims and settlements are fenced by the
+/// request's token (a repeat finds its own write), and removals delete only
+/// what they read (`remove.lua`, `remove_foreign.lua`).
 #[derive(Clone)]
 pub(super) enum Conn {
     Single(ConnectionManager),
@@ -46,7 +56,15 @@ pub(super) enum Conn {
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
-            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Single(c) => Box::pin(async move {
+                match c.req_packed_command(cmd).await {
+                    Err(e) if e.is_connection_dropped() => {
+                        tracing::debug!(error = %e, "the Redis connection was gone; sending the command again");
+                        c.req_packed_command(cmd).await
+                    }
+                    answered => answered,
+                }
+            }),
             Conn::Cluster(c) => c.req_packed_command(cmd),
         }
     }
@@ -58,7 +76,14 @@ impl ConnectionLike for Conn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
-            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Single(c) => Box::pin(async move {
+                match c.req_packed_commands(pipeline, offset, count).await {
+                    Err(e) if e.is_connection_dropped() => {
+                        c.req_packed_commands(pipeline, offset, count).await
+                    }
+                    answered => answered,
+                }
+            }),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
@@ -90,7 +115,12 @@ impl Connector {
         loop {
             let attempt = async {
                 let mut conn = self.connect().await?;
-                for script in [&SCRIPTS.settle, &SCRIPTS.swap, &SCRIPTS.remove] {
+                for script in [
+                    &SCRIPTS.settle,
+                    &SCRIPTS.swap,
+                    &SCRIPTS.remove,
+                    &SCRIPTS.remove_foreign,
+                ] {
                     script.load_async(&mut conn).await?;
                 }
                 Ok::<_, RedisError>(conn)

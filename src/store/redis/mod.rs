@@ -92,7 +92,6 @@
 mod claim;
 mod connect;
 mod removals;
-mod resending;
 mod value;
 
 pub use connect::{check_url, redact_url};
@@ -108,7 +107,6 @@ use redis::{RedisError, Script, Value};
 use self::claim::{claim_unless_held, decide_read, swap};
 use self::connect::{Conn, LoopConnections};
 use self::removals::RemovalChannel;
-use self::resending::Resending;
 use self::value::{
     claim_id, pexpire_ms, read_stored, stored_completed, stored_expires_at, unexpected, Reply,
 };
@@ -122,12 +120,14 @@ struct Scripts {
     settle: Script,
     swap: Script,
     remove: Script,
+    remove_foreign: Script,
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     settle: Script::new(include_str!("settle.lua")),
     swap: Script::new(include_str!("swap.lua")),
     remove: Script::new(include_str!("remove.lua")),
+    remove_foreign: Script::new(include_str!("remove_foreign.lua")),
 });
 
 /// Reads of a key that a guarded removal makes before it gives up: each
@@ -242,12 +242,6 @@ impl RedisStore {
         self.loops.current().unwrap_or_else(|| self.shared.clone())
     }
 
-    /// [`RedisStore::conn`], for the request path's commands, which are
-    /// sent again once if the connection was gone (see [`Resending`]).
-    fn resending(&self) -> Resending {
-        Resending(self.conn())
-    }
-
     /// Tells the other replicas' caches that `key` was removed. The record
     /// is gone whatever happens here, so a failure is logged, not returned:
     /// a replica that missed the message replays from its cache for at
@@ -291,10 +285,9 @@ impl RedisStore {
     /// anything but a running claim (`Removal::UnlessLeased`). Either way
     /// the key is read, then deleted only if it still holds what was read
     /// (`remove.lua`): a request that claimed the key after the read keeps
-    /// its claim, and a deletion the cluster client sends again (its
-    /// connection broke before the reply) finds the value changed instead
-    /// of deleting a newer claim. A key that changed under the script is
-    /// read again.
+    /// its claim, and a deletion sent again (its connection broke before
+    /// the reply) finds the value changed instead of deleting a newer
+    /// claim. A key that changed under the script is read again.
     async fn delete_read(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
         let name = self.redis_key(key);
         for _ in 0..REMOVE_ATTEMPTS {
@@ -307,7 +300,12 @@ impl RedisStore {
                 Ok(None) => return Ok(Removed::Absent),
                 Ok(Some(value)) => Bytes::from(value),
                 // Not a string, so no record of this store's, nor a claim.
-                Err(e) if e.code() == Some("WRONGTYPE") => return self.delete_foreign(&name).await,
+                Err(e) if e.code() == Some("WRONGTYPE") => {
+                    if self.delete_foreign(&name).await? {
+                        return Ok(Removed::Deleted);
+                    }
+                    continue;
+                }
                 Err(e) => return Err(redis_error(e)),
             };
             // A value that does not decode is no running claim: removing it
@@ -340,27 +338,25 @@ impl RedisStore {
     }
 
     /// Deletes a key that holds no string (a hash of an earlier build, or
-    /// anything else): no record of this store's, so nothing to fence.
-    async fn delete_foreign(&self, name: &str) -> Result<Removed, StoreError> {
-        let deleted: i64 = redis::cmd("DEL")
-            .arg(name)
-            .query_async(&mut self.conn())
+    /// anything else) if it still holds none (`remove_foreign.lua`): a
+    /// claim written since it was read is a string, and is left alone.
+    async fn delete_foreign(&self, name: &str) -> Result<bool, StoreError> {
+        let deleted: i64 = SCRIPTS
+            .remove_foreign
+            .key(name)
+            .invoke_async(&mut self.conn())
             .await
             .map_err(redis_error)?;
-        Ok(if deleted != 0 {
-            Removed::Deleted
-        } else {
-            Removed::Absent
-        })
+        Ok(deleted == 1)
     }
 
-    /// The prefix of every key this store writes.
     /// Reads the time from `clock` instead of the wall clock.
     pub fn with_clock(mut self, clock: Clock) -> Self {
         self.clock = clock;
         self
     }
 
+    /// The prefix of every key this store writes.
     pub fn key_prefix(&self) -> &str {
         &self.prefix
     }
@@ -386,7 +382,7 @@ impl RedisStore {
             None => invocation.arg("").arg(0),
         };
         let reply: Value = invocation
-            .invoke_async(&mut self.resending())
+            .invoke_async(&mut self.conn())
             .await
             .map_err(redis_error)?;
         match reply {
@@ -407,7 +403,7 @@ impl RedisStore {
 impl Store for RedisStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         let key = self.redis_key(&begin.key);
-        let mut conn = self.resending();
+        let mut conn = self.conn();
         // The request's token, for every claim this call writes, its
         // takeovers included. The cluster client sends a command again when
         // the connection broke before its reply came, so a `SET` or a
@@ -486,7 +482,7 @@ impl Store for RedisStore {
         let now = self.clock.now_millis();
         let value: Option<Vec<u8>> = redis::cmd("GET")
             .arg(self.redis_key(key))
-            .query_async(&mut self.resending())
+            .query_async(&mut self.conn())
             .await
             .map_err(redis_error)?;
         let Some(value) = value else {
@@ -514,7 +510,7 @@ impl Store for RedisStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         redis::cmd("PING")
-            .query_async::<()>(&mut self.resending())
+            .query_async::<()>(&mut self.conn())
             .await
             .map_err(redis_error)
     }
