@@ -275,6 +275,58 @@ async fn a_redis_killed_under_load_means_fast_503s_then_recovery_and_aof_replays
     );
 }
 
+/// A proxy process on `redis` (`store.timeout` in ms, if given) whose
+/// every traffic worker has opened its own Redis connection, and the
+/// clients that made them do so: connections held open at once land on
+/// different workers.
+async fn warm_proxy(
+    redis: &RedisServer,
+    upstream: &TestUpstream,
+    name: &str,
+    store_timeout_ms: Option<u64>,
+) -> (ProxyProcess, Vec<TestClient>) {
+    let mut c = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix(name),
+    );
+    if let Some(ms) = store_timeout_ms {
+        c.store.timeout = Duration::from_millis(ms);
+    }
+    let proxy = ProxyProcess::start(c).await;
+    let clients: Vec<TestClient> = (0..4).map(|_| TestClient::new()).collect();
+    for (i, client) in clients.iter().enumerate() {
+        let warm = client
+            .post_json(&proxy.url("/v1/warm"), &format!("warm-{i}"), BODY)
+            .await;
+        assert_eq!(warm.status, 201, "{warm:?}\n{}", proxy.logs());
+    }
+    (proxy, clients)
+}
+
+/// Sends `key` to `path` until it executes (201), for at most 5 s: until
+/// then it may find Redis paused (503) or the key still claimed (425).
+async fn retry_until_executed(
+    client: &TestClient,
+    proxy: &ProxyProcess,
+    path: &str,
+    key: &str,
+) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let reply = client.post_json(&proxy.url(path), key, BODY).await;
+        if reply.status == 201 || Instant::now() > deadline {
+            assert_eq!(reply.status, 201, "{reply:?}\n{}", proxy.logs());
+            return reply;
+        }
+        assert!(
+            reply.status == 503 || reply.status == 425,
+            "while Redis is paused or before the release: {reply:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A `begin` that Redis runs only after `store.timeout` has passed (Redis
 /// paused): the request is answered 503 `store-unavailable` and not
 /// executed, and the claim the late `begin` makes is released, so the
@@ -284,22 +336,8 @@ async fn a_redis_killed_under_load_means_fast_503s_then_recovery_and_aof_replays
 async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
-    let mut c = redis_config(
-        &upstream.url(),
-        &redis.url(),
-        &redis_server::unique_prefix("late-begin"),
-    );
-    c.store.timeout = Duration::from_millis(100);
-    let proxy = ProxyProcess::start(c).await;
-    let client = TestClient::new();
-
-    // Warm up: the workers' own Redis connections are open.
-    for i in 0..4 {
-        let warm = client
-            .post_json(&proxy.url("/v1/warm"), &format!("warm-{i}"), BODY)
-            .await;
-        assert_eq!(warm.status, 201, "{warm:?}\n{}", proxy.logs());
-    }
+    let (proxy, clients) = warm_proxy(&redis, &upstream, "late-begin", Some(100)).await;
+    let client = &clients[0];
 
     // Redis holds every command for 750 ms: longer than store.timeout,
     // shorter than the connection's own response timeout (1 s), so the
@@ -321,21 +359,7 @@ async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
     assert_eq!(upstream.executions("/v1/late"), 0);
 
     // Once Redis runs the begin, its claim is released: the retry executes.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let retry = loop {
-        let reply = client
-            .post_json(&proxy.url("/v1/late"), "late-1", BODY)
-            .await;
-        if reply.status == 201 || Instant::now() > deadline {
-            break reply;
-        }
-        assert!(
-            reply.status == 503 || reply.status == 425,
-            "while Redis is paused or before the release: {reply:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert_eq!(retry.status, 201, "{retry:?}\n{}", proxy.logs());
+    let retry = retry_until_executed(client, &proxy, "/v1/late", "late-1").await;
     assert!(!retry.replayed());
     assert_eq!(upstream.executions("/v1/late"), 1);
     let released = "released a claim whose begin answered after store.timeout";
@@ -360,20 +384,8 @@ async fn a_begin_answered_after_the_store_timeout_does_not_block_the_retry() {
 async fn a_begin_the_redis_client_gave_up_on_does_not_block_the_retry() {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
-    let mut c = redis_config(
-        &upstream.url(),
-        &redis.url(),
-        &redis_server::unique_prefix("lost-begin"),
-    );
-    c.store.timeout = Duration::from_millis(100);
-    let proxy = ProxyProcess::start(c).await;
-    let client = TestClient::new();
-    for i in 0..4 {
-        let warm = client
-            .post_json(&proxy.url("/v1/warm"), &format!("warm-{i}"), BODY)
-            .await;
-        assert_eq!(warm.status, 201, "{warm:?}\n{}", proxy.logs());
-    }
+    let (proxy, clients) = warm_proxy(&redis, &upstream, "lost-begin", Some(100)).await;
+    let client = &clients[0];
 
     redis.cli(&["client", "pause", "1500", "write"]);
     let first = client
@@ -382,17 +394,8 @@ async fn a_begin_the_redis_client_gave_up_on_does_not_block_the_retry() {
     first.assert_problem(503, "store-unavailable");
     tokio::time::sleep(Duration::from_millis(2000)).await;
 
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let retry = loop {
-        let reply = client
-            .post_json(&proxy.url("/v1/lost"), "lost-1", BODY)
-            .await;
-        if reply.status == 201 || Instant::now() > deadline {
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert_eq!(retry.status, 201, "{retry:?}\n{}", proxy.logs());
+    let retry = retry_until_executed(client, &proxy, "/v1/lost", "lost-1").await;
+    assert!(!retry.replayed());
     assert_eq!(upstream.executions("/v1/lost"), 1);
     let again = client
         .post_json(&proxy.url("/v1/lost"), "lost-1", BODY)
@@ -409,21 +412,7 @@ async fn a_begin_the_redis_client_gave_up_on_does_not_block_the_retry() {
 async fn the_first_requests_after_a_redis_restart_are_served() {
     let mut redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
-    let c = redis_config(
-        &upstream.url(),
-        &redis.url(),
-        &redis_server::unique_prefix("restart"),
-    );
-    let proxy = ProxyProcess::start(c).await;
-    // Connections held open at once land on different workers, so every
-    // worker opens its own Redis connection.
-    let clients: Vec<TestClient> = (0..4).map(|_| TestClient::new()).collect();
-    for (i, client) in clients.iter().enumerate() {
-        let warm = client
-            .post_json(&proxy.url("/v1/warm"), &format!("warm-{i}"), BODY)
-            .await;
-        assert_eq!(warm.status, 201, "{warm:?}\n{}", proxy.logs());
-    }
+    let (proxy, clients) = warm_proxy(&redis, &upstream, "restart", None).await;
 
     tokio::task::block_in_place(|| redis.restart());
     let ready = proxy.admin_url("/readyz");
