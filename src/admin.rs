@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::core::{from_millis, Outcome, Record, RecordKey};
-use crate::http::Problem;
+use crate::http::{ClientCertificate, Problem};
 use crate::idempotency::identity::bearer;
 use crate::idempotency::Policies;
 use crate::observe::metrics::Metrics;
@@ -304,6 +304,10 @@ struct Lookup {
     /// `{"authorization": "Bearer sk_..."}`.
     #[serde(default)]
     headers: std::collections::HashMap<String, String>,
+    /// For a `client_cert` scope: the SHA-256 of the client's certificate
+    /// (DER), in hex, as `openssl x509 -outform der | sha256sum` prints it.
+    #[serde(default)]
+    client_cert_sha256: Option<String>,
 }
 
 async fn lookup_key(
@@ -334,10 +338,17 @@ async fn lookup_key(
     for (name, value) in &lookup.headers {
         request = request.header(name.as_str(), value.as_str());
     }
-    let (parts, ()) = request
+    let (mut parts, ()) = request
         .body(())
         .map_err(|e| bad(format!("`headers`: {e}")))?
         .into_parts();
+    if let Some(digest) = &lookup.client_cert_sha256 {
+        let digest = hex::decode(digest.trim())
+            .ok()
+            .and_then(|d| <[u8; 32]>::try_from(d).ok())
+            .ok_or_else(|| bad("`client_cert_sha256` is not 64 hex digits".into()))?;
+        parts.extensions.insert(ClientCertificate(digest));
+    }
     let scope = policy
         .scope
         .scope(&parts)

@@ -159,7 +159,18 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
     let tls = config
         .tls
         .as_ref()
-        .map(|tls| server::tls_acceptor(&tls.cert_file, &tls.key_file))
+        .map(|tls| {
+            let clients = match (&tls.client_ca_file, tls.client_auth) {
+                (None, _) => server::ClientCertificates::Ignored,
+                (Some(ca_file), config::ClientAuth::Required) => {
+                    server::ClientCertificates::Required { ca_file }
+                }
+                (Some(ca_file), config::ClientAuth::Optional) => {
+                    server::ClientCertificates::Optional { ca_file }
+                }
+            };
+            server::tls_acceptor(&tls.cert_file, &tls.key_file, clients)
+        })
         .transpose()?;
     Ok(App {
         proxy,

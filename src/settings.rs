@@ -103,6 +103,10 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
         upstream_timeout: config.upstream.timeout,
         store_timeout: config.store.timeout,
         verifier: verifier.as_ref(),
+        client_certificates: config
+            .tls
+            .as_ref()
+            .is_some_and(|tls| tls.client_ca_file.is_some()),
     };
     let mut routes = Vec::with_capacity(config.routes.len());
     for (i, route) in config.routes.iter().enumerate() {
@@ -131,6 +135,9 @@ struct Shared<'a> {
     store_timeout: std::time::Duration,
     /// Set when `[identity] jwks_file` is, and it reads.
     verifier: Option<&'a TokenVerifier>,
+    /// Whether the listener verifies client certificates (`[tls]
+    /// client_ca_file`), which `client_cert` scopes by.
+    client_certificates: bool,
 }
 
 /// The verifier of `[identity]`, when a key set is configured.
@@ -185,7 +192,7 @@ fn policy(
         str::parse::<ScopeAttribute>,
         problems,
     );
-    let scope = scope_rules(at, scope, c.anonymous, shared.verifier, problems);
+    let scope = scope_rules(at, scope, c.anonymous, shared, problems);
     check_lease_margin(at, c.lease_margin, shared.store_timeout, problems);
     if problems.len() > before {
         return None;
@@ -235,22 +242,28 @@ fn check_lease_margin(
     }
 }
 
-/// The scope rules of one route: `jwt:` attributes need the key set.
+/// The scope rules of one route: `jwt:` attributes need the key set,
+/// `client_cert` a listener that verifies client certificates.
 fn scope_rules(
     at: &str,
     attributes: Vec<ScopeAttribute>,
     anonymous: config::Anonymous,
-    verifier: Option<&TokenVerifier>,
+    shared: &Shared<'_>,
     problems: &mut Vec<String>,
 ) -> ScopeRules {
     let needs_tokens = attributes
         .iter()
         .any(|a| matches!(a, ScopeAttribute::Jwt(_)));
+    if attributes.contains(&ScopeAttribute::ClientCert) && !shared.client_certificates {
+        problems.push(format!(
+            "{at}.scope: `client_cert` needs [tls] client_ca_file, the CAs client certificates are verified against"
+        ));
+    }
     let rules = ScopeRules::new(attributes).anonymous(match anonymous {
         config::Anonymous::Shared => Anonymous::Shared,
         config::Anonymous::Reject => Anonymous::Reject,
     });
-    match verifier {
+    match shared.verifier {
         Some(verifier) if needs_tokens => rules.verifier(verifier.clone()),
         None if needs_tokens => {
             problems.push(format!(

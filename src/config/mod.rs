@@ -79,12 +79,45 @@ impl Default for Config {
     }
 }
 
-/// PEM files of the traffic listener's certificate chain and private key.
+/// PEM files of the traffic listener's certificate chain and private key,
+/// and the CAs its clients' certificates are verified against (mTLS).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TlsConfig {
     pub cert_file: PathBuf,
     pub key_file: PathBuf,
+    /// PEM bundle of the CAs that issue client certificates: set, the
+    /// listener asks every client for a certificate and verifies it, and
+    /// the `client_cert` scope names the caller by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca_file: Option<PathBuf>,
+    /// With `client_ca_file`: whether a client without a certificate is
+    /// refused in the handshake (`required`, the default) or served
+    /// without one (`optional`; `anonymous` then decides).
+    #[serde(default)]
+    pub client_auth: ClientAuth,
+}
+
+impl TlsConfig {
+    /// The listener's certificate and key, no client certificates.
+    pub fn new(cert_file: PathBuf, key_file: PathBuf) -> Self {
+        Self {
+            cert_file,
+            key_file,
+            client_ca_file: None,
+            client_auth: ClientAuth::Required,
+        }
+    }
+}
+
+/// Whether a TLS client must present a certificate (see
+/// [`TlsConfig::client_auth`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientAuth {
+    #[default]
+    Required,
+    Optional,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -87,10 +87,12 @@ impl Config {
 
     fn check_tls_and_admin_token(&self, problems: &mut Vec<String>) {
         if let Some(tls) = &self.tls {
-            for (field, path) in [
-                ("tls.cert_file", &tls.cert_file),
-                ("tls.key_file", &tls.key_file),
-            ] {
+            let files = [
+                ("tls.cert_file", Some(&tls.cert_file)),
+                ("tls.key_file", Some(&tls.key_file)),
+                ("tls.client_ca_file", tls.client_ca_file.as_ref()),
+            ];
+            for (field, path) in files.into_iter().filter_map(|(f, p)| Some((f, p?))) {
                 if !path.is_file() {
                     problems.push(format!("{field}: {} is not a file", path.display()));
                 }

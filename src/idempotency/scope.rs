@@ -15,7 +15,9 @@
 //! refreshed between a lost response and the retry, and
 //! `header:authorization` then splits one caller's keys. `jwt:<claim>`
 //! (see [`identity`](super::identity)) names the caller by a claim of its
-//! verified token, the same across refreshes.
+//! verified token, the same across refreshes; `client_cert` by the client
+//! certificate the TLS handshake verified (a renewed certificate is a new
+//! caller, so renew between retries, not during them).
 
 use std::fmt;
 use std::str::FromStr;
@@ -26,6 +28,7 @@ use http::HeaderName;
 use sha2::{Digest, Sha256};
 
 use super::identity::{bearer, TokenVerifier};
+use crate::http::ClientCertificate;
 
 /// Bumping this moves every key to a new namespace (all stored records
 /// become unreachable); do it only with the record format.
@@ -46,6 +49,7 @@ pub fn anonymous_scope() -> [u8; 32] {
 
 const HEADER_PREFIX: &str = "header:";
 const JWT_PREFIX: &str = "jwt:";
+const CLIENT_CERT: &str = "client_cert";
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ScopeAttribute {
@@ -53,15 +57,21 @@ pub enum ScopeAttribute {
     Header(HeaderName),
     /// A claim of the verified bearer token (`Authorization: Bearer`).
     Jwt(String),
+    /// The client certificate the connection's TLS handshake verified
+    /// (`[tls] client_ca_file`), by its SHA-256.
+    ClientCert,
 }
 
 /// Accepts `header:<name>` (the prefix is case-insensitive, the name is
-/// lower-cased) and `jwt:<claim>` (the claim as named in the token), the
-/// forms used in the `scope` configuration list.
+/// lower-cased), `jwt:<claim>` (the claim as named in the token) and
+/// `client_cert`, the forms used in the `scope` configuration list.
 impl FromStr for ScopeAttribute {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case(CLIENT_CERT) {
+            return Ok(ScopeAttribute::ClientCert);
+        }
         if let Some(claim) = s
             .get(..JWT_PREFIX.len())
             .filter(|p| p.eq_ignore_ascii_case(JWT_PREFIX))
@@ -94,7 +104,7 @@ impl FromStr for ScopeAttribute {
             }
             _ => Err(format!(
                 "`{s}` is not a scope attribute; the accepted forms are `jwt:<claim>` \
-                 (e.g. `jwt:sub`) and `header:<name>` (e.g. `header:x-tenant-id`)"
+                 (e.g. `jwt:sub`), `client_cert` and `header:<name>` (e.g. `header:x-tenant-id`)"
             )),
         }
     }
@@ -106,6 +116,7 @@ impl fmt::Display for ScopeAttribute {
         match self {
             ScopeAttribute::Header(name) => write!(f, "{HEADER_PREFIX}{name}"),
             ScopeAttribute::Jwt(claim) => write!(f, "{JWT_PREFIX}{claim}"),
+            ScopeAttribute::ClientCert => f.write_str(CLIENT_CERT),
         }
     }
 }
@@ -223,6 +234,15 @@ impl ScopeRules {
                             serde_json::Value::String(s) => put_field(&mut h, s.as_bytes()),
                             other => put_field(&mut h, other.to_string().as_bytes()),
                         }
+                    }
+                    h.update([0]);
+                }
+                ScopeAttribute::ClientCert => {
+                    h.update(b"C");
+                    if let Some(certificate) = parts.extensions.get::<ClientCertificate>() {
+                        any_present = true;
+                        h.update([1]);
+                        put_field(&mut h, &certificate.0);
                     }
                     h.update([0]);
                 }
@@ -471,6 +491,44 @@ mod tests {
         assert_ne!(
             only_tenant,
             r.scope(&parts(&[("x-tenant", "t2")])).expect("scope")
+        );
+    }
+
+    #[test]
+    fn client_cert_scopes_by_the_verified_certificate_alone() {
+        assert_eq!(
+            "Client_Cert".parse::<ScopeAttribute>(),
+            Ok(ScopeAttribute::ClientCert)
+        );
+        assert_eq!(ScopeAttribute::ClientCert.to_string(), "client_cert");
+        let with = |digest: Option<u8>, auth: &str| {
+            let mut p = parts(&[("authorization", auth)]);
+            if let Some(d) = digest {
+                p.extensions.insert(ClientCertificate([d; 32]));
+            }
+            p
+        };
+        let r = rules(&["client_cert"]);
+        let alice = r.scope(&with(Some(1), "Bearer a")).expect("scope");
+        // A refreshed token is the same caller; another certificate is not.
+        assert_eq!(alice, r.scope(&with(Some(1), "Bearer b")).expect("scope"));
+        assert_ne!(alice, r.scope(&with(Some(2), "Bearer a")).expect("scope"));
+        assert_ne!(alice, anonymous_scope());
+        // Without a certificate: anonymous, or refused.
+        assert_eq!(r.scope(&with(None, "Bearer a")), Ok(anonymous_scope()));
+        let strict = rules(&["client_cert"]).anonymous(Anonymous::Reject);
+        assert_eq!(
+            strict.scope(&with(None, "Bearer a")),
+            Err(ScopeError::MissingIdentity)
+        );
+        // Not the same namespace as a header carrying the same bytes.
+        let header = rules(&["header:x-cert"]);
+        let digest = String::from_utf8(vec![b'a'; 32]).expect("ascii");
+        assert_ne!(
+            r.scope(&with(Some(b'a'), "x")).expect("scope"),
+            header
+                .scope(&parts(&[("x-cert", digest.as_str())]))
+                .expect("scope")
         );
     }
 

@@ -3,7 +3,8 @@
 //! Each accepted connection is served by hyper-util's auto builder
 //! (HTTP/1.1 and h2c, or HTTP/1.1 and HTTP/2 by ALPN over TLS when `[tls]`
 //! is set) on one of the [`Workers`]. The peer address is attached to every
-//! request as [`ClientInfo`] for `X-Forwarded-For`. On shutdown the
+//! request as [`ClientInfo`] for `X-Forwarded-For`, and the verified
+//! client certificate (mTLS) for the `client_cert` scope. On shutdown the
 //! listener closes at once, open connections finish their current
 //! exchange, and the caller then waits for executions that outlived their
 //! connections (see
@@ -27,7 +28,8 @@ use tokio::net::TcpListener;
 use tower::{Service, ServiceExt};
 
 use crate::forward::ClientInfo;
-pub use tls::{tls_acceptor, TLS_HANDSHAKE_TIMEOUT};
+use crate::http::ClientCertificate;
+pub use tls::{tls_acceptor, ClientCertificates, TLS_HANDSHAKE_TIMEOUT};
 pub use tokio_rustls::TlsAcceptor;
 pub use workers::Workers;
 use workers::{Job, OpenConnection, Worker};
@@ -122,18 +124,12 @@ where
             return;
         }
     };
-    let client = ClientInfo::new(Some(peer), connection.tls.is_some());
     let service = worker.service.clone();
-    let hyper_service = hyper::service::service_fn(move |req: Request<Incoming>| {
-        let mut req = req.map(Body::new);
-        req.extensions_mut().insert(client.clone());
-        service.clone().oneshot(req)
-    });
     let open = OpenConnection::new(&worker.open);
     let job: Job = Box::new(move || {
         tokio::spawn(async move {
             let _open = open;
-            connection.serve(stream, hyper_service).await;
+            connection.serve(stream, service).await;
         });
     });
     if worker.jobs.send(job).is_err() {
@@ -144,11 +140,13 @@ where
 impl Connection {
     /// Serves the connection on the worker's runtime until it ends (or the
     /// drain ends it).
-    async fn serve<H>(self, stream: std::net::TcpStream, service: H)
+    async fn serve<S>(self, stream: std::net::TcpStream, service: S)
     where
-        H: hyper::service::Service<Request<Incoming>, Response = Response<Body>> + Send + 'static,
-        H::Future: Send + 'static,
-        H::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
     {
         let peer = self.peer;
         let stream = match tokio::net::TcpStream::from_std(stream) {
@@ -158,17 +156,21 @@ impl Connection {
                 return;
             }
         };
+        let client = ClientInfo::new(Some(peer), self.tls.is_some());
         let result = match &self.tls {
             None => {
+                let service = tagged(service, client, None);
                 let conn = self.builder.serve_connection(TokioIo::new(stream), service);
                 self.watcher.watch(conn).await
             }
             // The handshake runs in the connection's task, so a slow
             // client never holds up the accept loop.
             Some(acceptor) => {
-                let Some(stream) = tls::handshake(acceptor, stream, peer).await else {
+                let Some((stream, certificate)) = tls::handshake(acceptor, stream, peer).await
+                else {
                     return;
                 };
+                let service = tagged(service, client, certificate);
                 let conn = self.builder.serve_connection(TokioIo::new(stream), service);
                 self.watcher.watch(conn).await
             }
@@ -177,6 +179,31 @@ impl Connection {
             tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
         }
     }
+}
+
+/// `service` for hyper, each request tagged with what the connection knows
+/// of its peer: the address, and the client certificate it verified.
+fn tagged<S>(
+    service: S,
+    client: ClientInfo,
+    certificate: Option<ClientCertificate>,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = tower::util::Oneshot<S, Request<Body>>,
+> + Clone
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone,
+{
+    hyper::service::service_fn(move |req: Request<Incoming>| {
+        let mut req = req.map(Body::new);
+        req.extensions_mut().insert(client.clone());
+        if let Some(certificate) = certificate {
+            req.extensions_mut().insert(certificate);
+        }
+        service.clone().oneshot(req)
+    })
 }
 
 #[cfg(test)]
