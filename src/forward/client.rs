@@ -58,6 +58,7 @@ use http::header::{
 };
 use http::uri::{Authority, Scheme};
 use http::{HeaderMap, Request, Response, Uri, Version};
+use http_body::Body as _;
 use hyper::body::Incoming;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::{capture_connection, HttpConnector};
@@ -68,6 +69,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
 use super::error::{ClientInfo, UpstreamError};
+use crate::http::CloseDelimited;
 
 /// What the client needs to know of its upstream.
 #[derive(Clone, Debug)]
@@ -322,6 +324,9 @@ impl Upstream {
         let captured = capture_connection(&mut req);
         match tokio::time::timeout_at(deadline, self.inner.client.request(req)).await {
             Ok(Ok(mut response)) => {
+                if is_close_delimited(&response) {
+                    response.extensions_mut().insert(CloseDelimited);
+                }
                 remove_hop_by_hop(response.headers_mut());
                 Ok(response)
             }
@@ -420,6 +425,18 @@ fn join_path(base: &str, inbound: &Uri) -> String {
         out.push_str(q);
     }
     out
+}
+
+/// Whether `response`'s body ends only where the upstream closes the
+/// connection: HTTP/1 with neither a length nor chunked framing (read
+/// before `Transfer-Encoding`, a hop-by-hop header, is removed). hyper
+/// knows a body that is empty by its status or the request's method.
+fn is_close_delimited(response: &Response<Incoming>) -> bool {
+    let body = response.body();
+    response.version() <= Version::HTTP_11
+        && !body.is_end_stream()
+        && body.size_hint().exact().is_none()
+        && !response.headers().contains_key(TRANSFER_ENCODING)
 }
 
 /// Removes the hop-by-hop headers: the fixed list and every header the

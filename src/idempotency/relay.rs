@@ -7,7 +7,9 @@
 //! storing: one hand-off instead of one per frame. Any other body streams
 //! as it comes; as a client knows a body with a `Content-Length` is
 //! complete once it has that many bytes, the frame that completes it is
-//! held back until the outcome is stored.
+//! held back until the outcome is stored. A body without a length or
+//! chunking ends where the upstream's connection does, so a cut one looks
+//! complete: it is relayed but stored as not stored.
 
 use std::collections::VecDeque;
 
@@ -27,6 +29,7 @@ use super::exchange::{Claim, Exchange, Responder};
 use super::replay::{stored_headers, stored_outcome};
 use crate::core::{FencingToken, UpstreamFailure};
 use crate::http::headers::content_length;
+use crate::http::CloseDelimited;
 use crate::observe::RequestOutcome;
 
 /// Bodies up to this size, with a declared length, are relayed in one piece
@@ -58,6 +61,10 @@ where
         let declared = content_length(&head.headers);
         let mut copy = BoundedCopy::new(self.policy.max_response_bytes);
         let whole_limit = WHOLE_BODY_LIMIT.min(self.policy.max_response_bytes as u64);
+        // The body's end is only the upstream's close: a FIN halfway looks
+        // the same, so the body is relayed as it comes but never stored as
+        // the response (a retry is told it was not stored).
+        let close_delimited = head.extensions.get::<CloseDelimited>().is_some();
         let small = declared.is_some_and(|len| len <= whole_limit)
             || head.status == StatusCode::NO_CONTENT
             || head.status == StatusCode::NOT_MODIFIED;
@@ -87,7 +94,11 @@ where
             copy,
         };
         let complete = relay.run(early, &mut upstream).await;
-        let body = if complete { relay.copy.take() } else { None };
+        let body = if complete && !close_delimited {
+            relay.copy.take()
+        } else {
+            None
+        };
         self.complete(&claim, token, stored_outcome(status, stored_headers, body))
             .await;
         relay.finish(complete).await;

@@ -16,10 +16,14 @@ mod workers;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use http::{Request, Response};
+use futures_util::TryFutureExt;
+use http::{Request, Response, Version};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -149,6 +153,7 @@ impl Connection {
         S::Future: Send + 'static,
     {
         let peer = self.peer;
+        let resets = ResetOnAbort::new(&stream);
         let stream = match tokio::net::TcpStream::from_std(stream) {
             Ok(stream) => stream,
             Err(e) => {
@@ -159,7 +164,7 @@ impl Connection {
         let client = ClientInfo::new(Some(peer), self.tls.is_some());
         let result = match &self.tls {
             None => {
-                let service = tagged(service, client, None);
+                let service = tagged(service, client, None, resets.clone());
                 let conn = self.builder.serve_connection(TokioIo::new(stream), service);
                 self.watcher.watch(conn).await
             }
@@ -170,7 +175,7 @@ impl Connection {
                 else {
                     return;
                 };
-                let service = tagged(service, client, certificate);
+                let service = tagged(service, client, certificate, resets.clone());
                 let conn = self.builder.serve_connection(TokioIo::new(stream), service);
                 self.watcher.watch(conn).await
             }
@@ -178,31 +183,91 @@ impl Connection {
         if let Err(e) = result {
             tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
         }
+        resets.close();
+    }
+}
+
+/// Makes the connection end in a reset, not a clean close, once a
+/// response body that is delimited by the close broke off (an HTTP/1.0
+/// client's, whose body has no length): for such a client a FIN is the
+/// body's end, and a truncated body would look complete.
+#[derive(Clone)]
+struct ResetOnAbort {
+    /// A second descriptor of the socket: it keeps the socket open after
+    /// hyper closed its own, so the last close is ours and can be a reset
+    /// (`SO_LINGER` 0). Closing a descriptor while another is open sends
+    /// nothing.
+    socket: Option<Arc<std::net::TcpStream>>,
+    aborted: Arc<AtomicBool>,
+}
+
+impl ResetOnAbort {
+    fn new(stream: &std::net::TcpStream) -> Self {
+        Self {
+            socket: stream.try_clone().ok().map(Arc::new),
+            aborted: Arc::default(),
+        }
+    }
+
+    /// `response` with a body that, should it break off, resets the
+    /// connection: for HTTP/1.0 requests only, since HTTP/1.1 (chunked)
+    /// and HTTP/2 tell a client an aborted body by themselves.
+    fn guard(&self, version: Version, response: Response<Body>) -> Response<Body> {
+        if version != Version::HTTP_10 {
+            return response;
+        }
+        let aborted = self.aborted.clone();
+        response.map(|body| {
+            Body::new(body.map_err(move |e| {
+                aborted.store(true, Ordering::Release);
+                e
+            }))
+        })
+    }
+
+    /// After hyper let go of the connection: a reset if a body broke off.
+    fn close(self) {
+        if let Some(socket) = &self.socket {
+            if self.aborted.load(Ordering::Acquire) {
+                let _ = socket2::SockRef::from(socket.as_ref()).set_linger(Some(Duration::ZERO));
+            }
+        }
     }
 }
 
 /// `service` for hyper, each request tagged with what the connection knows
-/// of its peer: the address, and the client certificate it verified.
+/// of its peer (the address, and the client certificate it verified), each
+/// response guarded by `resets`.
 fn tagged<S>(
     service: S,
     client: ClientInfo,
     certificate: Option<ClientCertificate>,
+    resets: ResetOnAbort,
 ) -> impl hyper::service::Service<
     Request<Incoming>,
     Response = Response<Body>,
     Error = Infallible,
-    Future = tower::util::Oneshot<S, Request<Body>>,
+    Future = impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
 > + Clone
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone,
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
 {
     hyper::service::service_fn(move |req: Request<Incoming>| {
+        let version = req.version();
         let mut req = req.map(Body::new);
         req.extensions_mut().insert(client.clone());
         if let Some(certificate) = certificate {
             req.extensions_mut().insert(certificate);
         }
-        service.clone().oneshot(req)
+        let resets = resets.clone();
+        service
+            .clone()
+            .oneshot(req)
+            .map_ok(move |response| resets.guard(version, response))
     })
 }
 
