@@ -293,10 +293,20 @@ pub async fn serve_app(
         .await
         .is_err()
     {
-        tracing::warn!(
-            remaining = app.tasks.len(),
-            "executions still running after the drain timeout; their keys settle by lease"
-        );
+        let releases = app.stack.layer.releases_pending();
+        let executions = app.tasks.len().saturating_sub(releases);
+        if executions > 0 {
+            tracing::warn!(
+                remaining = executions,
+                "executions still running after the drain timeout; their keys settle by lease"
+            );
+        }
+        if releases > 0 {
+            tracing::warn!(
+                remaining = releases,
+                "claims of requests answered 503 still being released after the drain timeout; each key is named below"
+            );
+        }
     }
     workers.stop().await;
     let _ = stop_admin.send(());

@@ -404,6 +404,58 @@ async fn a_begin_the_redis_client_gave_up_on_does_not_block_the_retry() {
     assert_eq!(upstream.executions("/v1/lost"), 1);
 }
 
+/// A claim still being released in the background when shutdown's drain
+/// deadline passes does not hold up the exit (its lease would allow 20 s,
+/// Redis is paused for 10 s): the process stops at the deadline, says how
+/// many releases were left, and names each key, which may keep a claim of
+/// a request that never ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_leaves_background_releases_at_the_drain_deadline_and_names_them() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let mut c = redis_config(
+        &upstream.url(),
+        &redis.url(),
+        &redis_server::unique_prefix("drain-release"),
+    );
+    c.store.timeout = Duration::from_millis(100);
+    c.upstream.timeout = Duration::from_secs(20);
+    c.drain_timeout = Duration::from_secs(1);
+    let mut proxy = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+    let warm = client.post_json(&proxy.url("/v1/warm"), "warm", BODY).await;
+    assert_eq!(warm.status, 201, "{warm:?}");
+
+    redis.cli(&["client", "pause", "10000", "write"]);
+    let first = client
+        .post_json(&proxy.url("/v1/drain"), "drain-1", BODY)
+        .await;
+    first.assert_problem(503, "store-unavailable");
+    let started = Instant::now();
+    proxy.terminate();
+    let status = proxy.wait_exit(Duration::from_secs(8)).await;
+    let took = started.elapsed();
+    redis.cli(&["client", "unpause"]);
+    assert!(status.success(), "{status}\n{}", proxy.logs());
+    assert!(
+        took < Duration::from_secs(4),
+        "stopped {took:?} after SIGTERM with a 1 s drain\n{}",
+        proxy.logs()
+    );
+    let logs = proxy.logs();
+    let left = logs
+        .lines()
+        .find(|l| l.contains("still being released after the drain timeout"))
+        .unwrap_or_else(|| panic!("the count of releases left:\n{logs}"));
+    assert!(left.contains("remaining=1"), "{left}");
+    let named = logs
+        .lines()
+        .find(|l| l.contains("shutdown stopped the release of a claim"))
+        .unwrap_or_else(|| panic!("the key of the release left:\n{logs}"));
+    assert!(named.contains("key="), "{named}");
+    assert_eq!(upstream.executions("/v1/drain"), 0);
+}
+
 /// A Redis that restarted and is reported ready serves the next request:
 /// each traffic worker's connection learns that it broke only when it is
 /// used, and the command it could not send then is sent again on a fresh

@@ -116,9 +116,16 @@ impl IdempotencyLayer {
         self.map(|s| s.clock = clock)
     }
 
-    /// Tracks every execution in flight, for graceful shutdown.
+    /// Tracks every execution in flight, for graceful shutdown, and every
+    /// claim being released in the background.
     pub fn tasks(&self) -> TaskTracker {
         self.settings.tasks.clone()
+    }
+
+    /// Of [`tasks`](Self::tasks), the claims being released in the
+    /// background for requests answered 503 (never executed).
+    pub fn releases_pending(&self) -> usize {
+        MAX_LATE_RELEASES.saturating_sub(self.settings.late_releases.available_permits())
     }
 
     fn map(self, f: impl FnOnce(&mut Settings)) -> Self {

@@ -59,17 +59,42 @@ pub(super) fn release_unanswered_claim(
     let (store, key, token) = (settings.store.clone(), begin.key, begin.token);
     settings.tasks.spawn(async move {
         let _slot = slot;
+        let mut stopped = StoppedRelease(Some(key));
         // What the call still does says whether it claimed the key.
         if !call.is_terminated() {
             match tokio::time::timeout_at(lease_ends, call).await {
                 Ok(Ok(BeginOutcome::Acquired { .. })) | Ok(Err(_)) | Err(_) => {}
                 // The key was settled or held by another request: no claim
                 // of this one's is there.
-                Ok(Ok(_)) => return,
+                Ok(Ok(_)) => return stopped.finished(),
             }
         }
         release_by_token(store, key, token, lease_ends).await;
+        stopped.finished();
     });
+}
+
+/// Says, when a release task is dropped before it finished (the drain
+/// deadline passed and the runtime stopped), which key may keep a claim
+/// whose request never ran: once its lease ends it answers
+/// `outcome-unknown`, and only an operator can tell it never executed.
+struct StoppedRelease(Option<RecordKey>);
+
+impl StoppedRelease {
+    fn finished(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for StoppedRelease {
+    fn drop(&mut self) {
+        if let Some(key) = self.0 {
+            tracing::warn!(
+                key = %key.hex(),
+                "shutdown stopped the release of a claim whose request was answered 503 and never ran; if the claim was made, the key answers 425 and then outcome-unknown: delete it (admin DELETE /v1/keys/{{hash}}?force=true) when the caller retries"
+            );
+        }
+    }
 }
 
 /// Releases `key` if `token` holds it, trying again until the release
