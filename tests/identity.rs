@@ -37,8 +37,9 @@ fn verifier(signers: &[&Signer]) -> TokenVerifier {
 #[test]
 fn tokens_verify_by_key_algorithm_expiry_issuer_and_audience() {
     let (es, ed) = (Signer::es256("es-1"), Signer::eddsa("ed-1"));
-    let v = verifier(&[&es, &ed]);
-    for signer in [&es, &ed] {
+    let rs = Signer::rs256("rs-1", "rsa-a");
+    let v = verifier(&[&es, &ed, &rs]);
+    for signer in [&es, &ed, &rs] {
         let verified = v
             .verify(&signer.token(claims("alice", 1)))
             .expect("verifies");
@@ -66,6 +67,14 @@ fn tokens_verify_by_key_algorithm_expiry_issuer_and_audience() {
     // A key the set does not hold, even under a kid it does.
     refused(claims("alice", 7), &Signer::es256("es-1"), "unknown key");
     refused(claims("alice", 8), &Signer::es256("es-9"), "unknown kid");
+    refused(
+        claims("alice", 10),
+        &Signer::rs256("rs-1", "rsa-b"),
+        "another RSA key",
+    );
+    let mut rs_expired = claims("alice", 11);
+    rs_expired["exp"] = at(-60).into();
+    refused(rs_expired, &rs, "an expired RS256 token");
     // HS256: a shared secret is no proof of who signed.
     let hs = jsonwebtoken::encode(
         &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),

@@ -1,5 +1,6 @@
 //! Signed bearer tokens and the JWKS that verifies them, from keys made
-//! for the test (ES256 and EdDSA, by rcgen).
+//! for the test (ES256 and EdDSA, by rcgen) or kept for it (RS256, in
+//! `tests/fixtures`: rcgen makes no RSA keys).
 
 #![allow(unreachable_pub)]
 
@@ -48,12 +49,41 @@ impl Signer {
         }
     }
 
+    /// The test RSA key `fixture` (`rsa-a` or `rsa-b` in `tests/fixtures`).
+    pub fn rs256(kid: &str, fixture: &str) -> Self {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        let pem = std::fs::read(dir.join(format!("{fixture}.pem"))).expect("RSA test key");
+        let jwk =
+            std::fs::read_to_string(dir.join(format!("{fixture}.jwk.json"))).expect("RSA test JWK");
+        let mut jwk: Value = serde_json::from_str(&jwk).expect("JWK is JSON");
+        jwk["kid"] = kid.into();
+        jwk["alg"] = "RS256".into();
+        jwk["use"] = "sig".into();
+        Self {
+            kid: kid.into(),
+            algorithm: Algorithm::RS256,
+            key: EncodingKey::from_rsa_der(rsa_der(&pem).secret_der()),
+            jwk,
+        }
+    }
+
     /// A token with `claims`, signed with this key and naming it by `kid`.
     pub fn token(&self, claims: Value) -> String {
         let mut header = Header::new(self.algorithm);
         header.kid = Some(self.kid.clone());
         jsonwebtoken::encode(&header, &claims, &self.key).expect("sign")
     }
+}
+
+/// The PKCS#1 key in `pem`.
+fn rsa_der(pem: &[u8]) -> rustls_pki_types::PrivateKeyDer<'static> {
+    use rustls_pki_types::pem::PemObject;
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(pem).expect("a PEM private key");
+    assert!(
+        matches!(key, rustls_pki_types::PrivateKeyDer::Pkcs1(_)),
+        "the RSA test keys are PKCS#1"
+    );
+    key
 }
 
 /// The JWKS document of `signers`.
