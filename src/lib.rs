@@ -27,6 +27,7 @@ pub mod demo;
 pub mod forward;
 mod http;
 pub mod idempotency;
+pub mod mcp;
 pub mod observe;
 pub mod server;
 mod settings;

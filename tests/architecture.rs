@@ -19,7 +19,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("observe", &["core", "http"]),
     ("store", &["core"]),
     ("forward", &["core", "http", "observe"]),
-    ("idempotency", &["core", "http", "observe", "store"]),
+    ("mcp", &[]),
+    ("idempotency", &["core", "http", "observe", "store", "mcp"]),
     ("server", &["core", "http", "observe", "forward"]),
     (
         "admin",

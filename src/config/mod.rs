@@ -32,6 +32,8 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
     /// How callers are identified for `jwt:<claim>` scopes.
     pub identity: IdentityConfig,
+    /// How routes with `protocol = "mcp"` protect tool calls.
+    pub mcp: McpConfig,
     pub log: LogConfig,
     /// On SIGTERM/SIGINT: how long open connections and running executions
     /// get to finish (and store their outcomes) before the process exits.
@@ -69,6 +71,7 @@ impl Default for Config {
             idempotency: IdempotencyConfig::default(),
             routes: Vec::new(),
             identity: IdentityConfig::default(),
+            mcp: McpConfig::default(),
             log: LogConfig::default(),
             drain_timeout: Duration::from_secs(35),
             workers: 0,
@@ -394,6 +397,66 @@ pub struct RouteConfig {
     pub fingerprint_ignore: Option<Vec<String>>,
     pub scope: Option<Vec<String>>,
     pub anonymous: Option<Anonymous>,
+    /// `mcp`: the route is an MCP server (Streamable HTTP), protected per
+    /// tool call as `[mcp]` says.
+    #[serde(default)]
+    pub protocol: Protocol,
+}
+
+/// What a route speaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// Any HTTP API: the key is the `Idempotency-Key` header.
+    #[default]
+    Http,
+    /// JSON-RPC over Streamable HTTP: each `tools/call` is keyed.
+    Mcp,
+}
+
+/// `[mcp]`: how `protocol = "mcp"` routes protect tool calls (DESIGN §5).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct McpConfig {
+    /// The argument each protected tool gains for its key.
+    pub key_argument: String,
+    pub protect: McpProtect,
+    /// Globs of tool names added to the protected set (`send_*`).
+    pub protect_tools: Vec<String>,
+    /// Globs of tool names removed from it.
+    pub skip_tools: Vec<String>,
+    /// Whether the key argument is removed before the call is forwarded.
+    pub strip_key_argument: bool,
+    /// A model cannot back off: `wait` holds a duplicate, then replays.
+    pub on_in_flight: OnInFlight,
+    /// Whether a replay's first content item tells the model it is one.
+    pub replay_note: bool,
+}
+
+impl Default for McpConfig {
+    fn default() -> Self {
+        Self {
+            key_argument: "idempotency_key".into(),
+            protect: McpProtect::Auto,
+            protect_tools: Vec::new(),
+            skip_tools: Vec::new(),
+            strip_key_argument: true,
+            on_in_flight: OnInFlight::Wait,
+            replay_note: true,
+        }
+    }
+}
+
+/// Which tools `[mcp]` protects before `protect_tools` and `skip_tools`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum McpProtect {
+    /// Every tool not annotated `readOnlyHint: true`.
+    #[default]
+    Auto,
+    All,
+    /// Only `protect_tools`.
+    Listed,
 }
 
 impl RouteConfig {

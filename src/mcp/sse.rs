@@ -1,0 +1,133 @@
+//! An incremental `text/event-stream` parser (the WHATWG SSE format) that
+//! keeps each event's own bytes: the relay passes events on as they came
+//! and reads only their `data`, so it must know where each one ends.
+//!
+//! Lines end with LF or CRLF (a lone CR, which the format also allows and
+//! no MCP server sends, is not taken as a line end); an event ends at an
+//! empty line. The bytes of an event not yet ended wait in the parser.
+
+use bytes::{Bytes, BytesMut};
+
+/// One event: its bytes as received (through its empty line), and its
+/// `data` lines joined with LF.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub raw: Bytes,
+    pub data: String,
+}
+
+/// Splits a stream of chunks into events.
+#[derive(Debug, Default)]
+pub struct EventParser {
+    /// Bytes of the event being read.
+    pending: BytesMut,
+    /// How far `pending` was scanned for line ends.
+    scanned: usize,
+    /// Where the current line starts in `pending`.
+    line_start: usize,
+    /// The current event's data lines so far.
+    data: Option<String>,
+}
+
+impl EventParser {
+    /// Takes `chunk` and returns the events it completed.
+    pub fn feed(&mut self, chunk: &[u8]) -> Vec<Event> {
+        self.pending.extend_from_slice(chunk);
+        let mut events = Vec::new();
+        while let Some(offset) = self.pending[self.scanned..].iter().position(|&b| b == b'\n') {
+            let line_end = self.scanned + offset;
+            self.scanned = line_end + 1;
+            let mut line = &self.pending[self.line_start..line_end];
+            if let Some(stripped) = line.strip_suffix(b"\r") {
+                line = stripped;
+            }
+            if line.is_empty() {
+                let raw = self.pending.split_to(self.scanned).freeze();
+                self.scanned = 0;
+                self.line_start = 0;
+                // An empty line ends the event; one with no field before it
+                // (a keep-alive) is an event with no data.
+                let data = self.data.take().unwrap_or_default();
+                events.push(Event { raw, data });
+                continue;
+            }
+            if let Some(value) = field(line, b"data") {
+                let value = String::from_utf8_lossy(value);
+                match &mut self.data {
+                    Some(data) => {
+                        data.push('\n');
+                        data.push_str(&value);
+                    }
+                    None => self.data = Some(value.into_owned()),
+                }
+            }
+            self.line_start = self.scanned;
+        }
+        events
+    }
+
+    /// The bytes of an event the stream ended without finishing.
+    pub fn rest(&self) -> &[u8] {
+        &self.pending
+    }
+}
+
+/// The value of `line` if it is the field `name` (`name:value`, one space
+/// after the colon dropped; a bare `name` has an empty value).
+fn field<'a>(line: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    let rest = line.strip_prefix(name)?;
+    if rest.is_empty() {
+        return Some(rest);
+    }
+    let value = rest.strip_prefix(b":")?;
+    Some(value.strip_prefix(b" ").unwrap_or(value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all(chunks: &[&[u8]]) -> Vec<Event> {
+        let mut parser = EventParser::default();
+        chunks.iter().flat_map(|c| parser.feed(c)).collect()
+    }
+
+    #[test]
+    fn events_keep_their_bytes_and_join_their_data() {
+        let stream: &[u8] =
+            b"event: message\nid: 1\ndata: {\"a\":\ndata: 1}\n\n: comment\ndata:x\r\n\r\n";
+        let events = all(&[stream]);
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0].data, "{\"a\":\n1}");
+        assert_eq!(
+            &events[0].raw[..],
+            b"event: message\nid: 1\ndata: {\"a\":\ndata: 1}\n\n"
+        );
+        assert_eq!(events[1].data, "x");
+        assert_eq!(&events[1].raw[..], b": comment\ndata:x\r\n\r\n");
+    }
+
+    #[test]
+    fn any_split_of_the_stream_gives_the_same_events() {
+        let stream: &[u8] = b"event: message\r\ndata: {\"id\":1}\r\n\r\ndata: two\n\ndata\n\n";
+        let whole = all(&[stream]);
+        assert_eq!(whole.len(), 3);
+        assert_eq!(whole[2].data, "");
+        for split in 0..stream.len() {
+            let (a, b) = stream.split_at(split);
+            assert_eq!(all(&[a, b]), whole, "split at {split}");
+        }
+        let bytes: Vec<&[u8]> = stream.chunks(1).collect();
+        assert_eq!(all(&bytes), whole);
+    }
+
+    #[test]
+    fn an_unfinished_event_waits() {
+        let mut parser = EventParser::default();
+        assert!(parser.feed(b"data: {\"id\":1").is_empty());
+        assert_eq!(parser.rest(), b"data: {\"id\":1");
+        let events = parser.feed(b"}\n\n");
+        assert_eq!(events[0].data, "{\"id\":1}");
+        assert!(parser.rest().is_empty());
+    }
+}
