@@ -14,9 +14,11 @@ use crate::core::OnStale;
 use crate::forward::{UpstreamSettings, UpstreamUrl};
 use crate::idempotency::fingerprint::{parse_header, validate_pointer, FingerprintRules};
 use crate::idempotency::identity::{IdentitySettings, TokenVerifier};
-use crate::idempotency::policy::{OnAmbiguous, OnInFlight, OnStoreError, Profile};
+use crate::idempotency::policy::{McpRoute, OnAmbiguous, OnInFlight, OnStoreError, Profile};
 use crate::idempotency::scope::{Anonymous, ScopeAttribute, ScopeRules};
 use crate::idempotency::{store_time_in_lease, Policies, Policy};
+use crate::mcp::tools::Protect;
+use crate::mcp::{ToolCatalog, ToolRules};
 use crate::store::redis::{self, RedisSettings};
 
 /// Every problem of `config`: its own checks ([`Config::validate`]) and
@@ -112,7 +114,13 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
     for (i, route) in config.routes.iter().enumerate() {
         let resolved = route.resolve(&config.idempotency);
         let at = format!("routes[{i}]");
-        if let Some(policy) = policy(&at, &route.name, &resolved, &shared, &mut problems) {
+        if let Some(mut policy) = policy(&at, &route.name, &resolved, &shared, &mut problems) {
+            if route.protocol == config::Protocol::Mcp {
+                if let Some(mcp) = mcp_route(&config.mcp, &mut problems) {
+                    policy.on_in_flight = on_in_flight(config.mcp.on_in_flight);
+                    policy.mcp = Some(Arc::new(mcp));
+                }
+            }
             routes.push((route.path.clone(), policy));
         }
     }
@@ -214,7 +222,40 @@ fn policy(
         max_response_bytes: c.max_response_bytes,
         fingerprint: FingerprintRules::new(headers, ignore),
         scope,
+        mcp: None,
     })
+}
+
+/// `[mcp]` as the MCP routes use it, or `None` with its problems added.
+fn mcp_route(c: &config::McpConfig, problems: &mut Vec<String>) -> Option<McpRoute> {
+    let key = &c.key_argument;
+    if key.is_empty()
+        || !key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        problems.push(format!(
+            "mcp.key_argument: `{key}` is not an argument name; use letters, digits, `_` or `-` (e.g. `idempotency_key`)"
+        ));
+        return None;
+    }
+    let protect = match c.protect {
+        config::McpProtect::Auto => Protect::Auto,
+        config::McpProtect::All => Protect::All,
+        config::McpProtect::Listed => Protect::Listed,
+    };
+    match ToolRules::new(key, protect, &c.protect_tools, &c.skip_tools) {
+        Ok(rules) => Some(McpRoute {
+            rules,
+            catalog: ToolCatalog::default(),
+            strip_key_argument: c.strip_key_argument,
+            replay_note: c.replay_note,
+        }),
+        Err(why) => {
+            problems.push(format!("mcp.{why}"));
+            None
+        }
+    }
 }
 
 /// Clocks of replicas sharing a store differ a little; a lease read on

@@ -12,7 +12,6 @@ use std::task::{Context, Poll};
 
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
-use http::HeaderMap;
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::sync::mpsc;
@@ -20,18 +19,16 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::{Instant, Sleep};
 
 use super::rejection::Rejection;
-use crate::http::headers::content_length;
 
 pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Reads a request body of at most `limit` bytes. A declared length over the
-/// limit is refused before reading anything.
+/// Reads a request body of at most `limit` bytes. A `declared` length
+/// (`Content-Length`) over the limit is refused before reading anything.
 pub(super) async fn read_request_body(
-    headers: &HeaderMap,
+    declared: Option<u64>,
     body: Body,
     limit: usize,
 ) -> Result<Bytes, Rejection> {
-    let declared = content_length(headers);
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(Rejection::BodyTooLarge { limit });
     }
@@ -296,6 +293,8 @@ impl<T: Unpin> http_body::Body for Holding<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::headers::content_length;
+    use http::HeaderMap;
 
     #[test]
     fn bounded_copy_keeps_bodies_up_to_the_cap() {
@@ -314,14 +313,14 @@ mod tests {
     #[tokio::test]
     async fn request_bodies_over_the_limit_are_refused() {
         let headers = HeaderMap::new();
-        let ok = read_request_body(&headers, Body::from("12345"), 5).await;
+        let ok = read_request_body(content_length(&headers), Body::from("12345"), 5).await;
         assert_eq!(ok.as_deref(), Ok(&b"12345"[..]));
-        let too_big = read_request_body(&headers, Body::from("123456"), 5).await;
+        let too_big = read_request_body(content_length(&headers), Body::from("123456"), 5).await;
         assert_eq!(too_big, Err(Rejection::BodyTooLarge { limit: 5 }));
 
         let mut declared = HeaderMap::new();
         declared.insert(http::header::CONTENT_LENGTH, 100.into());
-        let early = read_request_body(&declared, Body::empty(), 5).await;
+        let early = read_request_body(content_length(&declared), Body::empty(), 5).await;
         assert_eq!(early, Err(Rejection::BodyTooLarge { limit: 5 }));
     }
 }

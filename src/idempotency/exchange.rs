@@ -21,6 +21,7 @@ use super::body::{holding, read_request_body};
 use super::detach::DetachOnDrop;
 use super::key::IdempotencyKey;
 use super::layer::Settings;
+use super::mcp_call::McpCall;
 use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policy};
 use super::rejection::Rejection;
 use super::replay::replay;
@@ -43,6 +44,8 @@ pub(super) struct Exchange<S> {
     /// Held until the exchange ends (see `Settings::in_flight`), or handed
     /// to the task that settles its key late (`settle_late`).
     pub(super) permit: OwnedSemaphorePermit,
+    /// Set for a protected MCP `tools/call`: how its answers are made.
+    pub(super) mcp: Option<McpCall>,
 }
 
 /// The identity of a covered request, carried into the task that runs it.
@@ -106,31 +109,68 @@ where
 {
     /// Runs on the connection's task: reads the body, then drives the run
     /// until it answers (see [`DetachOnDrop`]).
-    pub(super) async fn start(mut self, req: Request<Body>, key: IdempotencyKey) -> Response<Body> {
+    pub(super) async fn start(self, req: Request<Body>, key: IdempotencyKey) -> Response<Body> {
         let (parts, body) = req.into_parts();
         // Who calls, before reading a body for a caller that cannot say.
-        let scope = match self.policy.scope.scope(&parts) {
+        let scope = match self.scope_of(&parts) {
             Ok(scope) => scope,
-            Err(ScopeError::InvalidToken(why)) => {
-                let rejection = Rejection::InvalidToken { why };
-                return self.reject(RequestOutcome::Unauthenticated, rejection);
-            }
-            Err(ScopeError::MissingIdentity) => {
-                let rejection = Rejection::MissingIdentity;
-                return self.reject(RequestOutcome::Unauthenticated, rejection);
-            }
+            Err((outcome, rejection)) => return self.reject(outcome, rejection),
         };
-        let read = read_request_body(&parts.headers, body, self.policy.max_request_bytes);
-        let body = match tokio::time::timeout(self.settings.request_body_timeout, read).await {
-            Ok(Ok(body)) => body,
-            Ok(Err(rejection)) => return self.reject(RequestOutcome::BadBody, rejection),
-            Err(_elapsed) => {
-                let timeout = self.settings.request_body_timeout;
-                return self.reject(RequestOutcome::BadBody, Rejection::BodyTimeout { timeout });
-            }
+        let body = match self.read_body(&parts, body).await {
+            Ok(body) => body,
+            Err((outcome, rejection)) => return self.reject(outcome, rejection),
         };
         let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
-        let record_key = RecordKey::new(&scope, key.as_str());
+        let request = Request::from_parts(parts, Body::from(body));
+        self.claim_and_run(&scope, &key, fingerprint, request).await
+    }
+
+    /// The request's scope, or why a caller that cannot say who it is is
+    /// refused.
+    pub(super) fn scope_of(
+        &self,
+        parts: &http::request::Parts,
+    ) -> Result<[u8; 32], (RequestOutcome, Rejection)> {
+        let rejection = match self.policy.scope.scope(parts) {
+            Ok(scope) => return Ok(scope),
+            Err(ScopeError::InvalidToken(why)) => Rejection::InvalidToken { why },
+            Err(ScopeError::MissingIdentity) => Rejection::MissingIdentity,
+        };
+        Err((RequestOutcome::Unauthenticated, rejection))
+    }
+
+    /// The whole request body, under `max_request_bytes` and the body
+    /// timeout, or the answer that refuses it.
+    pub(super) fn read_body(
+        &self,
+        parts: &http::request::Parts,
+        body: Body,
+    ) -> impl Future<Output = Result<bytes::Bytes, (RequestOutcome, Rejection)>> + Send + 'static
+    {
+        // Owns what it needs: the exchange is not `Sync`.
+        let timeout = self.settings.request_body_timeout;
+        let declared = crate::http::headers::content_length(&parts.headers);
+        let read = read_request_body(declared, body, self.policy.max_request_bytes);
+        async move {
+            let rejection = match tokio::time::timeout(timeout, read).await {
+                Ok(Ok(body)) => return Ok(body),
+                Ok(Err(rejection)) => rejection,
+                Err(_elapsed) => Rejection::BodyTimeout { timeout },
+            };
+            Err((RequestOutcome::BadBody, rejection))
+        }
+    }
+
+    /// Claims `key` in `scope` for `request` (its body read, its
+    /// fingerprint taken) and drives the run until it answers.
+    pub(super) async fn claim_and_run(
+        mut self,
+        scope: &[u8; 32],
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        request: Request<Body>,
+    ) -> Response<Body> {
+        let record_key = RecordKey::new(scope, key.as_str());
         self.log.set_key(record_key);
         let claim = Claim {
             arrived_at: self.settings.clock.now_millis(),
@@ -139,7 +179,6 @@ where
             // No claim yet.
             lease_ends: Instant::now(),
         };
-        let request = Request::from_parts(parts, Body::from(body));
         let (respond, mut answer) = oneshot::channel();
         let tasks = self.settings.tasks.clone();
         let mut run = DetachOnDrop::new(Box::pin(
@@ -156,8 +195,8 @@ where
         answer.unwrap_or_else(|_| Rejection::Internal.into_response(Default::default()))
     }
 
-    fn reject(self, outcome: RequestOutcome, rejection: Rejection) -> Response<Body> {
-        let response = rejection.into_response(self.policy.profile);
+    pub(super) fn reject(self, outcome: RequestOutcome, rejection: Rejection) -> Response<Body> {
+        let response = self.render(rejection);
         self.log.finish(outcome, &response);
         response
     }
@@ -177,7 +216,7 @@ where
     /// arriving, as a passthrough's does: the body holds the request's
     /// `max_in_flight` slot until it is done and is cut off at `deadline`,
     /// so an upstream that stalls mid-body cannot hold either for good.
-    fn answer_relayed(
+    pub(super) fn answer_relayed(
         self,
         respond: Responder,
         outcome: RequestOutcome,
@@ -189,9 +228,35 @@ where
         let _ = respond.send(response.map(|body| holding(body, permit, deadline)));
     }
 
-    fn answer_rejection(self, respond: Responder, outcome: RequestOutcome, rejection: Rejection) {
-        let response = rejection.into_response(self.policy.profile);
+    pub(super) fn answer_rejection(
+        self,
+        respond: Responder,
+        outcome: RequestOutcome,
+        rejection: Rejection,
+    ) {
+        let response = self.render(rejection);
         self.answer(respond, outcome, response);
+    }
+
+    /// A refusal as this request's client reads it: a problem, or for an
+    /// MCP tool call, a tool result the model can act on.
+    fn render(&self, rejection: Rejection) -> Response<Body> {
+        match self
+            .mcp
+            .as_ref()
+            .and_then(|call| call.rejection(&rejection))
+        {
+            Some(response) => response,
+            None => rejection.into_response(self.policy.profile),
+        }
+    }
+
+    /// The answer to a retry from the key's completed record.
+    fn replay(&self, record: &CompletedRecord) -> Response<Body> {
+        match &self.mcp {
+            Some(call) => call.replay(record),
+            None => replay(record, &self.policy),
+        }
     }
 
     /// Claims the key, or answers from what the store holds for it; with
@@ -257,7 +322,7 @@ where
                     return self.in_flight(respond, lease_expires_at);
                 }
                 BeginOutcome::Completed(record) => {
-                    let response = replay(&record, &self.policy);
+                    let response = self.replay(&record);
                     return self.answer(respond, RequestOutcome::Replayed, response);
                 }
                 BeginOutcome::Settled(record) => {
@@ -283,7 +348,7 @@ where
         // as the unknown outcome it answers, so the alert on
         // `outcome_unknown` sees a proxy that died mid-call. Later retries
         // replay the record.
-        let response = replay(record, &self.policy);
+        let response = self.replay(record);
         self.answer(respond, RequestOutcome::OutcomeUnknown, response)
     }
 
@@ -390,13 +455,18 @@ where
             self.release(&claim, token).await;
             return self.answer_relayed(respond, RequestOutcome::Released, response, deadline);
         }
+        if self.mcp.is_some() {
+            return self
+                .relay_call(claim, token, response, deadline, respond)
+                .await;
+        }
         self.stream_and_store(claim, token, response, deadline, respond)
             .await
     }
 
     /// The request may have executed: settle the key as unknown (fail
     /// closed) or release it, as `on_ambiguous` says.
-    async fn ambiguous(
+    pub(super) async fn ambiguous(
         mut self,
         claim: Claim,
         token: FencingToken,
@@ -434,7 +504,7 @@ where
         self.log.upstream_done(started.elapsed());
     }
 
-    async fn release(&mut self, claim: &Claim, token: FencingToken) {
+    pub(super) async fn release(&mut self, claim: &Claim, token: FencingToken) {
         self.settle(claim, token, Settling::Release).await;
     }
 }

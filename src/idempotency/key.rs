@@ -112,6 +112,10 @@ pub enum InvalidKey {
     /// that find several `Idempotency-Key` headers on one request.
     #[error("the request carries more than one Idempotency-Key header; send exactly one key")]
     Repeated,
+    /// Not produced by [`parse_key`]: a key in a JSON body (an MCP key
+    /// argument) that is not a string or an integer.
+    #[error("the key is not a string; a key is 1 to 255 visible ASCII characters, e.g. a UUID")]
+    NotText,
 }
 
 fn describe_byte(byte: u8) -> String {

@@ -30,6 +30,7 @@ pub mod identity;
 mod jcs;
 pub mod key;
 mod layer;
+mod mcp_call;
 pub mod policy;
 mod rejection;
 mod relay;

@@ -11,6 +11,7 @@ use http::Method;
 use super::fingerprint::FingerprintRules;
 use super::scope::ScopeRules;
 use crate::core::OnStale;
+use crate::mcp::{ToolCatalog, ToolRules};
 
 /// Which status codes the proxy's own answers use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -73,6 +74,19 @@ pub struct Policy {
     pub max_response_bytes: usize,
     pub fingerprint: FingerprintRules,
     pub scope: ScopeRules,
+    /// Set on a `protocol = "mcp"` route: its POSTs are JSON-RPC, and each
+    /// `tools/call` is keyed and protected as `[mcp]` says.
+    pub mcp: Option<Arc<McpRoute>>,
+}
+
+/// What an MCP route knows besides its policy: the tool classification,
+/// the tools its listings showed, and the `[mcp]` switches.
+#[derive(Debug)]
+pub struct McpRoute {
+    pub rules: ToolRules,
+    pub catalog: ToolCatalog,
+    pub strip_key_argument: bool,
+    pub replay_note: bool,
 }
 
 impl Policy {

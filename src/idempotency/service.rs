@@ -93,6 +93,21 @@ where
             };
             return ResponseFuture::rejected(log, RequestOutcome::Overloaded, rejection, &policy);
         };
+        if let Some(mcp) = policy.mcp.clone() {
+            if req.method() == http::Method::POST {
+                let exchange = self.exchange(policy, log, permit);
+                return ResponseFuture::Covered {
+                    fut: Box::pin(exchange.start_mcp(req, mcp)),
+                };
+            }
+            // GET streams, session DELETE: the transport's, not a call.
+            return ResponseFuture::passthrough(
+                self.inner.clone().oneshot(req),
+                log,
+                permit,
+                self.settings.upstream_timeout,
+            );
+        }
         if !policy.covers(req.method()) {
             return ResponseFuture::passthrough(
                 self.inner.clone().oneshot(req),
@@ -128,15 +143,27 @@ where
                 )
             }
         };
-        let exchange = Exchange {
+        let exchange = self.exchange(policy, log, permit);
+        ResponseFuture::Covered {
+            fut: Box::pin(exchange.start(req, key)),
+        }
+    }
+}
+
+impl<S: Clone> Idempotency<S> {
+    fn exchange(
+        &self,
+        policy: Arc<Policy>,
+        log: RequestLog,
+        permit: OwnedSemaphorePermit,
+    ) -> Exchange<S> {
+        Exchange {
             settings: self.settings.clone(),
             policy,
             inner: self.inner.clone(),
             log,
             permit,
-        };
-        ResponseFuture::Covered {
-            fut: Box::pin(exchange.start(req, key)),
+            mcp: None,
         }
     }
 }

@@ -181,7 +181,10 @@ mod tests {
             parse(json!({"jsonrpc":"2.0","id":1,"method":"tools/list"})),
             McpRequest::List { id } if id == json!(1)
         ));
-        assert!(matches!(parse(json!([{"jsonrpc":"2.0"}])), McpRequest::Batch));
+        assert!(matches!(
+            parse(json!([{"jsonrpc":"2.0"}])),
+            McpRequest::Batch
+        ));
         for other in [
             json!({"jsonrpc":"2.0","method":"notifications/initialized"}),
             json!({"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}),
@@ -201,7 +204,10 @@ mod tests {
     fn the_key_comes_from_the_argument_then_params() {
         let c = call(json!({"jsonrpc":"2.0","id":1,"method":"tools/call",
             "params":{"name":"send","arguments":{"to":"a","idempotency_key":"k1"},"idempotencyKey":"k2"}}));
-        assert_eq!(c.key("idempotency_key"), Some(KeySource::Argument(json!("k1"))));
+        assert_eq!(
+            c.key("idempotency_key"),
+            Some(KeySource::Argument(json!("k1")))
+        );
         assert_eq!(c.key("other"), Some(KeySource::Params(json!("k2"))));
         assert_eq!(
             c.arguments_without("idempotency_key"),

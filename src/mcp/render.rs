@@ -28,7 +28,8 @@ impl Framing {
                     let media = item.split(';').next().unwrap_or("").trim();
                     media.eq_ignore_ascii_case(wanted)
                         || media == "*/*"
-                        || media.eq_ignore_ascii_case("application/*") && wanted.starts_with("application/")
+                        || media.eq_ignore_ascii_case("application/*")
+                            && wanted.starts_with("application/")
                 })
             })
         };
@@ -68,7 +69,10 @@ pub fn replay(id: &Value, stored: &[u8], original_date: &str, note: bool) -> Opt
         .or_insert_with(|| Value::Object(Map::new()));
     if let Some(meta) = meta.as_object_mut() {
         meta.insert(META_REPLAYED.into(), Value::Bool(true));
-        meta.insert(META_ORIGINAL_DATE.into(), Value::String(original_date.into()));
+        meta.insert(
+            META_ORIGINAL_DATE.into(),
+            Value::String(original_date.into()),
+        );
     }
     if note {
         let text = format!(

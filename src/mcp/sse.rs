@@ -8,12 +8,24 @@
 
 use bytes::{Bytes, BytesMut};
 
-/// One event: its bytes as received (through its empty line), and its
-/// `data` lines joined with LF.
+/// One event: its bytes as received (through its empty line), its `data`
+/// lines joined with LF, and its `id` (kept when an event is rewritten, as
+/// a client resumes a stream by it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
     pub raw: Bytes,
     pub data: String,
+    pub id: Option<String>,
+}
+
+impl Event {
+    /// A `message` event carrying `data` (one line of JSON) under `id`.
+    pub fn message(data: &str, id: Option<&str>) -> Bytes {
+        match id {
+            Some(id) => Bytes::from(format!("event: message\nid: {id}\ndata: {data}\n\n")),
+            None => Bytes::from(format!("event: message\ndata: {data}\n\n")),
+        }
+    }
 }
 
 /// Splits a stream of chunks into events.
@@ -27,6 +39,8 @@ pub struct EventParser {
     line_start: usize,
     /// The current event's data lines so far.
     data: Option<String>,
+    /// The current event's `id` field.
+    id: Option<String>,
 }
 
 impl EventParser {
@@ -34,7 +48,10 @@ impl EventParser {
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<Event> {
         self.pending.extend_from_slice(chunk);
         let mut events = Vec::new();
-        while let Some(offset) = self.pending[self.scanned..].iter().position(|&b| b == b'\n') {
+        while let Some(offset) = self.pending[self.scanned..]
+            .iter()
+            .position(|&b| b == b'\n')
+        {
             let line_end = self.scanned + offset;
             self.scanned = line_end + 1;
             let mut line = &self.pending[self.line_start..line_end];
@@ -48,10 +65,13 @@ impl EventParser {
                 // An empty line ends the event; one with no field before it
                 // (a keep-alive) is an event with no data.
                 let data = self.data.take().unwrap_or_default();
-                events.push(Event { raw, data });
+                let id = self.id.take();
+                events.push(Event { raw, data, id });
                 continue;
             }
-            if let Some(value) = field(line, b"data") {
+            if let Some(value) = field(line, b"id") {
+                self.id = Some(String::from_utf8_lossy(value).into_owned());
+            } else if let Some(value) = field(line, b"data") {
                 let value = String::from_utf8_lossy(value);
                 match &mut self.data {
                     Some(data) => {
@@ -103,7 +123,9 @@ mod tests {
             &events[0].raw[..],
             b"event: message\nid: 1\ndata: {\"a\":\ndata: 1}\n\n"
         );
+        assert_eq!(events[0].id.as_deref(), Some("1"));
         assert_eq!(events[1].data, "x");
+        assert_eq!(events[1].id, None);
         assert_eq!(&events[1].raw[..], b": comment\ndata:x\r\n\r\n");
     }
 

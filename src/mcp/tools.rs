@@ -227,7 +227,10 @@ mod tests {
         assert_eq!(auto.protection("send_email", None), Protection::Required);
         assert_eq!(auto.protection("lookup", read_only), Protection::None);
         assert_eq!(auto.protection("put", idempotent), Protection::Optional);
-        assert_eq!(auto.protection("get_thing", read_only), Protection::Required);
+        assert_eq!(
+            auto.protection("get_thing", read_only),
+            Protection::Required
+        );
         assert_eq!(auto.protection("send_test_x", None), Protection::None);
         let listed = rules(Protect::Listed, &["charge_*"], &[]);
         assert_eq!(listed.protection("charge_card", None), Protection::Required);
@@ -235,7 +238,10 @@ mod tests {
         let all = rules(Protect::All, &[], &[]);
         assert_eq!(all.protection("lookup", read_only), Protection::Required);
         let bad = ToolRules::new("k", Protect::Auto, &["[".into()], &[]).expect_err("bad glob");
-        assert!(bad.contains("protect_tools") && bad.contains("`[`"), "{bad}");
+        assert!(
+            bad.contains("protect_tools") && bad.contains("`[`"),
+            "{bad}"
+        );
     }
 
     #[test]
@@ -260,7 +266,10 @@ mod tests {
         );
         let flag = &result["tools"][2]["inputSchema"];
         assert_eq!(flag["properties"]["idempotency_key"]["type"], "string");
-        assert!(flag.get("required").is_none(), "optional for an idempotent tool");
+        assert!(
+            flag.get("required").is_none(),
+            "optional for an idempotent tool"
+        );
         assert_eq!(result["nextCursor"], "c");
         assert!(catalog.knows("get_weather"));
         assert_eq!(

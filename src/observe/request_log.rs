@@ -23,6 +23,8 @@ pub struct RequestLog {
     request_id: Option<HeaderValue>,
     started: Instant,
     key: Option<RecordKey>,
+    /// The tool of an MCP `tools/call`.
+    tool: Option<Arc<str>>,
     status: Option<u16>,
     store: Duration,
     upstream: Option<Duration>,
@@ -79,6 +81,7 @@ impl RequestLog {
             request_id: req.headers().get(X_REQUEST_ID).cloned(),
             started: Instant::now(),
             key: None,
+            tool: None,
             status: None,
             store: Duration::ZERO,
             upstream: None,
@@ -100,6 +103,11 @@ impl RequestLog {
     /// The store hash of the request's key, once it is known.
     pub fn set_key(&mut self, key: RecordKey) {
         self.key = Some(key);
+    }
+
+    /// The tool an MCP `tools/call` calls, for the line.
+    pub fn set_tool(&mut self, tool: &str) {
+        self.tool = Some(Arc::from(tool));
     }
 
     /// The status sent, for a response whose body is still being relayed.
@@ -157,6 +165,7 @@ impl RequestLog {
             outcome = outcome.as_str(),
             status = self.status.unwrap_or(0),
             key_hash = key,
+            tool = self.tool.as_deref(),
             request_id,
             store_ms = whole_micros_as_ms(self.store),
             upstream_ms,
