@@ -242,7 +242,12 @@ where
         };
         let call = match McpRequest::parse(&body) {
             McpRequest::Call(call) => call,
-            McpRequest::List { id } => return self.list_tools(parts, body, id, &route).await,
+            McpRequest::List { id } => {
+                if let Some(why) = header_mismatch(&parts.headers, "tools/list", None) {
+                    return self.refuse_mismatch(&id, &why);
+                }
+                return self.list_tools(parts, body, id, &route).await;
+            }
             McpRequest::Batch => {
                 tracing::debug!(route = %self.policy.route, "a JSON-RPC batch passes unprotected");
                 return self.forward_untouched(parts, body).await;
@@ -250,6 +255,9 @@ where
             McpRequest::Other => return self.forward_untouched(parts, body).await,
         };
         self.log.set_tool(&call.name);
+        if let Some(why) = header_mismatch(&parts.headers, "tools/call", Some(&call.name)) {
+            return self.refuse_mismatch(&call.id, &why);
+        }
         let protection = route
             .rules
             .protection(&call.name, route.catalog.hints(&call.name));
@@ -301,6 +309,24 @@ where
             .insert(CONTENT_LENGTH, HeaderValue::from(forwarded.len()));
         let request = Request::from_parts(parts, Body::from(forwarded));
         self.claim_and_run(&scope, &key, fingerprint, request).await
+    }
+
+    /// 400 with a JSON-RPC error: the `Mcp-Method`/`Mcp-Name` headers
+    /// (2026-07-28) name another call than the body. Whatever routes or
+    /// authorizes by the headers would see a different call than the
+    /// server runs, so neither is trusted and nothing is forwarded.
+    fn refuse_mismatch(self, id: &Value, why: &str) -> Response<Body> {
+        let message = serde_json::json!({
+            "jsonrpc": "2.0", "id": id,
+            "error": {"code": -32600, "message": why},
+        });
+        let mut response = Response::new(Body::from(message.to_string()));
+        *response.status_mut() = StatusCode::BAD_REQUEST;
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        self.log.finish(RequestOutcome::BadBody, &response);
+        response
     }
 
     /// Forwards a message the proxy does not protect, as it came.
@@ -565,6 +591,19 @@ where
     }
 }
 
+/// Why the `Mcp-Method`/`Mcp-Name` headers disagree with the body's
+/// `method` and tool `name`, when they are present and do.
+fn header_mismatch(headers: &http::HeaderMap, method: &str, name: Option<&str>) -> Option<String> {
+    let header = |h: &str| headers.get(h).map(|v| v.to_str().unwrap_or("(not text)"));
+    if let Some(said) = header("mcp-method").filter(|said| *said != method) {
+        return Some(format!(
+            "the Mcp-Method header says `{said}`, the body `{method}`"
+        ));
+    }
+    let (said, name) = (header("mcp-name")?, name?);
+    (said != name).then(|| format!("the Mcp-Name header says `{said}`, the body `{name}`"))
+}
+
 fn rest_is_empty(frames: &VecDeque<Frame<Bytes>>) -> bool {
     frames
         .iter()
@@ -649,6 +688,19 @@ mod tests {
             a,
             call_fingerprint("mail", &args(json!({"to": "a", "n": 1})))
         );
+    }
+
+    #[test]
+    fn mcp_headers_must_agree_with_the_body_when_present() {
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(header_mismatch(&headers, "tools/call", Some("send")), None);
+        headers.insert("mcp-method", HeaderValue::from_static("tools/call"));
+        headers.insert("mcp-name", HeaderValue::from_static("send"));
+        assert_eq!(header_mismatch(&headers, "tools/call", Some("send")), None);
+        assert!(header_mismatch(&headers, "tools/call", Some("get"))
+            .is_some_and(|why| why.contains("Mcp-Name")));
+        assert!(header_mismatch(&headers, "tools/list", None)
+            .is_some_and(|why| why.contains("Mcp-Method")));
     }
 
     #[test]
