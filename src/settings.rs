@@ -250,6 +250,7 @@ fn mcp_route(c: &config::McpConfig, problems: &mut Vec<String>) -> Option<McpRou
             catalog: ToolCatalog::default(),
             strip_key_argument: c.strip_key_argument,
             replay_note: c.replay_note,
+            sessions: Default::default(),
         }),
         Err(why) => {
             problems.push(format!("mcp.{why}"));

@@ -36,7 +36,7 @@ use crate::core::{
 use crate::http::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_ORIGINAL_DATE, IDEMPOTENT_REPLAYED};
 use crate::mcp::message::{answer_to, KeySource};
 use crate::mcp::{
-    encode, render, tool_error, Answer, EventParser, Framing, McpRequest, Protection,
+    encode, render, tool_error, Answer, EventParser, Framing, McpRequest, Protection, RunningCall,
 };
 use crate::observe::RequestOutcome;
 
@@ -58,6 +58,9 @@ pub(super) struct McpCall {
     /// Results the proxy makes carry `resultType: "complete"` (2026-07-28).
     result_type: bool,
     replay_note: bool,
+    /// Marks the call as running in its session while the exchange lives,
+    /// so the session's cancel and DELETE do not stop it.
+    _running: Option<RunningCall>,
 }
 
 impl McpCall {
@@ -248,11 +251,18 @@ where
                 }
                 return self.list_tools(parts, body, id, &route).await;
             }
+            McpRequest::Cancel { request_id } => {
+                let session = session_of(&parts.headers);
+                if session.is_some_and(|s| route.sessions.is_running(s, &request_id)) {
+                    return self.hold_back_cancel(&request_id);
+                }
+                return self.forward_untouched(parts, body.into()).await;
+            }
             McpRequest::Batch => {
                 tracing::debug!(route = %self.policy.route, "a JSON-RPC batch passes unprotected");
-                return self.forward_untouched(parts, body).await;
+                return self.forward_untouched(parts, body.into()).await;
             }
-            McpRequest::Other => return self.forward_untouched(parts, body).await,
+            McpRequest::Other => return self.forward_untouched(parts, body.into()).await,
         };
         self.log.set_tool(&call.name);
         if let Some(why) = header_mismatch(&parts.headers, "tools/call", Some(&call.name)) {
@@ -262,7 +272,7 @@ where
             .rules
             .protection(&call.name, route.catalog.hints(&call.name));
         if protection == Protection::None {
-            return self.forward_untouched(parts, body).await;
+            return self.forward_untouched(parts, body.into()).await;
         }
         let key_argument = &route.rules.key_argument;
         let version = parts
@@ -281,11 +291,12 @@ where
             ),
             result_type: version.is_some_and(|v| v >= SESSIONLESS_VERSION),
             replay_note: route.replay_note,
+            _running: session_of(&parts.headers).map(|s| route.sessions.enter(s, &call.id)),
         });
         let key = match call_key(call.key(key_argument), &parts.headers) {
             Ok(Some(key)) => key,
             Ok(None) if protection == Protection::Optional => {
-                return self.forward_untouched(parts, body).await
+                return self.forward_untouched(parts, body.into()).await
             }
             Ok(None) => return self.reject(RequestOutcome::MissingKey, Rejection::MissingKey),
             Err(invalid) => {
@@ -329,10 +340,46 @@ where
         response
     }
 
+    /// A session's DELETE (2025 era): forwarded once the session's
+    /// protected calls have settled, since the server drops what a closed
+    /// session runs. Past the upstream timeout it goes anyway.
+    pub(super) async fn end_session(
+        self,
+        req: Request<Body>,
+        route: Arc<McpRoute>,
+    ) -> Response<Body> {
+        let (parts, body) = req.into_parts();
+        if let Some(session) = session_of(&parts.headers) {
+            let deadline = Instant::now() + self.settings.upstream_timeout;
+            if !route.sessions.idle(session, deadline).await {
+                tracing::warn!(
+                    route = %self.policy.route,
+                    "a session's DELETE waited its upstream timeout for a protected call and goes on"
+                );
+            }
+        }
+        self.forward_untouched(parts, body).await
+    }
+
+    /// A `notifications/cancelled` for a protected call still running:
+    /// acknowledged (202, as the server would) and not forwarded, so the
+    /// call runs to completion and its result is kept for the retry.
+    fn hold_back_cancel(self, request_id: &Value) -> Response<Body> {
+        tracing::info!(
+            route = %self.policy.route,
+            request = %request_id,
+            "a cancel of a protected call is held back: the call runs to completion"
+        );
+        let mut response = Response::new(Body::empty());
+        *response.status_mut() = StatusCode::ACCEPTED;
+        self.log.finish(RequestOutcome::Passthrough, &response);
+        response
+    }
+
     /// Forwards a message the proxy does not protect, as it came.
-    async fn forward_untouched(self, parts: Parts, body: Bytes) -> Response<Body> {
+    async fn forward_untouched(self, parts: Parts, body: Body) -> Response<Body> {
         let deadline = Instant::now() + self.settings.upstream_timeout;
-        let request = Request::from_parts(parts, Body::from(body));
+        let request = Request::from_parts(parts, body);
         let response = match self.inner.clone().oneshot(request).await {
             Ok(response) => response,
             Err(e) => Rejection::PassthroughFailed {
@@ -589,6 +636,14 @@ where
             .map(|call| call.id.clone())
             .unwrap_or(Value::Null)
     }
+}
+
+/// The `Mcp-Session-Id` a request belongs to (2025 era), if any.
+fn session_of(headers: &http::HeaderMap) -> Option<&str> {
+    headers
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
 }
 
 /// Why the `Mcp-Method`/`Mcp-Name` headers disagree with the body's

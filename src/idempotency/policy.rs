@@ -11,7 +11,7 @@ use http::Method;
 use super::fingerprint::FingerprintRules;
 use super::scope::ScopeRules;
 use crate::core::OnStale;
-use crate::mcp::{ToolCatalog, ToolRules};
+use crate::mcp::{SessionCalls, ToolCatalog, ToolRules};
 
 /// Which status codes the proxy's own answers use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -87,6 +87,9 @@ pub struct McpRoute {
     pub catalog: ToolCatalog,
     pub strip_key_argument: bool,
     pub replay_note: bool,
+    /// The protected calls each session runs: its cancels and its DELETE
+    /// wait for them (DESIGN §5.8).
+    pub sessions: Arc<SessionCalls>,
 }
 
 impl Policy {

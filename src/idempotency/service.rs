@@ -100,7 +100,13 @@ where
                     fut: Box::pin(exchange.start_mcp(req, mcp)),
                 };
             }
-            // GET streams, session DELETE: the transport's, not a call.
+            if req.method() == http::Method::DELETE {
+                let exchange = self.exchange(policy, log, permit);
+                return ResponseFuture::Covered {
+                    fut: Box::pin(exchange.end_session(req, mcp)),
+                };
+            }
+            // GET streams: the transport's, not a call.
             return ResponseFuture::passthrough(
                 self.inner.clone().oneshot(req),
                 log,

@@ -13,6 +13,8 @@ pub enum McpRequest {
     Call(ToolCall),
     /// A `tools/list` request, whose answer is rewritten.
     List { id: Value },
+    /// A `notifications/cancelled` for the request `request_id`.
+    Cancel { request_id: Value },
     /// A JSON array: a batch, passed through unprotected.
     Batch,
     /// Anything else: another method, a notification, a response, or not
@@ -30,6 +32,14 @@ impl McpRequest {
             Value::Array(_) => return McpRequest::Batch,
             _ => return McpRequest::Other,
         };
+        if message.get("method").and_then(Value::as_str) == Some("notifications/cancelled") {
+            return match message.get("params").and_then(|p| p.get("requestId")) {
+                Some(id @ (Value::String(_) | Value::Number(_))) => McpRequest::Cancel {
+                    request_id: id.clone(),
+                },
+                _ => McpRequest::Other,
+            };
+        }
         // A request has an id (string or number); a notification has none.
         let id = match message.get("id") {
             Some(id @ (Value::String(_) | Value::Number(_))) => id.clone(),
@@ -185,8 +195,13 @@ mod tests {
             parse(json!([{"jsonrpc":"2.0"}])),
             McpRequest::Batch
         ));
+        assert!(matches!(
+            parse(json!({"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":"r7","reason":"timeout"}})),
+            McpRequest::Cancel { request_id } if request_id == json!("r7")
+        ));
         for other in [
             json!({"jsonrpc":"2.0","method":"notifications/initialized"}),
+            json!({"jsonrpc":"2.0","method":"notifications/cancelled","params":{}}),
             json!({"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}),
             json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"arguments":{}}}),
             json!({"jsonrpc":"2.0","id":null,"method":"tools/call","params":{"name":"x"}}),

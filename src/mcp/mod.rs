@@ -8,13 +8,17 @@
 //! - [`sse`]: an incremental `text/event-stream` parser that keeps each
 //!   event's bytes, so what is not rewritten is relayed as it came;
 //! - [`tools`]: which tools are protected, and the listing rewrite;
-//! - [`render`]: replays and tool errors as JSON-RPC responses.
+//! - [`render`]: replays and tool errors as JSON-RPC responses;
+//! - [`in_flight`]: the protected calls each session runs, which its
+//!   cancels and its DELETE must not stop.
 
+pub mod in_flight;
 pub mod message;
 pub mod render;
 pub mod sse;
 pub mod tools;
 
+pub use in_flight::{RunningCall, SessionCalls};
 pub use message::{Answer, McpRequest, ToolCall};
 pub use render::{encode, replay, tool_error, Framing};
 pub use sse::{Event, EventParser};

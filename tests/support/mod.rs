@@ -4,6 +4,7 @@ pub mod binary;
 pub mod fault;
 pub mod faulty;
 pub mod keys;
+pub mod mcp;
 pub mod proxy;
 pub mod raw;
 pub mod redis_server;

@@ -1,0 +1,418 @@
+//! `protocol = "mcp"` routes with the real thing (DESIGN §5): the real
+//! binary in front of an unmodified MCP server from the official Python
+//! SDK, driven by that SDK's own client. Every test checks what the
+//! client saw and what the server says it executed.
+
+mod support;
+
+use idemproxy::config::{Config, Protocol, RouteConfig};
+use serde_json::{json, Value};
+use support::binary::ProxyProcess;
+use support::mcp::{run_client, texts, McpServer};
+use support::proxy::{config, TestClient};
+
+/// The protocol eras the client speaks: the sessionless one, and the
+/// handshake one with `initialize` and `Mcp-Session-Id`.
+const SESSIONLESS: &str = "2026-07-28";
+const HANDSHAKE: &str = "2025-11-25";
+
+/// The real binary with one MCP route at `/mcp` in front of `server`.
+async fn proxy_for(server: &McpServer) -> ProxyProcess {
+    ProxyProcess::start(mcp_config(server)).await
+}
+
+fn mcp_config(server: &McpServer) -> Config {
+    let mut c = config(&server.url());
+    c.upstream.timeout = std::time::Duration::from_secs(20);
+    c.routes = vec![RouteConfig {
+        name: "mcp".into(),
+        path: "/mcp".into(),
+        protocol: Protocol::Mcp,
+        ..RouteConfig::default()
+    }];
+    c
+}
+
+fn call(tool: &str, arguments: Value) -> Value {
+    json!({"op": "call", "tool": tool, "arguments": arguments})
+}
+
+/// The result of scenario step `i`, which must not have failed.
+fn result(steps: &[Value], i: usize) -> &Value {
+    assert!(
+        steps[i].get("error").is_none(),
+        "step {i} failed: {}",
+        steps[i]
+    );
+    &steps[i]["result"]
+}
+
+fn is_error(result: &Value) -> bool {
+    result["isError"] == json!(true)
+}
+
+fn replayed(result: &Value) -> bool {
+    result["_meta"]["io.idemproxy/replayed"] == json!(true)
+}
+
+const SEND: &str = "send_email";
+
+fn email(key: &str) -> Value {
+    json!({"to": "ada@example.com", "subject": "invoice", "body": "attached", "idempotency_key": key})
+}
+
+/// list → call → a NEW client (its JSON-RPC ids restart at 1) retries with
+/// the arguments in another order: the first result comes back, marked,
+/// and the tool ran once.
+async fn exactly_once_across_clients(version: &str) {
+    let server = McpServer::start(&[]).await;
+    let proxy = proxy_for(&server).await;
+    let url = proxy.url("/mcp");
+    let first = run_client(
+        &url,
+        version,
+        &json!([
+            {"op": "list_tools"},
+            call(SEND, email("order-17-mail")),
+            {"op": "info"},
+        ]),
+    )
+    .await;
+    let tools = first[0]["tools"].as_array().expect("tools listed");
+    let tool = |name: &str| {
+        tools
+            .iter()
+            .find(|t| t["name"] == name)
+            .unwrap_or_else(|| panic!("{name} listed"))
+    };
+    let send = &tool(SEND)["inputSchema"];
+    assert_eq!(send["properties"]["idempotency_key"]["type"], "string");
+    assert!(
+        send["required"]
+            .as_array()
+            .is_some_and(|r| r.contains(&json!("idempotency_key")) && r.contains(&json!("to"))),
+        "the key argument is required beside the tool's own: {send}"
+    );
+    let weather = &tool("get_weather")["inputSchema"];
+    assert!(
+        weather["properties"].get("idempotency_key").is_none(),
+        "a read-only tool is untouched: {weather}"
+    );
+    let original = result(&first, 1);
+    assert!(!is_error(original) && !replayed(original), "{original}");
+    assert_eq!(texts(original), ["sent email #1 to ada@example.com"]);
+    assert_eq!(first[2]["protocol_version"], version);
+
+    // A new process, a new session: the retry's id is 1 or 2 again.
+    let retry = run_client(
+        &url,
+        version,
+        &json!([call(
+            SEND,
+            json!({"idempotency_key": "order-17-mail", "body": "attached", "subject": "invoice", "to": "ada@example.com"})
+        )]),
+    )
+    .await;
+    let replay = result(&retry, 0);
+    assert!(replayed(replay) && !is_error(replay), "{replay}");
+    assert_eq!(replay["structuredContent"], original["structuredContent"]);
+    let said = texts(replay);
+    assert!(
+        said[0].contains("already ran") && said[0].contains("not executed again"),
+        "the model is told: {said:?}"
+    );
+    assert_eq!(said[1..], texts(original)[..]);
+    assert_eq!(server.executions(SEND), 1, "{}", server.counts());
+    server.assert_never_saw("idempotency_key");
+}
+
+#[tokio::test]
+async fn a_sessionless_client_gets_one_execution_across_new_clients() {
+    exactly_once_across_clients(SESSIONLESS).await;
+}
+
+#[tokio::test]
+async fn a_session_client_gets_one_execution_across_new_clients() {
+    exactly_once_across_clients(HANDSHAKE).await;
+}
+
+#[tokio::test]
+async fn a_key_reused_with_other_arguments_is_a_tool_error_and_runs_nothing() {
+    let server = McpServer::start(&["--json-response"]).await;
+    let proxy = proxy_for(&server).await;
+    let mut other = email("k-reused");
+    other["to"] = json!("eve@example.com");
+    let steps = run_client(
+        &proxy.url("/mcp"),
+        SESSIONLESS,
+        &json!([call(SEND, email("k-reused")), call(SEND, other)]),
+    )
+    .await;
+    assert!(!is_error(result(&steps, 0)));
+    let refused = result(&steps, 1);
+    assert!(is_error(refused), "{refused}");
+    let said = texts(refused).join(" ");
+    assert!(
+        said.contains("different arguments") && said.contains("idempotency_key"),
+        "{said}"
+    );
+    assert_eq!(server.executions(SEND), 1, "{}", server.counts());
+    server.assert_never_saw("idempotency_key");
+}
+
+#[tokio::test]
+async fn a_call_without_its_key_is_a_tool_error_naming_the_argument() {
+    let server = McpServer::start(&[]).await;
+    let proxy = proxy_for(&server).await;
+    let steps = run_client(
+        &proxy.url("/mcp"),
+        HANDSHAKE,
+        &json!([call(
+            SEND,
+            json!({"to": "ada@example.com", "subject": "s", "body": "b"})
+        )]),
+    )
+    .await;
+    let refused = result(&steps, 0);
+    assert!(is_error(refused), "{refused}");
+    let said = texts(refused).join(" ");
+    assert!(said.contains("`idempotency_key`"), "{said}");
+    assert_eq!(server.executions(SEND), 0);
+    assert_eq!(
+        server.counts()["methods"].get("tools/call"),
+        None,
+        "nothing was forwarded"
+    );
+}
+
+#[tokio::test]
+async fn a_read_only_tool_passes_through_unkeyed_every_time() {
+    let server = McpServer::start(&[]).await;
+    let proxy = proxy_for(&server).await;
+    let weather = call("get_weather", json!({"city": "Oslo"}));
+    let steps = run_client(
+        &proxy.url("/mcp"),
+        SESSIONLESS,
+        &json!([{"op": "list_tools"}, weather, weather]),
+    )
+    .await;
+    for i in [1, 2] {
+        let answer = result(&steps, i);
+        assert!(!is_error(answer) && !replayed(answer), "{answer}");
+        assert_eq!(answer["structuredContent"]["city"], "Oslo");
+    }
+    assert_eq!(server.executions("get_weather"), 2);
+    let logs = proxy
+        .logs_when(|l| l.matches("outcome=\"passthrough\"").count() >= 3)
+        .await;
+    assert!(
+        !logs.contains("outcome=\"executed\""),
+        "nothing was keyed:\n{logs}"
+    );
+}
+
+/// Two calls at the same instant on one client, and two client processes
+/// started together: one execution each time, every caller gets it.
+#[tokio::test]
+async fn concurrent_duplicates_run_once_and_every_caller_gets_the_result() {
+    let server = McpServer::start(&[]).await;
+    let proxy = proxy_for(&server).await;
+    let url = proxy.url("/mcp");
+    let charge = |key: &str| {
+        call(
+            "charge_card",
+            json!({"amount": 1250, "currency": "EUR", "delay_ms": 1500, "idempotency_key": key}),
+        )
+    };
+    let same_client = run_client(
+        &url,
+        SESSIONLESS,
+        &json!([{"op": "parallel", "steps": [charge("charge-a"), charge("charge-a")]}]),
+    )
+    .await;
+    let pair = same_client[0]["results"].as_array().expect("two results");
+    let (one, two) = (result(pair, 0), result(pair, 1));
+    assert_eq!(one["structuredContent"]["charge_id"], "ch_1", "{one}");
+    assert_eq!(two["structuredContent"], one["structuredContent"]);
+    assert_eq!(
+        [replayed(one), replayed(two)]
+            .iter()
+            .filter(|r| **r)
+            .count(),
+        1,
+        "the waiter got the replay: {one} {two}"
+    );
+    assert_eq!(server.executions("charge_card"), 1);
+
+    let scenario = json!([charge("charge-b")]);
+    let (a, b) = tokio::join!(
+        run_client(&url, SESSIONLESS, &scenario),
+        run_client(&url, HANDSHAKE, &scenario)
+    );
+    let (a, b) = (result(&a, 0), result(&b, 0));
+    assert_eq!(a["structuredContent"]["charge_id"], "ch_2", "{a}");
+    assert_eq!(b["structuredContent"], a["structuredContent"]);
+    assert_eq!(server.executions("charge_card"), 2, "{}", server.counts());
+    server.assert_never_saw("idempotency_key");
+}
+
+/// The client gives up (a read timeout) while the tool runs: the call runs
+/// to completion and the retry with the same key gets its result.
+async fn a_client_that_leaves_mid_call_gets_the_result_on_retry(version: &str) {
+    let server = McpServer::start(&[]).await;
+    let proxy = proxy_for(&server).await;
+    let url = proxy.url("/mcp");
+    let charge =
+        json!({"amount": 990, "currency": "USD", "delay_ms": 1500, "idempotency_key": "slow-1"});
+    let gave_up = run_client(
+        &url,
+        version,
+        &json!([{"op": "call", "tool": "charge_card", "arguments": charge, "timeout": 0.3}]),
+    )
+    .await;
+    assert!(gave_up[0].get("error").is_some(), "{}", gave_up[0]);
+    let retry = run_client(
+        &url,
+        version,
+        &json!([{"op": "sleep", "ms": 1700}, call("charge_card", charge)]),
+    )
+    .await;
+    let replay = result(&retry, 1);
+    assert!(replayed(replay) && !is_error(replay), "{replay}");
+    assert_eq!(replay["structuredContent"]["charge_id"], "ch_1");
+    assert_eq!(
+        server.counts()["completed"]["charge_card"],
+        1,
+        "{}",
+        server.counts()
+    );
+    assert_eq!(server.executions("charge_card"), 1);
+    if version == HANDSHAKE {
+        // The client said so: its cancel stopped at the proxy.
+        let logs = proxy.logs_when(|l| l.contains("held back")).await;
+        assert!(
+            logs.contains("a cancel of a protected call is held back"),
+            "{logs}"
+        );
+        assert_eq!(
+            server.counts()["methods"].get("notifications/cancelled"),
+            None
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_sessionless_client_that_leaves_mid_call_gets_the_result_on_retry() {
+    a_client_that_leaves_mid_call_gets_the_result_on_retry(SESSIONLESS).await;
+}
+
+#[tokio::test]
+async fn a_session_client_that_cancels_mid_call_gets_the_result_on_retry() {
+    a_client_that_leaves_mid_call_gets_the_result_on_retry(HANDSHAKE).await;
+}
+
+/// By hand, to see the wire: the first call is answered as an event
+/// stream; each retry, under a new id, gets the stored result under that
+/// id, framed as its `Accept` asks.
+#[tokio::test]
+async fn an_event_stream_answer_replays_under_the_new_requests_id() {
+    let server = McpServer::start(&["--stateless"]).await;
+    let proxy = proxy_for(&server).await;
+    let client = TestClient::new();
+    let post = |id: u64, accept: &'static str| {
+        let body = json!({
+            "jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": {"name": SEND, "arguments": email("raw-1")},
+        });
+        let url = proxy.url("/mcp");
+        let client = &client;
+        async move {
+            client
+                .send(
+                    http::Method::POST,
+                    &url,
+                    &[
+                        ("content-type", "application/json"),
+                        ("accept", accept),
+                        ("mcp-protocol-version", HANDSHAKE),
+                    ],
+                    body.to_string(),
+                )
+                .await
+        }
+    };
+    let both = "application/json, text/event-stream";
+    let first = post(7, both).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("content-type"), Some("text/event-stream"));
+    let events = data_lines(&first.body);
+    let answer = events.last().expect("an answering event");
+    assert_eq!(answer["id"], 7);
+    assert_eq!(answer["result"]["structuredContent"]["n"], 1);
+    assert!(!first.replayed());
+
+    let second = post(42, both).await;
+    assert!(second.replayed());
+    assert_eq!(second.header("content-type"), Some("application/json"));
+    let message = second.json();
+    assert_eq!(message["id"], 42);
+    assert_eq!(
+        message["result"]["structuredContent"],
+        answer["result"]["structuredContent"]
+    );
+    assert!(replayed(&message["result"]));
+
+    let third = post(43, "text/event-stream").await;
+    assert!(third.replayed());
+    assert_eq!(third.header("content-type"), Some("text/event-stream"));
+    let events = data_lines(&third.body);
+    assert_eq!(events.len(), 1, "one event");
+    assert_eq!(events[0]["id"], 43);
+    assert_eq!(
+        events[0]["result"]["structuredContent"],
+        answer["result"]["structuredContent"]
+    );
+    assert_eq!(server.executions(SEND), 1);
+    server.assert_never_saw("idempotency_key");
+}
+
+/// The JSON messages in an event stream's `data:` lines.
+fn data_lines(body: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(body)
+        .lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .filter(|data| !data.trim().is_empty())
+        .map(|data| serde_json::from_str(data.trim()).expect("data is JSON"))
+        .collect()
+}
+
+/// `isError` results ran (stored, replayed); a JSON-RPC error means the
+/// server did not run the tool (released: the retry runs).
+#[tokio::test]
+async fn a_tool_error_is_kept_and_a_protocol_error_releases_the_key() {
+    let server = McpServer::start(&["--json-response"]).await;
+    let proxy = proxy_for(&server).await;
+    let failing =
+        |mode: &str, key: &str| call("fail_tool", json!({"mode": mode, "idempotency_key": key}));
+    let steps = run_client(
+        &proxy.url("/mcp"),
+        SESSIONLESS,
+        &json!([
+            failing("tool_error", "f-1"),
+            failing("tool_error", "f-1"),
+            failing("rpc_error", "f-2"),
+            failing("rpc_error", "f-2"),
+        ]),
+    )
+    .await;
+    let (ran, again) = (result(&steps, 0), result(&steps, 1));
+    assert!(is_error(ran) && !replayed(ran), "{ran}");
+    assert!(is_error(again) && replayed(again), "{again}");
+    assert!(texts(again)
+        .iter()
+        .any(|t| t.contains("fail_tool failed #1")));
+    for i in [2, 3] {
+        assert_eq!(steps[i]["error"]["code"], -32602, "{}", steps[i]);
+    }
+    assert_eq!(server.executions("fail_tool"), 3, "{}", server.counts());
+}
