@@ -416,3 +416,125 @@ async fn a_tool_error_is_kept_and_a_protocol_error_releases_the_key() {
     }
     assert_eq!(server.executions("fail_tool"), 3, "{}", server.counts());
 }
+
+/// What the route counts: each call under its tool once a listing named
+/// it (before that, `(unlisted)`: the label is bounded by the listings, not
+/// by what callers send), and batches apart, since they pass unprotected.
+#[tokio::test]
+async fn calls_are_counted_per_listed_tool_and_batches_apart() {
+    let server = McpServer::start(&["--stateless", "--json-response"]).await;
+    let proxy = proxy_for(&server).await;
+    let client = TestClient::new();
+    let url = proxy.url("/mcp");
+    let post = |body: Value| {
+        let (client, url) = (&client, &url);
+        async move {
+            client
+                .send(
+                    http::Method::POST,
+                    url,
+                    &[
+                        ("content-type", "application/json"),
+                        ("accept", "application/json, text/event-stream"),
+                        ("mcp-protocol-version", HANDSHAKE),
+                    ],
+                    body.to_string(),
+                )
+                .await
+        }
+    };
+    let send = |id: u64, key: &str| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+               "params": {"name": SEND, "arguments": email(key)}})
+    };
+    // Never listed: protected all the same, counted as unlisted.
+    let first = post(send(1, "m-1")).await;
+    assert_eq!(first.json()["result"]["structuredContent"]["n"], 1);
+    let listed = post(json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"})).await;
+    assert_eq!(listed.status, 200);
+    assert!(post(send(3, "m-2")).await.json()["result"]["isError"] == json!(false));
+    assert!(post(send(4, "m-2")).await.replayed());
+    let batch = post(json!([{"jsonrpc": "2.0", "id": 5, "method": "tools/list"}])).await;
+    assert!(
+        batch.status.is_success() || batch.status.is_client_error(),
+        "the server's own answer to a batch comes back: {}",
+        batch.status
+    );
+
+    let metrics = client
+        .send(http::Method::GET, &proxy.admin_url("/metrics"), &[], "")
+        .await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    for line in [
+        r#"idemproxy_mcp_tool_calls_total{route="mcp",tool="(unlisted)",outcome="executed"} 1"#,
+        r#"idemproxy_mcp_tool_calls_total{route="mcp",tool="send_email",outcome="executed"} 1"#,
+        r#"idemproxy_mcp_tool_calls_total{route="mcp",tool="send_email",outcome="replayed"} 1"#,
+        r#"idemproxy_mcp_unprotected_batches_total{route="mcp"} 1"#,
+    ] {
+        assert!(text.contains(line), "{line} in:\n{text}");
+    }
+    assert_eq!(server.executions(SEND), 2);
+    server.assert_never_saw("idempotency_key");
+    let logs = proxy
+        .logs_when(|l| l.matches("tool=\"send_email\"").count() >= 3)
+        .await;
+    assert_eq!(
+        logs.matches("tool=\"send_email\"").count(),
+        3,
+        "each call's line names its tool:\n{logs}"
+    );
+}
+
+/// Progress notifications before the answer reach the client as they come
+/// (an SSE answer, relayed live); a replay has none: it is the result alone.
+#[tokio::test]
+async fn progress_streams_live_and_a_replay_is_the_result_alone() {
+    let server = McpServer::start(&[]).await;
+    let proxy = proxy_for(&server).await;
+    let charge = json!({"op": "call", "tool": "charge_card", "progress": true,
+        "arguments": {"amount": 5, "currency": "EUR", "delay_ms": 1200, "idempotency_key": "p-1"}});
+    let steps = run_client(&proxy.url("/mcp"), HANDSHAKE, &json!([charge, charge])).await;
+    let (first, again) = (&steps[0], &steps[1]);
+    assert!(!replayed(result(&steps, 0)) && replayed(result(&steps, 1)));
+    let progress = first["progress"].as_array().expect("progress recorded");
+    assert!(progress.len() >= 2, "{first}");
+    // Live: the first progress came well before the answer (1.2 s of work).
+    let finished_at = progress.last().and_then(|p| p["t"].as_f64()).expect("t");
+    let started_at = progress[0]["t"].as_f64().expect("t");
+    assert!(finished_at - started_at >= 0.5, "{progress:?}");
+    assert_eq!(again["progress"], json!([]), "{again}");
+    assert_eq!(server.executions("charge_card"), 1);
+}
+
+/// 2026-07-28 headers that name another call than the body are refused
+/// (400, JSON-RPC error) and nothing reaches the server.
+#[tokio::test]
+async fn mcp_headers_that_disagree_with_the_body_are_refused() {
+    let server = McpServer::start(&["--json-response"]).await;
+    let proxy = proxy_for(&server).await;
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+        "params": {"name": SEND, "arguments": email("h-1")}});
+    let reply = TestClient::new()
+        .send(
+            http::Method::POST,
+            &proxy.url("/mcp"),
+            &[
+                ("content-type", "application/json"),
+                ("accept", "application/json, text/event-stream"),
+                ("mcp-protocol-version", SESSIONLESS),
+                ("mcp-method", "tools/call"),
+                ("mcp-name", "get_weather"),
+            ],
+            body.to_string(),
+        )
+        .await;
+    assert_eq!(reply.status, 400);
+    let message = reply.json();
+    assert_eq!(message["id"], 1);
+    assert_eq!(message["error"]["code"], -32600);
+    assert!(message["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("Mcp-Name")));
+    assert_eq!(server.executions(SEND), 0);
+    assert_eq!(server.counts()["methods"].get("tools/call"), None);
+}

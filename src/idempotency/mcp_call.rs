@@ -260,11 +260,13 @@ where
             }
             McpRequest::Batch => {
                 tracing::debug!(route = %self.policy.route, "a JSON-RPC batch passes unprotected");
+                self.log.metrics().unprotected_batch();
                 return self.forward_untouched(parts, body.into()).await;
             }
             McpRequest::Other => return self.forward_untouched(parts, body.into()).await,
         };
-        self.log.set_tool(&call.name);
+        self.log
+            .set_tool(&call.name, route.catalog.knows(&call.name));
         if let Some(why) = header_mismatch(&parts.headers, "tools/call", Some(&call.name)) {
             return self.refuse_mismatch(&call.id, &why);
         }

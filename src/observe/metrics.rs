@@ -26,6 +26,18 @@ struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ToolOutcomeLabels {
+    route: Arc<str>,
+    tool: Arc<str>,
+    outcome: &'static str,
+}
+
+/// The `tool` label of a call to a tool no listing named: the label's
+/// values stay bounded by what the server lists (the catalog's bound),
+/// whatever names callers send.
+pub const UNLISTED_TOOL: &str = "(unlisted)";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
 }
@@ -71,6 +83,10 @@ pub struct Metrics {
     settling: Gauge,
     released: Family<RouteLabels, Counter>,
     stale: Family<RouteLabels, Counter>,
+    /// MCP `tools/call` outcomes per tool: created on first use, since the
+    /// tools are known only once a server lists them.
+    tool_calls: Family<ToolOutcomeLabels, Counter>,
+    mcp_batches: Family<RouteLabels, Counter>,
     cache_hits: Counter,
     /// One series once a scrape found a local replay cache; none without
     /// one, so that an alert on 0 never fires for a cache turned off.
@@ -108,6 +124,8 @@ impl Metrics {
             settling: Gauge::default(),
             released: Family::default(),
             stale: Family::default(),
+            tool_calls: Family::default(),
+            mcp_batches: Family::default(),
             cache_hits: Counter::default(),
             cache_live: Family::default(),
             log_lines_dropped: Counter::default(),
@@ -164,6 +182,16 @@ impl Metrics {
             self.stale.clone(),
         );
         self.registry.register(
+            "mcp_tool_calls",
+            "MCP tools/call requests by route, tool and outcome; a tool no tools/list named counts as (unlisted)",
+            self.tool_calls.clone(),
+        );
+        self.registry.register(
+            "mcp_unprotected_batches",
+            "JSON-RPC batches on MCP routes, passed through without protection",
+            self.mcp_batches.clone(),
+        );
+        self.registry.register(
             "local_cache_hits",
             "Replays answered from the in-process cache without a store round trip",
             self.cache_hits.clone(),
@@ -198,6 +226,9 @@ impl Metrics {
             upstream: self.upstream_duration.get_or_create_owned(&labels),
             released: self.released.get_or_create_owned(&labels),
             stale: self.stale.get_or_create_owned(&labels),
+            batches: self.mcp_batches.get_or_create_owned(&labels),
+            tool_calls: self.tool_calls.clone(),
+            name: Arc::from(route),
         }
     }
 
@@ -267,6 +298,9 @@ pub struct RouteMetrics {
     upstream: Histogram,
     released: Counter,
     stale: Counter,
+    batches: Counter,
+    tool_calls: Family<ToolOutcomeLabels, Counter>,
+    name: Arc<str>,
 }
 
 impl std::fmt::Debug for RouteMetrics {
@@ -291,6 +325,22 @@ impl RouteMetrics {
 
     pub fn lease_expired(&self) {
         self.stale.inc();
+    }
+
+    /// Counts an MCP `tools/call` of `tool` (a listed tool's name, else
+    /// [`UNLISTED_TOOL`]).
+    pub fn tool_call(&self, tool: &Arc<str>, outcome: RequestOutcome) {
+        self.tool_calls
+            .get_or_create(&ToolOutcomeLabels {
+                route: self.name.clone(),
+                tool: tool.clone(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub fn unprotected_batch(&self) {
+        self.batches.inc();
     }
 }
 

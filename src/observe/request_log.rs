@@ -8,7 +8,7 @@ use std::time::Duration;
 use http::{HeaderValue, Method, Request, Response};
 use tokio::time::Instant;
 
-use super::metrics::RouteMetrics;
+use super::metrics::{RouteMetrics, UNLISTED_TOOL};
 use super::outcome::RequestOutcome;
 use crate::core::{KeyHex, RecordKey};
 use crate::http::headers::X_REQUEST_ID;
@@ -23,8 +23,9 @@ pub struct RequestLog {
     request_id: Option<HeaderValue>,
     started: Instant,
     key: Option<RecordKey>,
-    /// The tool of an MCP `tools/call`.
-    tool: Option<Arc<str>>,
+    /// The tool of an MCP `tools/call`, and its `tool` label (the name if
+    /// a listing named it, else [`UNLISTED_TOOL`]).
+    tool: Option<(Arc<str>, Arc<str>)>,
     status: Option<u16>,
     store: Duration,
     upstream: Option<Duration>,
@@ -105,9 +106,16 @@ impl RequestLog {
         self.key = Some(key);
     }
 
-    /// The tool an MCP `tools/call` calls, for the line.
-    pub fn set_tool(&mut self, tool: &str) {
-        self.tool = Some(Arc::from(tool));
+    /// The tool an MCP `tools/call` calls, for the line and the per-tool
+    /// count; `listed` when a `tools/list` answer named it.
+    pub fn set_tool(&mut self, tool: &str, listed: bool) {
+        let tool: Arc<str> = Arc::from(tool);
+        let label = if listed {
+            tool.clone()
+        } else {
+            Arc::from(UNLISTED_TOOL)
+        };
+        self.tool = Some((tool, label));
     }
 
     /// The status sent, for a response whose body is still being relayed.
@@ -148,6 +156,9 @@ impl RequestLog {
         self.written = true;
         let elapsed = self.started.elapsed();
         self.metrics.request(outcome, elapsed);
+        if let Some((_, label)) = &self.tool {
+            self.metrics.tool_call(label, outcome);
+        }
         // The full store hash: an operator can look the key up through the
         // admin API. It is a hash of scope and key, never the key itself.
         let key = self.key.map(|k| k.hex());
@@ -165,7 +176,7 @@ impl RequestLog {
             outcome = outcome.as_str(),
             status = self.status.unwrap_or(0),
             key_hash = key,
-            tool = self.tool.as_deref(),
+            tool = self.tool.as_ref().map(|(tool, _)| &**tool),
             request_id,
             store_ms = whole_micros_as_ms(self.store),
             upstream_ms,
