@@ -14,6 +14,8 @@ use crate::core::OnStale;
 use crate::forward::{UpstreamSettings, UpstreamUrl};
 use crate::idempotency::fingerprint::{parse_header, validate_pointer, FingerprintRules};
 use crate::idempotency::identity::{IdentitySettings, TokenVerifier};
+use crate::idempotency::key_source::{KeyAttribute, KeyRules, KeySource};
+use crate::idempotency::observe::ObserveRoute;
 use crate::idempotency::policy::{McpRoute, OnAmbiguous, OnInFlight, OnStoreError, Profile};
 use crate::idempotency::scope::{Anonymous, ScopeAttribute, ScopeRules};
 use crate::idempotency::{store_time_in_lease, Policies, Policy};
@@ -116,6 +118,12 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
         let at = format!("routes[{i}]");
         if let Some(mut policy) = policy(&at, &route.name, &resolved, &shared, &mut problems) {
             if route.protocol == config::Protocol::Mcp {
+                if policy.observe.is_some() {
+                    problems.push(format!(
+                        "{at}.mode: observe is not available on a protocol = \"mcp\" route \
+                         (its tool calls are keyed by argument); use enforce"
+                    ));
+                }
                 if let Some(mcp) = mcp_route(&config.mcp, &mut problems) {
                     policy.on_in_flight = on_in_flight(config.mcp.on_in_flight);
                     policy.mcp = Some(Arc::new(mcp));
@@ -201,6 +209,25 @@ fn policy(
         problems,
     );
     let scope = scope_rules(at, scope, c.anonymous, shared, problems);
+    let key_from = each(
+        at,
+        "key_from",
+        &c.key_from,
+        str::parse::<KeySource>,
+        problems,
+    );
+    let derive_key = each(
+        at,
+        "derive_key",
+        &c.derive_key,
+        str::parse::<KeyAttribute>,
+        problems,
+    );
+    if c.mode == config::Mode::Observe && c.observe_window.is_zero() {
+        problems.push(format!(
+            "{at}.observe_window: must be more than 0 (e.g. \"10m\") in observe mode"
+        ));
+    }
     check_lease_margin(at, c.lease_margin, shared.store_timeout, problems);
     if problems.len() > before {
         return None;
@@ -222,6 +249,10 @@ fn policy(
         max_response_bytes: c.max_response_bytes,
         fingerprint: FingerprintRules::new(headers, ignore),
         scope,
+        keys: KeyRules::new(key_from, derive_key),
+        observe: (c.mode == config::Mode::Observe).then(|| ObserveRoute::new(c.observe_window)),
+        replay_body_field: (!c.replay_body_field.is_empty())
+            .then(|| Arc::from(c.replay_body_field.as_str())),
         mcp: None,
     })
 }

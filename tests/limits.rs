@@ -23,13 +23,7 @@ fn assert_overloaded(reply: &Reply) {
 }
 
 async fn metric(client: &TestClient, proxy: &TestProxy, series: &str) -> f64 {
-    let reply = client
-        .send(Method::GET, &proxy.admin_url("/metrics"), &[], "")
-        .await;
-    let text = String::from_utf8_lossy(&reply.body).into_owned();
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    client.metric(&proxy.admin_url("/metrics"), series).await
 }
 
 /// POSTs `{}` to `/v1/orders` under `key` until it is not shed (503), for

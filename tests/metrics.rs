@@ -21,7 +21,7 @@ use tokio::time::Instant;
 const ARRIVAL: Duration = Duration::from_secs(5);
 
 /// The `outcome` values the README lists for `idemproxy_requests_total`.
-const OUTCOMES: [&str; 18] = [
+const OUTCOMES: [&str; 22] = [
     "executed",
     "replayed",
     "mismatch",
@@ -40,6 +40,10 @@ const OUTCOMES: [&str; 18] = [
     "unprotected",
     "client_closed",
     "unauthenticated",
+    "observed_replay",
+    "observed_mismatch",
+    "observed_in_flight",
+    "observed_unkeyed_duplicate",
 ];
 
 /// One sample line of the text exposition: `name{labels} value`.

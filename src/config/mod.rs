@@ -344,6 +344,34 @@ pub struct IdempotencyConfig {
     pub fingerprint_ignore: Vec<String>,
     pub scope: Vec<String>,
     pub anonymous: Anonymous,
+    /// Where the key comes from, tried in order, the first present wins:
+    /// `header:<name>`, `json:<pointer>` (a string or integer member of a
+    /// JSON body), `query:<name>`.
+    pub key_from: Vec<String>,
+    /// When no `key_from` source is present: the key is a hash of these
+    /// attributes (`header:<name>`, `json:<pointer>`, `method`, `path`),
+    /// every one required, else the request has no key.
+    pub derive_key: Vec<String>,
+    pub mode: Mode,
+    /// In `observe` mode, how long a keyless request's (scope,
+    /// fingerprint) is remembered to count the duplicates no key catches.
+    #[serde(with = "humantime_serde")]
+    pub observe_window: Duration,
+    /// When set, a replayed JSON object body gains this member:
+    /// `{"replayed": true, "original_date": "<RFC 3339>"}`.
+    pub replay_body_field: String,
+}
+
+/// Whether a route enforces idempotency or only observes what enforcing
+/// would do (DESIGN §6).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Enforce,
+    /// Every request reaches the upstream as if the proxy were plain; what
+    /// enforcement would have done is counted (`observed_*` outcomes).
+    Observe,
 }
 
 impl Default for IdempotencyConfig {
@@ -366,6 +394,11 @@ impl Default for IdempotencyConfig {
             fingerprint_ignore: Vec::new(),
             scope: vec!["header:authorization".into()],
             anonymous: Anonymous::Shared,
+            key_from: vec!["header:idempotency-key".into()],
+            derive_key: Vec::new(),
+            mode: Mode::Enforce,
+            observe_window: Duration::from_secs(600),
+            replay_body_field: String::new(),
         }
     }
 }
@@ -397,6 +430,12 @@ pub struct RouteConfig {
     pub fingerprint_ignore: Option<Vec<String>>,
     pub scope: Option<Vec<String>>,
     pub anonymous: Option<Anonymous>,
+    pub key_from: Option<Vec<String>>,
+    pub derive_key: Option<Vec<String>>,
+    pub mode: Option<Mode>,
+    #[serde(default, with = "humantime_serde")]
+    pub observe_window: Option<Duration>,
+    pub replay_body_field: Option<String>,
     /// `mcp`: the route is an MCP server (Streamable HTTP), protected per
     /// tool call as `[mcp]` says.
     #[serde(default)]
@@ -487,6 +526,14 @@ impl RouteConfig {
                 .unwrap_or(d.fingerprint_ignore),
             scope: self.scope.clone().unwrap_or(d.scope),
             anonymous: self.anonymous.unwrap_or(d.anonymous),
+            key_from: self.key_from.clone().unwrap_or(d.key_from),
+            derive_key: self.derive_key.clone().unwrap_or(d.derive_key),
+            mode: self.mode.unwrap_or(d.mode),
+            observe_window: self.observe_window.unwrap_or(d.observe_window),
+            replay_body_field: self
+                .replay_body_field
+                .clone()
+                .unwrap_or(d.replay_body_field),
         }
     }
 }

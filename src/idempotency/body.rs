@@ -41,6 +41,49 @@ pub(super) async fn read_request_body(
     }
 }
 
+/// A request body read whole under its cap, or, past the cap, given back
+/// whole (what was read, then the rest) to be forwarded as it came: what
+/// observe mode does, where nothing may refuse a request enforcement
+/// would refuse.
+pub(super) enum ReadOrKeep {
+    Whole(Bytes),
+    TooLarge(Body),
+}
+
+pub(super) async fn read_or_keep(
+    declared: Option<u64>,
+    mut body: Body,
+    limit: usize,
+) -> Result<ReadOrKeep, Rejection> {
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Ok(ReadOrKeep::TooLarge(body));
+    }
+    let mut read: Vec<Bytes> = Vec::new();
+    let mut len = 0;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            return Err(Rejection::BodyUnreadable);
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        len += data.len();
+        read.push(data);
+        if len > limit {
+            let read = futures_util::stream::iter(read.into_iter().map(Ok::<_, axum::Error>));
+            let rest = http_body_util::BodyDataStream::new(body);
+            return Ok(ReadOrKeep::TooLarge(Body::from_stream(
+                futures_util::StreamExt::chain(read, rest),
+            )));
+        }
+    }
+    let mut whole = BytesMut::with_capacity(len);
+    for chunk in read {
+        whole.extend_from_slice(&chunk);
+    }
+    Ok(ReadOrKeep::Whole(whole.freeze()))
+}
+
 /// Keeps a copy of a response body up to a cap; past it, gives the copy up
 /// (the client still gets every byte).
 pub(super) struct BoundedCopy {

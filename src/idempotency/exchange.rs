@@ -108,9 +108,18 @@ where
     S::Future: Send + 'static,
 {
     /// Runs on the connection's task: reads the body, then drives the run
-    /// until it answers (see [`DetachOnDrop`]).
-    pub(super) async fn start(self, req: Request<Body>, key: IdempotencyKey) -> Response<Body> {
+    /// until it answers (see [`DetachOnDrop`]). Without a `key` from the
+    /// head, the body names it (`json:` sources, derived keys), or the
+    /// request has none.
+    pub(super) async fn start(
+        self,
+        req: Request<Body>,
+        key: Option<IdempotencyKey>,
+    ) -> Response<Body> {
         let (parts, body) = req.into_parts();
+        if self.policy.observe.is_some() {
+            return self.start_observed(parts, body, key).await;
+        }
         // Who calls, before reading a body for a caller that cannot say.
         let scope = match self.scope_of(&parts) {
             Ok(scope) => scope,
@@ -120,9 +129,48 @@ where
             Ok(body) => body,
             Err((outcome, rejection)) => return self.reject(outcome, rejection),
         };
+        let key = match key
+            .map(Ok)
+            .or_else(|| self.policy.keys.from_request(&parts, &body).transpose())
+        {
+            Some(Ok(key)) => key,
+            Some(Err(invalid)) => {
+                return self.reject(RequestOutcome::InvalidKey, Rejection::InvalidKey(invalid))
+            }
+            None if self.policy.require_key => {
+                return self.reject(RequestOutcome::MissingKey, Rejection::MissingKey)
+            }
+            None => {
+                return self
+                    .forward_untouched(parts, Body::from(body), RequestOutcome::Passthrough)
+                    .await
+            }
+        };
         let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
         let request = Request::from_parts(parts, Body::from(body));
         self.claim_and_run(&scope, &key, fingerprint, request).await
+    }
+
+    /// Forwards a request the proxy does not protect, as it came, and
+    /// counts it as `outcome`.
+    pub(super) async fn forward_untouched(
+        self,
+        parts: http::request::Parts,
+        body: Body,
+        outcome: RequestOutcome,
+    ) -> Response<Body> {
+        let deadline = Instant::now() + self.settings.upstream_timeout;
+        let request = Request::from_parts(parts, body);
+        let response = match self.inner.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(e) => Rejection::PassthroughFailed {
+                timeout: e.into().is_timeout(),
+            }
+            .into_response(self.policy.profile),
+        };
+        let Self { log, permit, .. } = self;
+        log.finish(outcome, &response);
+        response.map(|body| holding(body, permit, deadline))
     }
 
     /// The request's scope, or why a caller that cannot say who it is is
@@ -289,7 +337,9 @@ where
             let outcome = match begun {
                 Ok(outcome) => outcome,
                 Err(e) => {
-                    let pass = self.passes(&e) && !waiting.seen_in_flight;
+                    // Observe mode never lets the store stop a request.
+                    let observe = self.policy.observe.is_some();
+                    let pass = (self.passes(&e) || observe) && !waiting.seen_in_flight;
                     // Failed or late, the call may have claimed the key all
                     // the same. Rejected, this request executes nothing, so
                     // such a claim only blocks the retry: released by its
@@ -312,7 +362,15 @@ where
                         lease_ends: asked_at + self.policy.lease,
                         ..claim
                     };
+                    if let Some(observe) = &self.policy.observe {
+                        observe.remember(claim.key, self.log.request_id());
+                    }
                     return self.execute(claim, request, token, respond).await;
+                }
+                _ if self.policy.observe.is_some() => {
+                    return self
+                        .forward_observed(&claim, outcome, request, respond)
+                        .await
                 }
                 BeginOutcome::InFlight { lease_expires_at } => {
                     if self.policy.on_in_flight == OnInFlight::Wait && waiting.pause(&respond).await

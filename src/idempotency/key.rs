@@ -116,6 +116,10 @@ pub enum InvalidKey {
     /// argument) that is not a string or an integer.
     #[error("the key is not a string; a key is 1 to 255 visible ASCII characters, e.g. a UUID")]
     NotText,
+    /// A key from a `key_from` source other than the `Idempotency-Key`
+    /// header, named so the caller knows which value to fix.
+    #[error("the key from `{at}` is unusable: {why}")]
+    From { at: String, why: Box<InvalidKey> },
 }
 
 fn describe_byte(byte: u8) -> String {

@@ -256,14 +256,22 @@ where
                 if session.is_some_and(|s| route.sessions.is_running(s, &request_id)) {
                     return self.hold_back_cancel(&request_id);
                 }
-                return self.forward_untouched(parts, body.into()).await;
+                return self
+                    .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
+                    .await;
             }
             McpRequest::Batch => {
                 tracing::debug!(route = %self.policy.route, "a JSON-RPC batch passes unprotected");
                 self.log.metrics().unprotected_batch();
-                return self.forward_untouched(parts, body.into()).await;
+                return self
+                    .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
+                    .await;
             }
-            McpRequest::Other => return self.forward_untouched(parts, body.into()).await,
+            McpRequest::Other => {
+                return self
+                    .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
+                    .await
+            }
         };
         self.log
             .set_tool(&call.name, route.catalog.knows(&call.name));
@@ -274,7 +282,9 @@ where
             .rules
             .protection(&call.name, route.catalog.hints(&call.name));
         if protection == Protection::None {
-            return self.forward_untouched(parts, body.into()).await;
+            return self
+                .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
+                .await;
         }
         let key_argument = &route.rules.key_argument;
         let version = parts
@@ -298,7 +308,9 @@ where
         let key = match call_key(call.key(key_argument), &parts.headers) {
             Ok(Some(key)) => key,
             Ok(None) if protection == Protection::Optional => {
-                return self.forward_untouched(parts, body.into()).await
+                return self
+                    .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
+                    .await
             }
             Ok(None) => return self.reject(RequestOutcome::MissingKey, Rejection::MissingKey),
             Err(invalid) => {
@@ -360,7 +372,8 @@ where
                 );
             }
         }
-        self.forward_untouched(parts, body).await
+        self.forward_untouched(parts, body, RequestOutcome::Passthrough)
+            .await
     }
 
     /// A `notifications/cancelled` for a protected call still running:
@@ -376,22 +389,6 @@ where
         *response.status_mut() = StatusCode::ACCEPTED;
         self.log.finish(RequestOutcome::Passthrough, &response);
         response
-    }
-
-    /// Forwards a message the proxy does not protect, as it came.
-    async fn forward_untouched(self, parts: Parts, body: Body) -> Response<Body> {
-        let deadline = Instant::now() + self.settings.upstream_timeout;
-        let request = Request::from_parts(parts, body);
-        let response = match self.inner.clone().oneshot(request).await {
-            Ok(response) => response,
-            Err(e) => Rejection::PassthroughFailed {
-                timeout: e.into().is_timeout(),
-            }
-            .into_response(self.policy.profile),
-        };
-        let Self { log, permit, .. } = self;
-        log.finish(RequestOutcome::Passthrough, &response);
-        response.map(|body| holding(body, permit, deadline))
     }
 
     /// Forwards a `tools/list` and rewrites its answer: each protected

@@ -17,7 +17,8 @@
 //! - `settle`: completing or releasing the key, retried while it can be;
 //! - `replay`: the answer to a retry, from the stored record.
 //!
-//! And what they are made of: [`key`] (the header), [`fingerprint`] (over
+//! And what they are made of: [`key`] (a key's form), [`key_source`]
+//! (where it comes from: `key_from`, `derive_key`), [`fingerprint`] (over
 //! [`jcs`], RFC 8785) and [`scope`] (what "the same request" and "the same
 //! caller" mean), [`policy`] (per-route settings), [`body`] (bounded
 //! reading and relaying), [`rejection`] (the proxy's own answers).
@@ -29,8 +30,10 @@ pub mod fingerprint;
 pub mod identity;
 mod jcs;
 pub mod key;
+pub mod key_source;
 mod layer;
 mod mcp_call;
+pub mod observe;
 pub mod policy;
 mod rejection;
 mod relay;

@@ -9,6 +9,8 @@ use std::time::Duration;
 use http::Method;
 
 use super::fingerprint::FingerprintRules;
+use super::key_source::KeyRules;
+use super::observe::ObserveRoute;
 use super::scope::ScopeRules;
 use crate::core::OnStale;
 use crate::mcp::{SessionCalls, ToolCatalog, ToolRules};
@@ -74,6 +76,12 @@ pub struct Policy {
     pub max_response_bytes: usize,
     pub fingerprint: FingerprintRules,
     pub scope: ScopeRules,
+    /// `key_from` and `derive_key`.
+    pub keys: KeyRules,
+    /// `observe`: nothing is answered from the store (DESIGN §6).
+    pub observe: Option<ObserveRoute>,
+    /// `replay_body_field`, when set.
+    pub replay_body_field: Option<Arc<str>>,
     /// Set on a `protocol = "mcp"` route: its POSTs are JSON-RPC, and each
     /// `tools/call` is keyed and protected as `[mcp]` says.
     pub mcp: Option<Arc<McpRoute>>,

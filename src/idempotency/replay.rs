@@ -3,7 +3,9 @@
 
 use axum::body::Body;
 use bytes::Bytes;
+use http::header::CONTENT_LENGTH;
 use http::{HeaderName, HeaderValue, Response};
+use serde_json::{json, Map, Value};
 
 use super::policy::Policy;
 use super::rejection::Rejection;
@@ -14,7 +16,12 @@ use crate::http::headers::{IDEMPOTENCY_ORIGINAL_DATE, IDEMPOTENT_REPLAYED};
 pub(super) fn replay(record: &CompletedRecord, policy: &Policy) -> Response<Body> {
     let mut response = match &record.outcome {
         Outcome::Response(stored) => {
-            let mut response = Response::new(Body::from(stored.body.clone()));
+            let marked = policy
+                .replay_body_field
+                .as_deref()
+                .and_then(|field| marked_body(stored, field, record.completed_at));
+            let body = marked.clone().unwrap_or_else(|| stored.body.clone());
+            let mut response = Response::new(Body::from(body));
             *response.status_mut() =
                 http::StatusCode::from_u16(stored.status).unwrap_or(http::StatusCode::BAD_GATEWAY);
             let headers = response.headers_mut();
@@ -26,6 +33,9 @@ pub(super) fn replay(record: &CompletedRecord, policy: &Policy) -> Response<Body
                 ) {
                     headers.append(name, value);
                 }
+            }
+            if let Some(marked) = marked {
+                headers.insert(CONTENT_LENGTH, HeaderValue::from(marked.len()));
             }
             response
         }
@@ -46,6 +56,46 @@ pub(super) fn replay(record: &CompletedRecord, policy: &Policy) -> Response<Body
         headers.insert(IDEMPOTENCY_ORIGINAL_DATE, date);
     }
     response
+}
+
+/// The stored body with `field` set to `{"replayed": true,
+/// "original_date": "<RFC 3339>"}`, for tool wrappers that hand the model
+/// only the body (the SOP's `was_replay`); `None` (untouched) unless the
+/// body is a JSON object labelled as JSON. The member is spliced in before
+/// the closing brace, so the body's own bytes and member order stay as
+/// the upstream wrote them; an object that already has `field` gets it
+/// replaced.
+fn marked_body(stored: &StoredResponse, field: &str, completed_at: u64) -> Option<Bytes> {
+    let json_type = stored.headers.iter().any(|(name, value)| {
+        name.eq_ignore_ascii_case("content-type")
+            && std::str::from_utf8(value).is_ok_and(|ct| {
+                let media = ct.split(';').next().unwrap_or_default().trim();
+                media.eq_ignore_ascii_case("application/json") || media.ends_with("+json")
+            })
+    });
+    if !json_type {
+        return None;
+    }
+    let mut object: Map<String, Value> = serde_json::from_slice(&stored.body).ok()?;
+    let date = humantime::format_rfc3339_seconds(from_millis(completed_at)).to_string();
+    let marker = json!({"replayed": true, "original_date": date});
+    if object.contains_key(field) {
+        object.insert(field.to_owned(), marker);
+        return serde_json::to_vec(&object).ok().map(Bytes::from);
+    }
+    let text = &stored.body[..];
+    let close = text.iter().rposition(|b| *b == b'}')?;
+    let member = serde_json::to_string(&json!({ field: marker })).ok()?;
+    // `{"f":{...}}` without its braces: the member to splice in.
+    let member = &member[1..member.len() - 1];
+    let mut out = Vec::with_capacity(text.len() + member.len() + 1);
+    out.extend_from_slice(&text[..close]);
+    if !object.is_empty() {
+        out.push(b',');
+    }
+    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(&text[close..]);
+    Some(Bytes::from(out))
 }
 
 /// The headers a replay carries: the upstream's end-to-end headers (the
@@ -76,5 +126,52 @@ pub(super) fn stored_outcome(
             body,
         }),
         None => Outcome::NotStored { status },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(content_type: &str, body: &str) -> StoredResponse {
+        StoredResponse {
+            status: 201,
+            headers: vec![("content-type".into(), Bytes::from(content_type.to_owned()))],
+            body: Bytes::from(body.to_owned()),
+        }
+    }
+
+    const AT: u64 = 1_796_000_000_000;
+
+    #[test]
+    fn only_json_objects_gain_the_replay_member() {
+        let marked = |ct: &str, body: &str| {
+            marked_body(&stored(ct, body), "_idempotency", AT)
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+        };
+        let body = marked("application/json", r#"{"z": 1, "a": [1, 2]} "#).expect("object");
+        assert!(
+            body.starts_with(r#"{"z": 1, "a": [1, 2],"_idempotency":{"#),
+            "the body's own bytes stay: {body}"
+        );
+        let value: Value = serde_json::from_str(&body).expect("still JSON");
+        assert_eq!(value["_idempotency"]["replayed"], true);
+        assert_eq!(
+            value["_idempotency"]["original_date"],
+            "2026-11-30T00:53:20Z"
+        );
+        let empty: Value =
+            serde_json::from_str(&marked("application/problem+json", "{}").expect("object"))
+                .expect("JSON");
+        assert_eq!(empty["_idempotency"]["replayed"], true);
+        let replaced: Value = serde_json::from_str(
+            &marked("application/json", r#"{"_idempotency": 1}"#).expect("object"),
+        )
+        .expect("JSON");
+        assert_eq!(replaced["_idempotency"]["replayed"], true);
+        assert_eq!(marked("application/json", "[1, 2]"), None);
+        assert_eq!(marked("application/json", r#""text""#), None);
+        assert_eq!(marked("application/json", "{broken"), None);
+        assert_eq!(marked("text/plain", r#"{"a": 1}"#), None);
     }
 }

@@ -34,12 +34,11 @@ use tower::{Service, ServiceExt};
 
 use super::body::holding;
 use super::exchange::Exchange;
-use super::key::{parse_key, IdempotencyKey, InvalidKey};
+use super::key_source::HeadKey;
 use super::layer::Settings;
 use super::policy::{Policy, Profile};
 use super::rejection::Rejection;
 use crate::core::UpstreamFailure;
-use crate::http::headers::IDEMPOTENCY_KEY;
 use crate::observe::{RequestLog, RequestOutcome};
 
 /// The middleware service. `S` forwards a request to the upstream; its
@@ -122,9 +121,17 @@ where
                 self.settings.upstream_timeout,
             );
         }
-        let key = match key_of(req.headers()) {
-            Ok(Some(key)) => key,
-            Ok(None) if policy.require_key => {
+        let (parts, body) = req.into_parts();
+        let head = policy.keys.from_head(&parts);
+        let req = Request::from_parts(parts, body);
+        // Observe mode refuses nothing: a request without a usable key
+        // goes on, to be fingerprinted (keyless) or forwarded (invalid).
+        let observe = policy.observe.is_some();
+        let key = match head {
+            HeadKey::Key(key) => Some(key),
+            HeadKey::NeedsBody => None,
+            HeadKey::Keyless if observe => None,
+            HeadKey::Keyless if policy.require_key => {
                 return ResponseFuture::rejected(
                     log,
                     RequestOutcome::MissingKey,
@@ -132,21 +139,27 @@ where
                     &policy,
                 )
             }
-            Ok(None) => {
-                return ResponseFuture::passthrough(
-                    self.inner.clone().oneshot(req),
-                    log,
-                    permit,
-                    self.settings.upstream_timeout,
-                )
-            }
-            Err(invalid) => {
+            HeadKey::Invalid(invalid) if !observe => {
                 return ResponseFuture::rejected(
                     log,
                     RequestOutcome::InvalidKey,
                     Rejection::InvalidKey(invalid),
                     &policy,
                 )
+            }
+            HeadKey::Keyless | HeadKey::Invalid(_) => {
+                let outcome = if observe {
+                    RequestOutcome::InvalidKey
+                } else {
+                    RequestOutcome::Passthrough
+                };
+                return ResponseFuture::passthrough_as(
+                    self.inner.clone().oneshot(req),
+                    log,
+                    permit,
+                    self.settings.upstream_timeout,
+                    outcome,
+                );
             }
         };
         let exchange = self.exchange(policy, log, permit);
@@ -174,16 +187,6 @@ impl<S: Clone> Idempotency<S> {
     }
 }
 
-/// At most one `Idempotency-Key` header: two would make the key ambiguous.
-fn key_of(headers: &http::HeaderMap) -> Result<Option<IdempotencyKey>, InvalidKey> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
-    match (values.next(), values.next()) {
-        (None, _) => Ok(None),
-        (Some(v), None) => parse_key(v).map(Some),
-        (Some(_), Some(_)) => Err(InvalidKey::Repeated),
-    }
-}
-
 pin_project! {
     #[project = ResponseFutureProj]
     pub enum ResponseFuture<S: Service<Request<Body>>> {
@@ -194,6 +197,9 @@ pin_project! {
             permit: Option<OwnedSemaphorePermit>,
             // `upstream.timeout` from arrival: the body's too.
             deadline: Instant,
+            // `passthrough`, or in observe mode what enforcement would
+            // have refused the request as.
+            outcome: RequestOutcome,
         },
         Covered {
             fut: BoxFuture<'static, Response<Body>>,
@@ -211,11 +217,22 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
         permit: OwnedSemaphorePermit,
         timeout: Duration,
     ) -> Self {
+        Self::passthrough_as(fut, log, permit, timeout, RequestOutcome::Passthrough)
+    }
+
+    fn passthrough_as(
+        fut: Oneshot<S, Request<Body>>,
+        log: RequestLog,
+        permit: OwnedSemaphorePermit,
+        timeout: Duration,
+        outcome: RequestOutcome,
+    ) -> Self {
         ResponseFuture::Passthrough {
             fut,
             deadline: log.started() + timeout,
             log: Some(log),
             permit: Some(permit),
+            outcome,
         }
     }
 
@@ -247,6 +264,7 @@ where
                 log,
                 permit,
                 deadline,
+                outcome,
             } => {
                 let response = match std::task::ready!(fut.poll(cx)) {
                     Ok(response) => response,
@@ -259,7 +277,7 @@ where
                     // Forwarding starts right after the log is opened: the
                     // whole wait is the upstream's.
                     log.upstream_done(log.started().elapsed());
-                    log.finish(RequestOutcome::Passthrough, &response);
+                    log.finish(*outcome, &response);
                 }
                 // The body streams without the proxy buffering it, but it
                 // still holds an upstream connection and the client's: the

@@ -47,10 +47,22 @@ pub enum RequestOutcome {
     /// A covered request that could not say who calls: a bearer token that
     /// did not verify, or none under `anonymous = "reject"` (401).
     Unauthenticated,
+    /// `mode = "observe"`: forwarded, where enforcement would have replayed.
+    ObservedReplay,
+    /// `mode = "observe"`: forwarded, where enforcement would have refused
+    /// a key reused for another request.
+    ObservedMismatch,
+    /// `mode = "observe"`: forwarded while the same request ran under its
+    /// key, where enforcement would have answered 425 (or waited).
+    ObservedInFlight,
+    /// `mode = "observe"`: a keyless covered request whose (scope,
+    /// fingerprint) was seen within `observe_window`: a duplicate no key
+    /// would catch.
+    ObservedUnkeyedDuplicate,
 }
 
 impl RequestOutcome {
-    pub const ALL: [RequestOutcome; 18] = [
+    pub const ALL: [RequestOutcome; 22] = [
         RequestOutcome::Executed,
         RequestOutcome::Replayed,
         RequestOutcome::Mismatch,
@@ -69,6 +81,10 @@ impl RequestOutcome {
         RequestOutcome::ShuttingDown,
         RequestOutcome::ClientClosed,
         RequestOutcome::Unauthenticated,
+        RequestOutcome::ObservedReplay,
+        RequestOutcome::ObservedMismatch,
+        RequestOutcome::ObservedInFlight,
+        RequestOutcome::ObservedUnkeyedDuplicate,
     ];
 
     /// Position in [`Self::ALL`].
@@ -96,6 +112,10 @@ impl RequestOutcome {
             RequestOutcome::ShuttingDown => "shutting_down",
             RequestOutcome::ClientClosed => "client_closed",
             RequestOutcome::Unauthenticated => "unauthenticated",
+            RequestOutcome::ObservedReplay => "observed_replay",
+            RequestOutcome::ObservedMismatch => "observed_mismatch",
+            RequestOutcome::ObservedInFlight => "observed_in_flight",
+            RequestOutcome::ObservedUnkeyedDuplicate => "observed_unkeyed_duplicate",
         }
     }
 }

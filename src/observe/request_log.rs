@@ -26,6 +26,8 @@ pub struct RequestLog {
     /// The tool of an MCP `tools/call`, and its `tool` label (the name if
     /// a listing named it, else [`UNLISTED_TOOL`]).
     tool: Option<(Arc<str>, Arc<str>)>,
+    /// In observe mode, the id of the first request of a duplicate's key.
+    first_request_id: Option<Arc<str>>,
     status: Option<u16>,
     store: Duration,
     upstream: Option<Duration>,
@@ -83,6 +85,7 @@ impl RequestLog {
             started: Instant::now(),
             key: None,
             tool: None,
+            first_request_id: None,
             status: None,
             store: Duration::ZERO,
             upstream: None,
@@ -116,6 +119,16 @@ impl RequestLog {
             Arc::from(UNLISTED_TOOL)
         };
         self.tool = Some((tool, label));
+    }
+
+    /// The request's `x-request-id`.
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_ref().and_then(|v| v.to_str().ok())
+    }
+
+    /// In observe mode: the first request of the key this one duplicates.
+    pub fn set_first_request_id(&mut self, id: Option<Arc<str>>) {
+        self.first_request_id = id;
     }
 
     /// The status sent, for a response whose body is still being relayed.
@@ -177,6 +190,7 @@ impl RequestLog {
             status = self.status.unwrap_or(0),
             key_hash = key,
             tool = self.tool.as_ref().map(|(tool, _)| &**tool),
+            first_request_id = self.first_request_id.as_deref(),
             request_id,
             store_ms = whole_micros_as_ms(self.store),
             upstream_ms,

@@ -208,6 +208,23 @@ impl TestClient {
         }
     }
 
+    /// POSTs a JSON body with `headers` besides its content type.
+    pub async fn post_json_with(&self, url: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+        let mut all = vec![("content-type", "application/json")];
+        all.extend_from_slice(headers);
+        self.send(Method::POST, url, &all, body.to_string()).await
+    }
+
+    /// The value of `series` (a name with its labels, as exposed) in the
+    /// `/metrics` at `metrics_url`; panics if it is not there.
+    pub async fn metric(&self, metrics_url: &str, series: &str) -> f64 {
+        let reply = self.send(Method::GET, metrics_url, &[], "").await;
+        let text = String::from_utf8_lossy(&reply.body).into_owned();
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    }
+
     /// POSTs a JSON body with an `Idempotency-Key`.
     pub async fn post_json(&self, url: &str, key: &str, body: &str) -> Reply {
         self.send(

@@ -1,0 +1,256 @@
+//! `mode = "observe"` (DESIGN §6): what a route remembers to tell which
+//! requests enforcement would have answered differently, while every
+//! request reaches the upstream as if the proxy were plain.
+//!
+//! Keyed requests are judged by the store, as under enforcement: the first
+//! claims and stores, a later one is counted as the replay, mismatch or
+//! in-flight duplicate it would have been. Keyless covered requests have
+//! nothing in the store, so the route remembers each (scope, fingerprint)
+//! it saw for `observe_window`: one seen again within the window is a
+//! duplicate that no key catches (`observed_unkeyed_duplicate`). That
+//! memory, and which request came first (for the log line), is this
+//! replica's own and bounded ([`REMEMBERED`] entries; past that the least
+//! used go first, so a flood of distinct requests can undercount, never
+//! grow memory). Several replicas each count the duplicates they saw.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use http::request::Parts;
+use http::{Request, Response};
+use quick_cache::sync::Cache;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+use tower::{Service, ServiceExt};
+
+use super::body::{read_or_keep, ReadOrKeep};
+use super::exchange::{Claim, Exchange, Responder};
+use super::key::IdempotencyKey;
+use super::rejection::Rejection;
+use crate::core::{BeginOutcome, Fingerprint, RecordKey, UpstreamFailure};
+use crate::http::headers::content_length;
+use crate::observe::RequestOutcome;
+
+/// How many requests a route remembers.
+pub const REMEMBERED: usize = 100_000;
+
+/// A route's observe-mode memory.
+pub struct ObserveRoute {
+    window: Duration,
+    /// By record key (keyed requests) or by (scope, fingerprint) hash
+    /// (keyless ones): the first request's id and when it was seen.
+    seen: Cache<RecordKey, Seen>,
+}
+
+#[derive(Clone)]
+struct Seen {
+    request_id: Option<Arc<str>>,
+    at: Instant,
+}
+
+impl std::fmt::Debug for ObserveRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObserveRoute")
+            .field("window", &self.window)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the route had seen of a request's identity.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Sighting {
+    /// Not within the window: this request is the first.
+    First,
+    /// Seen within the window, first by the request with this id.
+    Again { first_request_id: Option<Arc<str>> },
+}
+
+impl ObserveRoute {
+    pub fn new(window: Duration) -> Self {
+        Self {
+            window,
+            seen: Cache::new(REMEMBERED),
+        }
+    }
+
+    /// The identity of a keyless request: its scope and fingerprint.
+    pub fn keyless_identity(scope: &[u8; 32], fingerprint: &Fingerprint) -> RecordKey {
+        let mut h = Sha256::new();
+        h.update(b"idemproxy.observe.keyless.v1\0");
+        h.update(scope);
+        h.update(fingerprint.0);
+        RecordKey::from_bytes(h.finalize().into())
+    }
+
+    /// Notes a request of `identity` with `request_id`, and says whether
+    /// one was seen within the window (the first one stays first).
+    pub fn sight(&self, identity: RecordKey, request_id: Option<&str>) -> Sighting {
+        let now = Instant::now();
+        if let Some(seen) = self.seen.get(&identity) {
+            if now.duration_since(seen.at) < self.window {
+                return Sighting::Again {
+                    first_request_id: seen.request_id,
+                };
+            }
+        }
+        self.remember(identity, request_id);
+        Sighting::First
+    }
+
+    /// Records `request_id` as the first of `identity` (a keyed request
+    /// that claimed its key).
+    pub fn remember(&self, identity: RecordKey, request_id: Option<&str>) {
+        self.seen.insert(
+            identity,
+            Seen {
+                request_id: request_id.map(Arc::from),
+                at: Instant::now(),
+            },
+        );
+    }
+
+    /// The id of the first request of `identity`, if remembered.
+    pub fn first_request_id(&self, identity: &RecordKey) -> Option<Arc<str>> {
+        self.seen.get(identity).and_then(|seen| seen.request_id)
+    }
+}
+
+impl<S> Exchange<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Error: Into<UpstreamFailure>,
+    S::Future: Send + 'static,
+{
+    /// A covered request on an observe-mode route. Whatever enforcement
+    /// would refuse before the store (a caller that cannot say who it is,
+    /// a body over the cap, an unusable key) is forwarded, counted as that
+    /// refusal; a keyless request is fingerprinted and counted if seen
+    /// before; a keyed one claims its key as under enforcement (see
+    /// `run`, which forwards every duplicate).
+    pub(super) async fn start_observed(
+        mut self,
+        parts: Parts,
+        body: Body,
+        key: Option<IdempotencyKey>,
+    ) -> Response<Body> {
+        let scope = match self.scope_of(&parts) {
+            Ok(scope) => scope,
+            Err((outcome, _)) => return self.forward_untouched(parts, body, outcome).await,
+        };
+        let declared = content_length(&parts.headers);
+        let read = read_or_keep(declared, body, self.policy.max_request_bytes);
+        let body = match tokio::time::timeout(self.settings.request_body_timeout, read).await {
+            Ok(Ok(ReadOrKeep::Whole(body))) => body,
+            Ok(Ok(ReadOrKeep::TooLarge(body))) => {
+                return self
+                    .forward_untouched(parts, body, RequestOutcome::BadBody)
+                    .await
+            }
+            // The body broke off or stalled: there is nothing whole to
+            // forward, as a plain proxy would have found too.
+            Ok(Err(rejection)) => return self.reject(RequestOutcome::BadBody, rejection),
+            Err(_) => {
+                let timeout = self.settings.request_body_timeout;
+                return self.reject(RequestOutcome::BadBody, Rejection::BodyTimeout { timeout });
+            }
+        };
+        let key = match key {
+            Some(key) => Some(key),
+            None => match self.policy.keys.from_request(&parts, &body) {
+                Ok(key) => key,
+                Err(_) => {
+                    return self
+                        .forward_untouched(parts, Body::from(body), RequestOutcome::InvalidKey)
+                        .await
+                }
+            },
+        };
+        let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
+        let Some(key) = key else {
+            let identity = ObserveRoute::keyless_identity(&scope, &fingerprint);
+            self.log.set_key(identity);
+            let sighting = match &self.policy.observe {
+                Some(observe) => observe.sight(identity, self.log.request_id()),
+                None => Sighting::First,
+            };
+            let outcome = match sighting {
+                Sighting::Again { first_request_id } => {
+                    self.log.set_first_request_id(first_request_id);
+                    RequestOutcome::ObservedUnkeyedDuplicate
+                }
+                Sighting::First if self.policy.require_key => RequestOutcome::MissingKey,
+                Sighting::First => RequestOutcome::Passthrough,
+            };
+            return self
+                .forward_untouched(parts, Body::from(body), outcome)
+                .await;
+        };
+        let request = Request::from_parts(parts, Body::from(body));
+        self.claim_and_run(&scope, &key, fingerprint, request).await
+    }
+
+    /// Forwards a keyed request that enforcement would have answered from
+    /// the store (`begun` says how), counted as what it would have been.
+    /// Its answer is not stored: the key's record stays the first one's.
+    pub(super) async fn forward_observed(
+        mut self,
+        claim: &Claim,
+        begun: BeginOutcome,
+        request: Request<Body>,
+        respond: Responder,
+    ) {
+        let outcome = match begun {
+            BeginOutcome::InFlight { .. } => RequestOutcome::ObservedInFlight,
+            BeginOutcome::Mismatch { .. } => RequestOutcome::ObservedMismatch,
+            BeginOutcome::Completed(_) | BeginOutcome::Settled(_) => RequestOutcome::ObservedReplay,
+            // Not sent here: an acquired key is executed.
+            BeginOutcome::Acquired { .. } => RequestOutcome::Passthrough,
+        };
+        let first = self
+            .policy
+            .observe
+            .as_ref()
+            .and_then(|observe| observe.first_request_id(&claim.key));
+        self.log.set_first_request_id(first);
+        let started = Instant::now();
+        let deadline = started + self.settings.upstream_timeout;
+        let result = self.inner.clone().oneshot(request).await;
+        self.log.upstream_done(started.elapsed());
+        let response = result.unwrap_or_else(|e| {
+            Rejection::PassthroughFailed {
+                timeout: e.into().is_timeout(),
+            }
+            .into_response(self.policy.profile)
+        });
+        self.answer_relayed(respond, outcome, response, deadline)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_seen_again_within_the_window_is_a_duplicate_of_the_first() {
+        let route = ObserveRoute::new(Duration::from_secs(600));
+        let a = ObserveRoute::keyless_identity(&[1; 32], &Fingerprint([7; 32]));
+        let other_scope = ObserveRoute::keyless_identity(&[2; 32], &Fingerprint([7; 32]));
+        assert_eq!(route.sight(a, Some("req-1")), Sighting::First);
+        assert_eq!(route.sight(other_scope, Some("req-x")), Sighting::First);
+        tokio::time::advance(Duration::from_secs(599)).await;
+        assert_eq!(
+            route.sight(a, Some("req-2")),
+            Sighting::Again {
+                first_request_id: Some(Arc::from("req-1"))
+            }
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(
+            route.sight(a, Some("req-3")),
+            Sighting::First,
+            "past the window a request is new again"
+        );
+        assert_eq!(route.first_request_id(&a).as_deref(), Some("req-3"));
+    }
+}
