@@ -572,6 +572,34 @@ mod tests {
         assert!(err.contains("timeout"), "{err}");
     }
 
+    #[test]
+    fn key_sources_and_observe_mode_are_checked_by_field() {
+        let mut c = Config::default();
+        c.idempotency.key_from = vec!["json:tool_call_id".into(), "cookie:x".into()];
+        c.idempotency.derive_key = vec!["query:k".into()];
+        c.idempotency.mode = config::Mode::Observe;
+        c.idempotency.observe_window = Duration::ZERO;
+        let err = crate::validate(&c).expect_err("invalid").to_string();
+        for field in [
+            "idempotency.key_from: `json:tool_call_id`",
+            "idempotency.key_from: `cookie:x`",
+            "idempotency.derive_key: `query:k`",
+            "idempotency.observe_window",
+        ] {
+            assert!(err.contains(field), "{field} in {err}");
+        }
+        let mut c = Config::default();
+        c.routes.push(config::RouteConfig {
+            name: "mcp".into(),
+            path: "/mcp".into(),
+            protocol: config::Protocol::Mcp,
+            mode: Some(config::Mode::Observe),
+            ..Default::default()
+        });
+        let err = crate::validate(&c).expect_err("observe on mcp").to_string();
+        assert!(err.contains("routes[0].mode"), "{err}");
+    }
+
     /// Settings that would load and then break quietly at run time: each is
     /// refused with its field named, and the value next to it is accepted.
     #[test]
