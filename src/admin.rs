@@ -377,6 +377,9 @@ fn describe(key: &RecordKey, record: &Record) -> Value {
                     format!("outcome-unknown ({})", cause.as_str()),
                     cause.status(),
                 ),
+                // Opened by the store before it gets here; sealed still,
+                // no configured key opens it.
+                Outcome::Sealed(_) => ("sealed".to_string(), 0),
             };
             json!({
                 "key_hash": key.to_hex(),

@@ -209,6 +209,12 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
         }
         StoreKind::Redis | StoreKind::RedisCluster => store::redis::open(&config.store).await?,
     };
+    // Sealed below the cache: the cache keeps opened responses, in this
+    // process's memory only.
+    let store: SharedStore = match settings::keyring(&config.store)? {
+        Some(keys) => Arc::new(store::sealed::SealedStore::new(store, keys)),
+        None => store,
+    };
     Ok(store::cache::wrap(store, cache_entries))
 }
 

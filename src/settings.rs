@@ -22,6 +22,7 @@ use crate::idempotency::{store_time_in_lease, Policies, Policy};
 use crate::mcp::tools::Protect;
 use crate::mcp::{ToolCatalog, ToolRules};
 use crate::store::redis::{self, RedisSettings};
+use crate::store::sealed::Keyring;
 
 /// Every problem of `config`: its own checks ([`Config::validate`]) and
 /// the values that do not parse into what the parts take.
@@ -35,10 +36,27 @@ pub(crate) fn problems(config: &Config) -> Vec<String> {
         problems.push(why);
     }
     problems.extend(redis_url_problems(&config.store));
+    if let Err(why) = keyring(&config.store) {
+        problems.push(why);
+    }
     if let Err(policy_problems) = policies(config) {
         problems.extend(policy_problems);
     }
     problems
+}
+
+/// The keys of `store.encryption_keys_env`, read from the environment
+/// now; `None` when encryption at rest is off.
+pub(crate) fn keyring(store: &StoreConfig) -> Result<Option<Keyring>, String> {
+    let Some(name) = &store.encryption_keys_env else {
+        return Ok(None);
+    };
+    let text = std::env::var(name).map_err(|_| {
+        format!("store.encryption_keys_env names {name}, which is not set (or not UTF-8)")
+    })?;
+    Keyring::parse(&text)
+        .map(Some)
+        .map_err(|why| format!("store.encryption_keys_env ({name}): {why}"))
 }
 
 /// The Redis URLs the store kind connects to, checked as the store checks

@@ -210,6 +210,10 @@ pub struct StoreConfig {
     /// How often the embedded store purges expired records.
     #[serde(with = "humantime_serde")]
     pub purge_interval: Duration,
+    /// Name of an environment variable holding comma-separated base64
+    /// 32-byte keys: stored responses are sealed with AES-256-GCM, the
+    /// first key seals, every key opens (rotation).
+    pub encryption_keys_env: Option<String>,
 }
 
 /// Completed records each proxy keeps to answer replays itself: up to about
@@ -234,6 +238,7 @@ impl Default for StoreConfig {
             local_cache_entries: DEFAULT_LOCAL_CACHE_ENTRIES,
             timeout: Duration::from_millis(250),
             purge_interval: Duration::from_secs(60),
+            encryption_keys_env: None,
         }
     }
 }

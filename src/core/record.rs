@@ -84,6 +84,7 @@ impl CompletedRecord {
             Outcome::NotStored { status } => varint_len(usize::from(*status)),
             // The cause's variant.
             Outcome::Unknown { .. } => 1,
+            Outcome::Sealed(sealed) => varint_len(sealed.len()) + sealed.len(),
         };
         ENCODED_PREFIX_MAX + 1 + outcome
     }
@@ -198,6 +199,7 @@ enum OutcomeView<'a> {
     Response(#[serde(borrow)] ResponseView<'a>),
     NotStored { status: u16 },
     Unknown { cause: UnknownCause },
+    Sealed(&'a [u8]),
 }
 
 #[derive(Deserialize)]
@@ -237,6 +239,7 @@ impl<'a> RecordView<'a> {
             }),
             OutcomeView::NotStored { status } => Outcome::NotStored { status },
             OutcomeView::Unknown { cause } => Outcome::Unknown { cause },
+            OutcomeView::Sealed(sealed) => Outcome::Sealed(bytes(sealed)),
         };
         Record::Completed(CompletedRecord {
             fingerprint: completed.fingerprint,
@@ -306,6 +309,33 @@ pub enum Outcome {
     /// The request may or may not have executed: stored so that no retry can
     /// execute it a second time.
     Unknown { cause: UnknownCause },
+    /// A [`StoredResponse`] encrypted at rest (`store.encryption_keys_env`):
+    /// opaque bytes to every store, opened by the store wrapper that sealed
+    /// it. Last, so that the variants before it keep their encoding.
+    Sealed(Bytes),
+}
+
+impl StoredResponse {
+    /// The response alone, in the record codec's layout: what is sealed.
+    pub fn encode(&self) -> Vec<u8> {
+        // Serializing plain data into a Vec cannot fail.
+        postcard::to_allocvec(self).unwrap_or_default()
+    }
+
+    /// The inverse of [`StoredResponse::encode`].
+    pub fn decode(bytes: &[u8]) -> Result<StoredResponse, DecodeError> {
+        let view: ResponseView<'_> =
+            postcard::from_bytes(bytes).map_err(|e| DecodeError::Corrupt(e.to_string()))?;
+        Ok(StoredResponse {
+            status: view.status,
+            headers: view
+                .headers
+                .into_iter()
+                .map(|(name, value)| (name.to_owned(), Bytes::copy_from_slice(value)))
+                .collect(),
+            body: Bytes::copy_from_slice(view.body),
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -368,6 +398,9 @@ mod tests {
                 cause: UnknownCause::Abandoned,
             },
         ];
+        for len in [0, 1, 127, 128, 70_000] {
+            outcomes.push(Outcome::Sealed(Bytes::from(vec![b's'; len])));
+        }
         for (headers, body) in [(0, 0), (1, 1), (4, 35), (12, 127), (3, 128), (40, 70_000)] {
             outcomes.push(response(headers, body));
         }

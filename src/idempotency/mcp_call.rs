@@ -144,6 +144,9 @@ impl McpCall {
                     released: false,
                 })
                 .map(|text| tool_error(&self.id, &text)),
+            // The store opens what it sealed: one still sealed cannot be
+            // read, which the message below says.
+            Outcome::Sealed(_) => None,
         };
         let message = message.unwrap_or_else(|| {
             tool_error(

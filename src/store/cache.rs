@@ -127,6 +127,7 @@ impl quick_cache::Weighter<RecordKey, Entry> for EntryWeight {
                         .map(|(name, value)| name.len() + value.len())
                         .sum::<usize>()
             }
+            Outcome::Sealed(sealed) => sealed.len(),
             Outcome::NotStored { .. } | Outcome::Unknown { .. } => 0,
         };
         // usize is at most 64 bits on every supported target.

@@ -18,6 +18,7 @@ pub mod cache;
 pub mod embedded;
 pub mod memory;
 pub mod redis;
+pub mod sealed;
 
 use std::sync::Arc;
 

@@ -61,12 +61,18 @@ impl ProxyProcess {
     /// replaced by free ports. Panics, with the log, if it does not become
     /// healthy.
     pub async fn start(config: Config) -> ProxyProcess {
+        Self::start_with_env(config, &[]).await
+    }
+
+    /// [`ProxyProcess::start`] with `env` set for the process (after the
+    /// test's own `IDEMPROXY_*` variables are removed).
+    pub async fn start_with_env(config: Config, env: &[(&str, String)]) -> ProxyProcess {
         let mut last_error = String::new();
         // A free port can be taken between the check and the child's bind:
         // try again on other ports then, and only then (any other failure to
         // start is what a test must see).
         for _ in 0..3 {
-            match Self::try_start(config.clone()).await {
+            match Self::try_start(config.clone(), env).await {
                 Ok(process) => return process,
                 Err(e) if e.contains(PORT_TAKEN) => last_error = e,
                 Err(e) => panic!("idemproxy did not start: {e}"),
@@ -75,7 +81,7 @@ impl ProxyProcess {
         panic!("idemproxy did not start: {last_error}");
     }
 
-    async fn try_start(mut config: Config) -> Result<ProxyProcess, String> {
+    async fn try_start(mut config: Config, env: &[(&str, String)]) -> Result<ProxyProcess, String> {
         config.listen = ([127, 0, 0, 1], free_port()).into();
         config.admin_listen = ([127, 0, 0, 1], free_port()).into();
         let dir = tempfile::Builder::new()
@@ -97,6 +103,9 @@ impl ProxyProcess {
             }
         }
         cmd.env_remove("RUST_LOG");
+        for (name, value) in env {
+            cmd.env(name, value);
+        }
         let child = cmd
             .arg("--config")
             .arg(&file)

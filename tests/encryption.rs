@@ -1,0 +1,217 @@
+//! Encryption at rest (DESIGN §7): what the stores hold of a response is
+//! sealed, replays open it, a key rotation keeps replays working, and a
+//! record no configured key opens fails closed. Real Redis, a real
+//! embedded store file, the real binary reading its keys from the
+//! environment.
+
+mod support;
+
+use std::sync::Arc;
+
+use base64::Engine;
+use idemproxy::config::{Config, StoreKind};
+use idemproxy::store::sealed::{Keyring, SealedStore};
+use idemproxy::store::{EmbeddedStore, MemoryStore, SharedStore};
+use support::binary::ProxyProcess;
+use support::proxy::{config, redis_config, TestClient, TestProxy};
+use support::redis_server::{unique_prefix, RedisServer};
+use support::upstream::TestUpstream;
+
+/// What the upstream puts in its answer: the request path, so a path
+/// holding this marker makes a response body holding it.
+const MARKER: &str = "card-4242-4242-4242-4242";
+
+fn key(byte: u8) -> String {
+    base64::engine::general_purpose::STANDARD.encode([byte; 32])
+}
+
+fn keys(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| key(*b)).collect::<Vec<_>>().join(",")
+}
+
+/// `inner` sealed with `keys` (none: plain), with the local replay cache
+/// in front as `open_store` puts it.
+fn sealed(inner: SharedStore, keys: Option<&str>) -> SharedStore {
+    let store: SharedStore = match keys {
+        Some(keys) => Arc::new(SealedStore::new(inner, Keyring::parse(keys).expect("keys"))),
+        None => inner,
+    };
+    idemproxy::store::cache::wrap(store, 100)
+}
+
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack
+        .windows(needle.len())
+        .any(|w| w == needle.as_bytes())
+}
+
+/// Every value under `prefix` in Redis, as bytes.
+async fn redis_values(redis: &RedisServer, prefix: &str) -> Vec<Vec<u8>> {
+    let client = redis::Client::open(redis.url()).expect("redis url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to redis");
+    let names: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    let mut values = Vec::new();
+    for name in names {
+        let value: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(&name)
+            .query_async(&mut conn)
+            .await
+            .unwrap_or(None);
+        values.extend(value);
+    }
+    values
+}
+
+async fn post(client: &TestClient, proxy: &TestProxy, key: &str) -> support::proxy::Reply {
+    client
+        .post_json(&proxy.url(&format!("/v1/{MARKER}")), key, "{}")
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_holds_no_plaintext_of_a_sealed_response() {
+    let upstream = TestUpstream::start().await;
+    let redis = RedisServer::start();
+    let client = TestClient::new();
+    for (sealing, prefix) in [
+        (None, unique_prefix("plain")),
+        (Some(keys(&[1])), unique_prefix("sealed")),
+    ] {
+        let c = redis_config(&upstream.url(), &redis.url(), &prefix);
+        let inner = idemproxy::store::redis::open(&c.store)
+            .await
+            .expect("redis store");
+        let proxy = TestProxy::start_with_store(c, sealed(inner, sealing.as_deref())).await;
+        let first = post(&client, &proxy, "secret-1").await;
+        assert_eq!(first.status, 201);
+        assert!(
+            contains(&first.body, MARKER),
+            "the client gets the plaintext"
+        );
+        let replay = post(&client, &proxy, "secret-1").await;
+        assert!(replay.replayed());
+        assert_eq!(replay.body, first.body);
+        let values = redis_values(&redis, &prefix).await;
+        assert_eq!(values.len(), 1, "one record under {prefix}");
+        let leaked = values.iter().any(|v| contains(v, MARKER));
+        // The control run shows the check can see a leak.
+        assert_eq!(leaked, sealing.is_none(), "sealed: {}", sealing.is_some());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_file_holds_no_plaintext_of_a_sealed_response() {
+    let upstream = TestUpstream::start().await;
+    let client = TestClient::new();
+    for sealing in [None, Some(keys(&[1]))] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut c = config(&upstream.url());
+        c.store.kind = StoreKind::Embedded;
+        c.store.path = dir.path().to_path_buf();
+        let inner: SharedStore = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
+        let proxy = TestProxy::start_with_store(c, sealed(inner, sealing.as_deref())).await;
+        let first = post(&client, &proxy, "secret-2").await;
+        assert!(post(&client, &proxy, "secret-2").await.replayed());
+        assert!(contains(&first.body, MARKER));
+        proxy.shutdown().await;
+        let mut leaked = false;
+        for entry in std::fs::read_dir(dir.path()).expect("store dir") {
+            let bytes = std::fs::read(entry.expect("entry").path()).expect("read a store file");
+            leaked |= contains(&bytes, MARKER);
+        }
+        assert_eq!(leaked, sealing.is_none(), "sealed: {}", sealing.is_some());
+    }
+}
+
+/// One memory store behind three proxies in turn, as three deployments of
+/// one configuration would see it: sealed by key 1; then keys "2,1" (the
+/// rotation: 2 seals, 1 still opens); then key 2 alone (1 removed).
+#[tokio::test]
+async fn replays_survive_a_rotation_and_a_removed_key_fails_closed() {
+    let upstream = TestUpstream::start().await;
+    let client = TestClient::new();
+    let memory: SharedStore = Arc::new(MemoryStore::new());
+    let deploy = |keyring: String| {
+        let c: Config = config(&upstream.url());
+        let store = sealed(memory.clone(), Some(&keyring));
+        TestProxy::start_with_store(c, store)
+    };
+
+    let first = deploy(keys(&[1])).await;
+    let original = post(&client, &first, "rotate-1").await;
+    assert_eq!(original.status, 201);
+    first.shutdown().await;
+
+    let rotated = deploy(keys(&[2, 1])).await;
+    let replay = post(&client, &rotated, "rotate-1").await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, original.body);
+    let newer = post(&client, &rotated, "rotate-2").await;
+    assert_eq!(newer.status, 201);
+    rotated.shutdown().await;
+
+    let removed = deploy(keys(&[2])).await;
+    assert!(
+        post(&client, &removed, "rotate-2").await.replayed(),
+        "sealed by key 2"
+    );
+    let unreadable = post(&client, &removed, "rotate-1").await;
+    unreadable.assert_problem(503, "store-unavailable");
+    assert_eq!(
+        upstream.executions(&format!("/v1/{MARKER}")),
+        2,
+        "nothing executed twice"
+    );
+}
+
+/// The binary reads its keys from the variable `encryption_keys_env`
+/// names, and refuses to start on a bad one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_seals_with_the_keys_its_environment_holds() {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut c = config(&upstream.url());
+    c.store.kind = StoreKind::Embedded;
+    c.store.path = dir.path().join("data");
+    c.store.encryption_keys_env = Some("STORE_KEYS_UNDER_TEST".into());
+    let env = [("STORE_KEYS_UNDER_TEST", keys(&[5, 6]))];
+    let mut proxy = ProxyProcess::start_with_env(c.clone(), &env).await;
+    let client = TestClient::new();
+    let url = proxy.url(&format!("/v1/{MARKER}"));
+    let first = client.post_json(&url, "bin-1", "{}").await;
+    assert!(client.post_json(&url, "bin-1", "{}").await.replayed());
+    assert!(contains(&first.body, MARKER));
+    proxy.terminate();
+    proxy.wait_exit(std::time::Duration::from_secs(10)).await;
+    for entry in std::fs::read_dir(dir.path().join("data")).expect("store dir") {
+        let bytes = std::fs::read(entry.expect("entry").path()).expect("read");
+        assert!(!contains(&bytes, MARKER), "plaintext in the store file");
+    }
+
+    let short = base64::engine::general_purpose::STANDARD.encode([1; 16]);
+    let output = std::process::Command::new(support::binary::BIN)
+        .arg("check")
+        .env("IDEMPROXY_UPSTREAM__URL", upstream.url())
+        .env(
+            "IDEMPROXY_STORE__ENCRYPTION_KEYS_ENV",
+            "STORE_KEYS_UNDER_TEST",
+        )
+        .env("STORE_KEYS_UNDER_TEST", &short)
+        .output()
+        .expect("run idemproxy check");
+    let said = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("store.encryption_keys_env") && said.contains("key 1 is 16 bytes"),
+        "{said}"
+    );
+    assert!(!said.contains(&short), "the key is not echoed: {said}");
+}
