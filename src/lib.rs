@@ -207,7 +207,9 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
             cache_entries = cache_entries.max(store::cache::EMBEDDED_ENTRIES);
             store
         }
-        StoreKind::Redis | StoreKind::RedisCluster => store::redis::open(&config.store).await?,
+        StoreKind::Redis | StoreKind::RedisCluster | StoreKind::RedisSentinel => {
+            store::redis::open(&config.store).await?
+        }
     };
     // Sealed below the cache: the cache keeps opened responses, in this
     // process's memory only.

@@ -73,8 +73,9 @@ struct Flags {
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn parse_store_kind(s: &str) -> Result<StoreKind, String> {
-    serde_json::from_value(serde_json::Value::String(s.into()))
-        .map_err(|_| format!("`{s}`: expected memory, embedded, redis or redis-cluster"))
+    serde_json::from_value(serde_json::Value::String(s.into())).map_err(|_| {
+        format!("`{s}`: expected memory, embedded, redis, redis-cluster or redis-sentinel")
+    })
 }
 
 fn main() -> ExitCode {

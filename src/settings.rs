@@ -66,6 +66,11 @@ fn redis_url_problems(store: &StoreConfig) -> Vec<String> {
         StoreKind::Memory | StoreKind::Embedded => Vec::new(),
         StoreKind::Redis => vec![("store.url", &store.url)],
         StoreKind::RedisCluster => store.urls.iter().map(|url| ("store.urls", url)).collect(),
+        StoreKind::RedisSentinel => store
+            .sentinels
+            .iter()
+            .map(|url| ("store.sentinels", url))
+            .collect(),
     };
     urls.into_iter()
         .filter_map(|(at, url)| redis::check_url(at, url).err())
@@ -448,6 +453,14 @@ impl From<&StoreConfig> for RedisSettings {
     fn from(c: &StoreConfig) -> Self {
         Self {
             cluster: c.kind == StoreKind::RedisCluster,
+            sentinels: if c.kind == StoreKind::RedisSentinel {
+                c.sentinels.clone()
+            } else {
+                Vec::new()
+            },
+            master_name: c.master_name.clone(),
+            min_replica_acks: c.min_replica_acks,
+            replica_ack_timeout: c.replica_ack_timeout,
             url: c.url.clone(),
             urls: c.urls.clone(),
             username: c.username.clone(),

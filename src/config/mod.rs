@@ -171,6 +171,9 @@ pub enum StoreKind {
     Embedded,
     Redis,
     RedisCluster,
+    /// A primary that Sentinels watch and fail over (`sentinels`,
+    /// `master_name`).
+    RedisSentinel,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -210,6 +213,20 @@ pub struct StoreConfig {
     /// How often the embedded store purges expired records.
     #[serde(with = "humantime_serde")]
     pub purge_interval: Duration,
+    /// Sentinels of `kind = "redis-sentinel"` (`redis://host:26379`); the
+    /// primary they name for `master_name` is the store, and followed
+    /// across a failover.
+    pub sentinels: Vec<String>,
+    /// The name the Sentinels monitor the primary under.
+    pub master_name: String,
+    /// Redis (every kind): a claim counts only once this many replicas have
+    /// it (`WAIT`), so a failover cannot forget a claim whose request ran;
+    /// 0 = do not wait. Completions wait the same.
+    pub min_replica_acks: u32,
+    /// How long `WAIT` waits; past it the claim is released and the
+    /// request answered 503 `store-unavailable`. Below `timeout`.
+    #[serde(with = "humantime_serde")]
+    pub replica_ack_timeout: Duration,
     /// Name of an environment variable holding comma-separated base64
     /// 32-byte keys: stored responses are sealed with AES-256-GCM, the
     /// first key seals, every key opens (rotation).
@@ -238,6 +255,10 @@ impl Default for StoreConfig {
             local_cache_entries: DEFAULT_LOCAL_CACHE_ENTRIES,
             timeout: Duration::from_millis(250),
             purge_interval: Duration::from_secs(60),
+            sentinels: Vec::new(),
+            master_name: String::new(),
+            min_replica_acks: 0,
+            replica_ack_timeout: Duration::from_millis(100),
             encryption_keys_env: None,
         }
     }

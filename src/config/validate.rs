@@ -77,6 +77,28 @@ impl Config {
                     problems.push("store.database: Redis Cluster has only database 0".into());
                 }
             }
+            StoreKind::RedisSentinel => {
+                if self.store.sentinels.is_empty() {
+                    problems.push(
+                        "store.sentinels: redis-sentinel needs at least one Sentinel URL \
+                         (e.g. \"redis://127.0.0.1:26379\")"
+                            .into(),
+                    );
+                }
+                if self.store.master_name.is_empty() {
+                    problems.push(
+                        "store.master_name: redis-sentinel needs the name the Sentinels monitor \
+                         the primary under (e.g. \"mymaster\")"
+                            .into(),
+                    );
+                }
+            }
+        }
+        if self.store.min_replica_acks > 0 && self.store.replica_ack_timeout >= self.store.timeout {
+            problems.push(format!(
+                "store.replica_ack_timeout: {:?} must be below store.timeout ({:?}), which bounds the claim and its WAIT together",
+                self.store.replica_ack_timeout, self.store.timeout
+            ));
         }
         if let Some(ca) = &self.store.ca_file {
             if !ca.is_file() {

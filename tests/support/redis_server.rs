@@ -471,3 +471,186 @@ pub fn shared_cluster() -> &'static RedisCluster {
 pub fn unique_prefix(name: &str) -> String {
     format!("test:{name}:{:016x}:", rand::random::<u64>())
 }
+
+/// The name the Sentinels of [`SentinelGroup`] monitor the primary under.
+pub const MASTER_NAME: &str = "idemproxy-primary";
+
+/// A primary, one replica of it, and three Sentinels watching it (quorum
+/// 2, `down-after-milliseconds` 1000): a real failover in about 2-3 s
+/// after the primary dies.
+pub struct SentinelGroup {
+    pub primary: RedisServer,
+    pub replica: RedisServer,
+    pub sentinels: Vec<SentinelProcess>,
+}
+
+impl SentinelGroup {
+    pub fn start() -> Self {
+        require_binaries();
+        let primary = RedisServer::start();
+        let replica = RedisServer::start_with(RedisOptions {
+            extra_args: vec![
+                "--replicaof".into(),
+                "127.0.0.1".into(),
+                primary.port().to_string(),
+                // `DEBUG SLEEP`: a replica that falls behind, on demand.
+                "--enable-debug-command".into(),
+                "yes".into(),
+            ],
+            ..RedisOptions::default()
+        });
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        while !replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the replica did not sync: {}",
+                replica.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let sentinels = (0..3)
+            .map(|_| SentinelProcess::start(primary.port()))
+            .collect();
+        let group = SentinelGroup {
+            primary,
+            replica,
+            sentinels,
+        };
+        // Every Sentinel knows the replica before anything is failed over.
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        while !group
+            .sentinels
+            .iter()
+            .all(|s| s.knows_replica(group.replica.port()))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the Sentinels did not find the replica"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        group
+    }
+
+    /// `redis://127.0.0.1:<port>` of each Sentinel.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// The port of the primary the first Sentinel names now.
+    pub fn primary_port_named(&self) -> Option<u16> {
+        let out = self.sentinels[0].cli(&["SENTINEL", "get-master-addr-by-name", MASTER_NAME]);
+        out.lines().nth(1)?.trim().parse().ok()
+    }
+}
+
+/// A `redis-server --sentinel` of a [`SentinelGroup`]. Dropping it stops it.
+pub struct SentinelProcess {
+    pub port: u16,
+    dir: TempDir,
+    process: Option<Supervised>,
+}
+
+impl SentinelProcess {
+    fn start(primary_port: u16) -> Self {
+        for _ in 0..5 {
+            let dir = tempfile::Builder::new()
+                .prefix("idemproxy-sentinel-")
+                .tempdir()
+                .expect("create a directory for a sentinel");
+            let port = free_port();
+            let conf = dir.path().join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile sentinel.log\n\
+                     sentinel monitor {MASTER_NAME} 127.0.0.1 {primary_port} 2\n\
+                     sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
+                     sentinel failover-timeout {MASTER_NAME} 6000\n\
+                     sentinel parallel-syncs {MASTER_NAME} 1\n",
+                    dir = dir.path().display()
+                ),
+            )
+            .expect("write sentinel.conf");
+            let mut shell = Command::new("sh")
+                .arg("-c")
+                .arg(SUPERVISOR)
+                .arg("sh")
+                .arg(dir.path())
+                .arg(server_bin())
+                .arg(&conf)
+                .arg("--sentinel")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("run sh for a sentinel");
+            let stdin = shell.stdin.take();
+            let mut pid_line = String::new();
+            if let Some(stdout) = shell.stdout.take() {
+                let _ = BufReader::new(stdout).read_line(&mut pid_line);
+            }
+            let pid = pid_line.trim().parse().unwrap_or(0);
+            let sentinel = SentinelProcess {
+                port,
+                dir,
+                process: Some(Supervised { shell, stdin, pid }),
+            };
+            let deadline = Instant::now() + STARTUP_TIMEOUT;
+            while Instant::now() < deadline {
+                if sentinel.answers() {
+                    return sentinel;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        panic!("no sentinel started");
+    }
+
+    fn answers(&self) -> bool {
+        let addr: SocketAddr = ([127, 0, 0, 1], self.port).into();
+        let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+        if stream.write_all(b"PING\r\n").is_err() {
+            return false;
+        }
+        let mut first = [0u8; 1];
+        matches!(stream.read(&mut first), Ok(1) if first[0] == b'+')
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new(cli_bin())
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", cli_bin()));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn knows_replica(&self, port: u16) -> bool {
+        self.cli(&["SENTINEL", "replicas", MASTER_NAME])
+            .contains(&port.to_string())
+    }
+
+    /// The Sentinel's log (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("sentinel.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for SentinelProcess {
+    fn drop(&mut self) {
+        if let Some(mut process) = self.process.take() {
+            drop(process.stdin.take());
+            let _ = process.shell.wait();
+        }
+    }
+}

@@ -11,6 +11,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::TcpSettings;
+use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
 use redis::{
     Client, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, Pipeline,
     RedisError, RedisFuture, ServerErrorKind, TlsCertificates, Value,
@@ -20,6 +21,7 @@ use rustls_pki_types::CertificateDer;
 use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::removals::RemovalChannel;
+use super::sentinel::{SentinelConn, SentinelPrimary};
 use super::{RedisSettings, RedisStore, SCRIPTS};
 use crate::core::Clock;
 use crate::store::StoreError;
@@ -51,6 +53,8 @@ const RECONNECT_RETRIES: usize = 2;
 pub(super) enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    /// Follows the primary across failovers (see [`super::sentinel`]).
+    Sentinel(SentinelConn),
 }
 
 impl ConnectionLike for Conn {
@@ -66,6 +70,7 @@ impl ConnectionLike for Conn {
                 }
             }),
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -85,6 +90,7 @@ impl ConnectionLike for Conn {
                 }
             }),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -92,6 +98,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
+            Conn::Sentinel(c) => c.get_db(),
         }
     }
 }
@@ -102,6 +109,8 @@ impl ConnectionLike for Conn {
 enum Connector {
     Single(Client, ConnectionManagerConfig),
     Cluster(ClusterClient),
+    /// One connection for every loop: it moves with the primary.
+    Sentinel(SentinelConn),
 }
 
 impl Connector {
@@ -145,6 +154,7 @@ impl Connector {
                     .map(Conn::Single)
             }
             Connector::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
+            Connector::Sentinel(conn) => Ok(Conn::Sentinel(conn.clone())),
         }
     }
 }
@@ -328,6 +338,84 @@ impl RedisStore {
         Self::ready(conn, connector, removals, config, "redis-cluster").await
     }
 
+    /// Connects to the primary the Sentinels at `config.sentinels` name for
+    /// `config.master_name`, with the credentials, database and CA of
+    /// `config` for the data nodes (and the same user and password for the
+    /// Sentinels), and follows it across failovers.
+    pub async fn connect_sentinel_within(
+        config: impl Into<RedisSettings>,
+        wait: Duration,
+    ) -> Result<RedisStore, StoreError> {
+        let config = &config.into();
+        let mut addrs = Vec::with_capacity(config.sentinels.len());
+        for url in &config.sentinels {
+            let info = url
+                .as_str()
+                .into_connection_info()
+                .map_err(|e| config_error("store.sentinels", e))?;
+            addrs.push(info.addr().clone());
+        }
+        let tls = addrs
+            .iter()
+            .any(|addr| matches!(addr, ConnectionAddr::TcpTls { .. }));
+        let mut builder =
+            SentinelClientBuilder::new(addrs, &config.master_name, SentinelServerType::Master)
+                .map_err(|e| config_error("store.sentinels", e))?
+                .set_client_to_redis_tcp_settings(tcp_settings())
+                .set_client_to_sentinel_tcp_settings(tcp_settings());
+        if let Some(db) = config.database {
+            builder = builder.set_client_to_redis_db(db);
+        }
+        if let Some(username) = &config.username {
+            builder = builder
+                .set_client_to_redis_username(username)
+                .set_client_to_sentinel_username(username);
+        }
+        if let Some(password) = password(config)? {
+            builder = builder
+                .set_client_to_redis_password(&password)
+                .set_client_to_sentinel_password(&password);
+        }
+        if tls {
+            builder = builder
+                .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+                .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
+            if let Some(certs) = tls_certificates(config, true)? {
+                builder = builder
+                    .set_client_to_redis_certificates(certs.clone())
+                    .set_client_to_sentinel_certificates(certs);
+            }
+        }
+        let sentinel = builder
+            .build()
+            .map_err(|e| config_error("store.sentinels", e))?;
+        let io_timeout = io_timeout(config);
+        let connection = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(io_timeout))
+            .set_response_timeout(Some(io_timeout));
+        let primary = Arc::new(SentinelPrimary::new(
+            sentinel,
+            connection,
+            config.database.unwrap_or(0),
+        ));
+        let removals =
+            RemovalChannel::following(Arc::clone(&primary), &config.key_prefix, io_timeout);
+        let connector = Connector::Sentinel(SentinelConn(primary));
+        let target = format!(
+            "{} ({})",
+            redacted_list(
+                &config
+                    .sentinels
+                    .iter()
+                    .map(String::as_str)
+                    .collect::<Vec<_>>()
+            ),
+            config.master_name
+        );
+        let conn = connector.start(&target, wait).await?;
+        Self::ready(conn, connector, removals, config, "redis-sentinel").await
+    }
+
     /// Checks that Redis takes `SET ... NX GET` (7.0 or later) and can be
     /// written to.
     async fn ready(
@@ -344,6 +432,8 @@ impl RedisStore {
             prefix: config.key_prefix.clone(),
             kind,
             clock: Clock::wall(),
+            min_replica_acks: config.min_replica_acks,
+            replica_ack_timeout: config.replica_ack_timeout,
         };
         // A key of our own that lives 1 ms: asking is the only check that
         // works the same through ACLs, proxies and managed Redis services.

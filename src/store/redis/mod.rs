@@ -92,6 +92,7 @@
 mod claim;
 mod connect;
 mod removals;
+mod sentinel;
 mod value;
 
 pub use connect::{check_url, redact_url};
@@ -102,6 +103,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{RedisError, Script, Value};
 
 use self::claim::{claim_unless_held, decide_read, swap};
@@ -181,6 +183,14 @@ pub struct RedisSettings {
     /// The caller's bound on every store call; connection timeouts derive
     /// from it.
     pub timeout: Duration,
+    /// Sentinels watching the primary (`kind = "redis-sentinel"`); the
+    /// store is the primary they name for `master_name`.
+    pub sentinels: Vec<String>,
+    pub master_name: String,
+    /// Replicas that must have a claim or a completion (`WAIT`) before it
+    /// counts; 0 = do not wait.
+    pub min_replica_acks: u32,
+    pub replica_ack_timeout: Duration,
 }
 
 /// How long [`open`] waits for a Redis that is not up yet.
@@ -204,6 +214,8 @@ pub async fn open_within(
     let config = config.into();
     Ok(std::sync::Arc::new(if config.cluster {
         RedisStore::connect_cluster_within(config, wait).await?
+    } else if !config.sentinels.is_empty() {
+        RedisStore::connect_sentinel_within(config, wait).await?
     } else {
         RedisStore::connect_within(config, wait).await?
     }))
@@ -224,6 +236,10 @@ pub struct RedisStore {
     /// Where leases and expiry read the time (Redis's own expiry of a key
     /// runs on Redis's clock, from the relative `PX` this computes).
     clock: Clock,
+    /// Replicas that must hold a claim or a completion before it counts
+    /// (`WAIT`), and how long to wait for them; 0 = do not wait.
+    min_replica_acks: u32,
+    replica_ack_timeout: Duration,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -366,8 +382,76 @@ impl RedisStore {
         redis_key(&self.prefix, key)
     }
 
+    /// Waits until `min_replica_acks` replicas hold this connection's
+    /// writes so far (`WAIT`: Redis answers how many do once that many do,
+    /// or when `replica_ack_timeout` is up). On a cluster `WAIT` goes to
+    /// the primary that owns `key`, over the connection the write took.
+    /// A connection that reconnected in between has no writes to wait
+    /// for and is answered at once: the window is one reconnect.
+    async fn replicated(&self, conn: &mut Conn, key: &str) -> Result<(), StoreError> {
+        let wanted = self.min_replica_acks;
+        if wanted == 0 {
+            return Ok(());
+        }
+        let timeout_ms = u64::try_from(self.replica_ack_timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(wanted).arg(timeout_ms);
+        let acked: i64 = match conn {
+            Conn::Cluster(cluster) => {
+                let route = Route::with_key(key.as_bytes(), SlotAddr::Master);
+                let reply = cluster
+                    .route_command(
+                        wait,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                    )
+                    .await
+                    .map_err(redis_error)?;
+                redis::from_redis_value(reply)
+                    .map_err(|e| StoreError::Unavailable(format!("WAIT: {e}")))?
+            }
+            other => wait.query_async(other).await.map_err(redis_error)?,
+        };
+        if acked >= i64::from(wanted) {
+            return Ok(());
+        }
+        Err(StoreError::Unavailable(format!(
+            "{acked} of {wanted} replicas acknowledged the write within {:?} (min_replica_acks)",
+            self.replica_ack_timeout
+        )))
+    }
+
+    /// Releases a claim whose replicas did not acknowledge it, and says
+    /// why the request is refused. The release is fenced by the claim's
+    /// token, and a failed one is retried by the caller's own release of
+    /// an unanswered claim.
+    async fn unacknowledged_claim(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        why: StoreError,
+    ) -> StoreError {
+        if let Err(e) = self.settle(key, token, None).await {
+            tracing::warn!(key = %key.to_hex(), error = %e, "cannot release a claim its replicas did not acknowledge");
+        }
+        why
+    }
+
     async fn settle(
         &self,
+        key: &RecordKey,
+        token: FencingToken,
+        completed: Option<&CompletedRecord>,
+    ) -> Result<(), StoreError> {
+        self.settle_on(&mut self.conn(), key, token, completed)
+            .await
+    }
+
+    /// [`Self::settle`] over `conn`, which a `WAIT` after it must share.
+    async fn settle_on(
+        &self,
+        conn: &mut Conn,
         key: &RecordKey,
         token: FencingToken,
         completed: Option<&CompletedRecord>,
@@ -381,10 +465,7 @@ impl RedisStore {
                 .arg(pexpire_ms(record.expires_at, now)),
             None => invocation.arg("").arg(0),
         };
-        let reply: Value = invocation
-            .invoke_async(&mut self.conn())
-            .await
-            .map_err(redis_error)?;
+        let reply: Value = invocation.invoke_async(conn).await.map_err(redis_error)?;
         match reply {
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(StoreError::Fenced),
@@ -423,6 +504,9 @@ impl Store for RedisStore {
             // its token is random and its encoding is Rust's.
             let claim = new_claim(begin, now, token);
             let Some(current) = claim_unless_held(&mut conn, &key, &claim, now).await? else {
+                if let Err(why) = self.replicated(&mut conn, &key).await {
+                    return Err(self.unacknowledged_claim(&begin.key, token, why).await);
+                }
                 return Ok(BeginOutcome::Acquired {
                     token: claim.token,
                     took_over: false,
@@ -444,6 +528,12 @@ impl Store for RedisStore {
                 }
             );
             if swap(&mut conn, &key, &current, &replacement, now).await? {
+                if let Err(why) = self.replicated(&mut conn, &key).await {
+                    if matches!(outcome, BeginOutcome::Acquired { .. }) {
+                        return Err(self.unacknowledged_claim(&begin.key, token, why).await);
+                    }
+                    return Err(why);
+                }
                 return Ok(outcome);
             }
         }
@@ -471,7 +561,11 @@ impl Store for RedisStore {
         token: FencingToken,
         record: &CompletedRecord,
     ) -> Result<(), StoreError> {
-        self.settle(key, token, Some(record)).await
+        let mut conn = self.conn();
+        self.settle_on(&mut conn, key, token, Some(record)).await?;
+        // The caller retries a completion that fails here: `settle.lua`
+        // finds its own write and the replicas are asked again.
+        self.replicated(&mut conn, &self.redis_key(key)).await
     }
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {

@@ -26,6 +26,7 @@ use futures_util::StreamExt;
 use redis::aio::{PubSubSink, PubSubStream};
 use redis::{Client, RedisError};
 
+use super::sentinel::SentinelPrimary;
 use crate::core::RecordKey;
 use crate::store::RemovalWatcher;
 
@@ -38,12 +39,34 @@ const HEARTBEAT: Duration = Duration::from_secs(5);
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
+/// Which node to subscribe on.
+enum Nodes {
+    /// One client per node to try, in turn: the Redis itself, or a
+    /// cluster's seed nodes.
+    Fixed(Vec<Client>),
+    /// The primary the Sentinels name at each attempt: the subscription
+    /// moves with a failover.
+    Primary(Arc<SentinelPrimary>),
+}
+
+impl Nodes {
+    async fn client(&self, turn: usize) -> Result<Client, RedisError> {
+        match self {
+            Nodes::Fixed(clients) => clients
+                .get(turn % clients.len().max(1))
+                .cloned()
+                .ok_or_else(|| {
+                    RedisError::from(std::io::Error::other("no Redis node to subscribe on"))
+                }),
+            Nodes::Primary(primary) => primary.client().await,
+        }
+    }
+}
+
 /// Where removals are published, and how to subscribe there. Shared by a
 /// store's clones.
 pub(super) struct RemovalChannel {
-    /// One client per node to try, in turn: the Redis itself, or a
-    /// cluster's seed nodes.
-    clients: Vec<Client>,
+    nodes: Nodes,
     name: String,
     io_timeout: Duration,
 }
@@ -51,7 +74,20 @@ pub(super) struct RemovalChannel {
 impl RemovalChannel {
     pub(super) fn new(clients: Vec<Client>, key_prefix: &str, io_timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
-            clients,
+            nodes: Nodes::Fixed(clients),
+            name: channel_name(key_prefix),
+            io_timeout,
+        })
+    }
+
+    /// On the primary the Sentinels name, whichever it is at each attempt.
+    pub(super) fn following(
+        primary: Arc<SentinelPrimary>,
+        key_prefix: &str,
+        io_timeout: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            nodes: Nodes::Primary(primary),
             name: channel_name(key_prefix),
             io_timeout,
         })
@@ -72,11 +108,15 @@ impl RemovalChannel {
     async fn run(self: Arc<Self>, invalidator: Arc<dyn RemovalWatcher>) {
         let mut backoff = MIN_BACKOFF;
         let mut failing = false;
-        for node in (0..self.clients.len()).cycle() {
+        for turn in 0.. {
             if !invalidator.is_open() {
                 return;
             }
-            match self.subscribe(&self.clients[node]).await {
+            let subscribed = match self.nodes.client(turn).await {
+                Ok(client) => self.subscribe(&client).await,
+                Err(e) => Err(e),
+            };
+            match subscribed {
                 Ok((sink, stream)) => {
                     if !invalidator.resume() {
                         return;

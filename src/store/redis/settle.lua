@@ -26,6 +26,12 @@ local st = string.sub(v, 1, 1)
 if #v < 26 or (st ~= 'p' and st ~= 'c') then
   return {'corrupt', 'the value is not a record'}
 end
+-- This very completion, written before: a completion sent again (its
+-- replica acknowledgement fell short, or its reply was lost) succeeds
+-- without writing, so the caller can wait for the replicas once more.
+if ARGV[3] ~= '' and v == ARGV[3] then
+  return 1
+end
 -- Settled, or claimed by another holder: the caller does not own the key
 -- and changes nothing.
 if string.sub(v, 1, 17) ~= ARGV[2] then
