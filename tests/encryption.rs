@@ -215,3 +215,41 @@ async fn the_binary_seals_with_the_keys_its_environment_holds() {
     );
     assert!(!said.contains(&short), "the key is not echoed: {said}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_holds_no_plaintext_of_a_sealed_response() {
+    let upstream = TestUpstream::start().await;
+    let cluster = tokio::task::block_in_place(|| support::redis_server::RedisCluster::start(3));
+    let client = TestClient::new();
+    for (sealing, prefix) in [
+        (None, unique_prefix("plain")),
+        (Some(keys(&[4])), unique_prefix("sealed")),
+    ] {
+        let mut c = config(&upstream.url());
+        c.store.kind = StoreKind::RedisCluster;
+        c.store.urls = cluster.urls();
+        c.store.key_prefix = prefix.clone();
+        let inner = idemproxy::store::redis::open(&c.store)
+            .await
+            .expect("cluster store");
+        let proxy = TestProxy::start_with_store(c, sealed(inner, sealing.as_deref())).await;
+        let first = post(&client, &proxy, "secret-c").await;
+        assert_eq!(first.status, 201);
+        assert!(post(&client, &proxy, "secret-c").await.replayed());
+        // redis-cli prints a value's bytes as they are when not on a terminal.
+        let mut values = String::new();
+        for node in &cluster.nodes {
+            let names = tokio::task::block_in_place(|| node.cli(&["KEYS", &format!("{prefix}*")]));
+            for name in names.lines().filter(|n| !n.is_empty()) {
+                values.push_str(&tokio::task::block_in_place(|| node.cli(&["GET", name])));
+            }
+        }
+        assert!(!values.is_empty(), "the record is on some node");
+        assert_eq!(
+            values.contains(MARKER),
+            sealing.is_none(),
+            "sealed: {}",
+            sealing.is_some()
+        );
+    }
+}
