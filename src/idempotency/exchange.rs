@@ -437,7 +437,7 @@ where
     /// Answers a request whose `begin` failed: 503, or forwarded
     /// unprotected when `pass` (see [`Self::passes`]).
     async fn store_failed(
-        mut self,
+        self,
         request: Request<Body>,
         respond: Responder,
         error: StoreError,
@@ -455,6 +455,18 @@ where
         }
         // Forwarded without protection, as the operator chose; the outcome
         // says so in logs and metrics.
+        self.forward_unclaimed(request, respond, RequestOutcome::Unprotected)
+            .await
+    }
+
+    /// Forwards a request that holds no claim, its answer relayed and
+    /// counted as `outcome`: nothing of it is stored.
+    pub(super) async fn forward_unclaimed(
+        mut self,
+        request: Request<Body>,
+        respond: Responder,
+        outcome: RequestOutcome,
+    ) {
         let started = Instant::now();
         let deadline = started + self.settings.upstream_timeout;
         let result = self.inner.clone().oneshot(request).await;
@@ -465,7 +477,7 @@ where
             }
             .into_response(self.policy.profile)
         });
-        self.answer_relayed(respond, RequestOutcome::Unprotected, response, deadline)
+        self.answer_relayed(respond, outcome, response, deadline)
     }
 
     /// Forwards the request that holds the key, then settles the key as the

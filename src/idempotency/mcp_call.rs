@@ -225,8 +225,8 @@ fn call_key(
             None => return Ok(None),
         },
     };
-    let value = HeaderValue::from_str(&value).map_err(|_| InvalidKey::NotText)?;
-    parse_key(&value).map(Some)
+    // The same rules as a header's key (`FromStr`).
+    value.parse().map(Some)
 }
 
 impl<S> Exchange<S>

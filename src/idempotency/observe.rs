@@ -22,7 +22,7 @@ use http::{Request, Response};
 use quick_cache::sync::Cache;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
-use tower::{Service, ServiceExt};
+use tower::Service;
 
 use super::body::{read_or_keep, ReadOrKeep};
 use super::exchange::{Claim, Exchange, Responder};
@@ -213,17 +213,7 @@ where
             .as_ref()
             .and_then(|observe| observe.first_request_id(&claim.key));
         self.log.set_first_request_id(first);
-        let started = Instant::now();
-        let deadline = started + self.settings.upstream_timeout;
-        let result = self.inner.clone().oneshot(request).await;
-        self.log.upstream_done(started.elapsed());
-        let response = result.unwrap_or_else(|e| {
-            Rejection::PassthroughFailed {
-                timeout: e.into().is_timeout(),
-            }
-            .into_response(self.policy.profile)
-        });
-        self.answer_relayed(respond, outcome, response, deadline)
+        self.forward_unclaimed(request, respond, outcome).await
     }
 }
 
