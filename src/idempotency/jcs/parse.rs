@@ -1,14 +1,38 @@
-//! Parsing a body into a [`Document`]: serde_json validates and tokenizes,
-//! and the visitors here append each value to the tape where it goes,
-//! sorting each object's members once, as it closes, which is also where
-//! duplicate names show up.
+//! Parsing a body into a [`Document`]: one pass over the bytes that
+//! validates the JSON text and appends each value to the tape where it
+//! goes, sorting each object's members once, as it closes, which is also
+//! where duplicate names show up.
+//!
+//! Hand-written rather than serde_json's deserializer driving visitors,
+//! which cost several times as much: a trip through the visitor and its
+//! access types per value, a scratch copy per escaped string, recursion
+//! per container. What it accepts, and the double every number reads as,
+//! are still serde_json's (with `float_roundtrip`, as the crate builds it):
+//! the visitors it replaced stay as the test oracle ([`oracle`]), and a
+//! differential property test holds the two to the same documents on
+//! arbitrary and corrupted input.
 
 use std::borrow::Cow;
 use std::fmt;
 
-use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
-
 use super::{name_at, utf16_cmp, Document, Entry};
+
+/// Why a body is not I-JSON, and where that showed. Only for debugging:
+/// the caller hashes such a body raw whatever the reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ParseError {
+    /// Byte offset into the body.
+    at: usize,
+    reason: &'static str,
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} at byte {}", self.reason, self.at)
+    }
+}
+
+impl std::error::Error for ParseError {}
 
 impl<'a> Document<'a> {
     /// Parses `body` as I-JSON (RFC 7493): JSON text that serde_json
@@ -16,18 +40,643 @@ impl<'a> Document<'a> {
     /// one wins) and without numbers beyond the double range. Integers a
     /// double cannot hold exactly (beyond ±2^53, see [`EXACT_INTEGERS`]) are
     /// kept apart: see [`Document::is_exact`].
-    pub(crate) fn parse(body: &'a [u8]) -> Result<Self, serde_json::Error> {
-        let mut builder = Builder {
+    pub(crate) fn parse(body: &'a [u8]) -> Result<Self, ParseError> {
+        // Validated as UTF-8 once, whole, so that a string without escapes
+        // is a slice of it as it stands. A body that is not UTF-8 is not
+        // JSON text either (RFC 8259 section 8.1).
+        let text = std::str::from_utf8(body).map_err(|e| ParseError {
+            at: e.valid_up_to(),
+            reason: "not UTF-8",
+        })?;
+        let mut parser = Parser {
+            text,
             // Guesses that save typical bodies most of the regrowing.
+            tape: Vec::with_capacity(body.len() / 5),
+            names: Vec::with_capacity(16),
+            order: Vec::with_capacity(body.len() / 12),
+            inexact: false,
+            last_keys: Vec::new(),
+            last_order: Vec::new(),
+            positions: Vec::new(),
+        };
+        parser.document()?;
+        Ok(Document {
+            tape: parser.tape,
+            order: parser.order,
+            inexact: parser.inexact,
+        })
+    }
+}
+
+/// The largest integer literal read as a number. RFC 8785 reads every
+/// number as a double, which holds every integer up to 2^53 and only some
+/// past it: `9007199254740993` and `9007199254740992` would fingerprint
+/// alike, so the same key with another account number (64-bit ids are
+/// common) would be answered with the first request's response instead
+/// of 409. I-JSON (RFC 7493 §2.2) leaves such numbers out; like a body
+/// with duplicate names, a body with one (outside the ignored members) is
+/// hashed as raw bytes, which can only err towards a 409. (Literals beyond
+/// 64 bits, negative ones beyond -2^63, and decimals with more than 15
+/// significant digits, still round: serde_json handed them over as
+/// doubles already, and the parser keeps to what it did.)
+const EXACT_INTEGERS: u64 = 1 << 53;
+
+/// How many containers may be open at once: serde_json's recursion limit
+/// (128) trips as the 128th opens.
+const MAX_DEPTH: usize = 127;
+
+/// The document being parsed. While a container is open, its header's
+/// `end` holds the position of the header of the container around it, and
+/// an object's `first` where its names start in `names`: the stack of open
+/// containers costs nothing beyond the tape.
+///
+/// The position read is passed along rather than kept here, and the
+/// common paths are inlined into [`Parser::document`]'s loop, so that it
+/// stays in a register: that, more than the tokenizing itself, is what
+/// the serde_json visitors could not have.
+struct Parser<'a> {
+    text: &'a str,
+    tape: Vec<Entry<'a>>,
+    /// The names of the objects still open (one stack for all of them, so
+    /// no object allocates its own), each with its [`sort_key`].
+    names: Vec<(u64, usize)>,
+    order: Vec<usize>,
+    /// Whether an [`Entry::Inexact`] was pushed.
+    inexact: bool,
+    /// The last object sorted whose names' keys all differ: the keys in
+    /// document order, and where sorting put each (an index into them).
+    /// Arrays of records repeat the same names in the same order, and the
+    /// same keys sort the same way: a comparison per name, not a sort.
+    last_keys: Vec<u64>,
+    last_order: Vec<usize>,
+    /// The positions of the names of the object being sorted, in
+    /// document order, to find each one's index after sorting.
+    positions: Vec<usize>,
+}
+
+impl<'a> Parser<'a> {
+    /// The whole body: one value, whitespace around it.
+    fn document(&mut self) -> Result<(), ParseError> {
+        let text = self.text;
+        let bytes = text.as_bytes();
+        let mut at = 0;
+        // The header of the innermost open container, how many are open,
+        // and whether that one is an object.
+        let mut open = 0;
+        let mut depth = 0;
+        let mut in_object = false;
+        loop {
+            // A value starts here.
+            at = skip_space(bytes, at);
+            match bytes.get(at) {
+                Some(b'"') => at = self.string(text, at + 1, false)?,
+                Some(b'-' | b'0'..=b'9') => at = self.number(text, at)?,
+                Some(b'[' | b'{') if depth == MAX_DEPTH => {
+                    return Err(error(at, "nested too deep"));
+                }
+                Some(b'[') => {
+                    let head = self.tape.len();
+                    self.tape.push(Entry::Array { end: open });
+                    at = skip_space(bytes, at + 1);
+                    if bytes.get(at) != Some(&b']') {
+                        (open, depth, in_object) = (head, depth + 1, false);
+                        continue;
+                    }
+                    at += 1;
+                    self.close_array(head);
+                }
+                Some(b'{') => {
+                    let head = self.tape.len();
+                    self.tape.push(Entry::Object {
+                        end: open,
+                        first: self.names.len(),
+                        len: 0,
+                    });
+                    at = skip_space(bytes, at + 1);
+                    if bytes.get(at) != Some(&b'}') {
+                        (open, depth, in_object) = (head, depth + 1, true);
+                        at = self.member_name(text, at)?;
+                        continue;
+                    }
+                    at += 1;
+                    self.close_object(head, at)?;
+                }
+                Some(b't') => at = self.literal(bytes, at, b"true", Entry::Bool(true))?,
+                Some(b'f') => at = self.literal(bytes, at, b"false", Entry::Bool(false))?,
+                Some(b'n') => at = self.literal(bytes, at, b"null", Entry::Null)?,
+                _ => return Err(error(at, "expected a value")),
+            }
+            // A value ended here: what follows is a separator, or the end
+            // of its container, which is a value that ended too.
+            loop {
+                at = skip_space(bytes, at);
+                if depth == 0 {
+                    return match bytes.get(at) {
+                        None => Ok(()),
+                        Some(_) => Err(error(at, "trailing characters")),
+                    };
+                }
+                match (bytes.get(at), in_object) {
+                    (Some(b','), false) => {
+                        at += 1;
+                        break;
+                    }
+                    (Some(b','), true) => {
+                        at = self.member_name(text, skip_space(bytes, at + 1))?;
+                        break;
+                    }
+                    (Some(b']'), false) => {
+                        at += 1;
+                        open = self.close_array(open);
+                    }
+                    (Some(b'}'), true) => {
+                        at += 1;
+                        open = self.close_object(open, at)?;
+                    }
+                    _ => return Err(error(at, "expected `,` or the end of the container")),
+                }
+                depth -= 1;
+                in_object = matches!(self.tape.get(open), Some(Entry::Object { .. }));
+            }
+        }
+    }
+
+    /// An object member's name, at `at`, and the colon after it; the
+    /// position after that. The name is appended to the tape like a string
+    /// value.
+    #[inline(always)]
+    fn member_name(&mut self, text: &'a str, at: usize) -> Result<usize, ParseError> {
+        let bytes = text.as_bytes();
+        if bytes.get(at) != Some(&b'"') {
+            return Err(error(at, "expected a member name"));
+        }
+        let at = skip_space(bytes, self.string(text, at + 1, true)?);
+        if bytes.get(at) != Some(&b':') {
+            return Err(error(at, "expected `:`"));
+        }
+        Ok(at + 1)
+    }
+
+    /// Appends the string from `start`, just after its opening quote, to
+    /// the tape, and to `names` if it is a member name; the position after
+    /// its closing quote. A slice of the body unless there are escapes to
+    /// decode.
+    #[inline(always)]
+    fn string(&mut self, text: &'a str, start: usize, name: bool) -> Result<usize, ParseError> {
+        let bytes = text.as_bytes();
+        let stop = plain_run(bytes, start);
+        let (s, next) = match text.get(start..stop) {
+            // Quotes are character boundaries, so `get` is never `None`.
+            Some(s) if bytes.get(stop) == Some(&b'"') => (Cow::Borrowed(s), stop + 1),
+            _ => escaped(text, start, stop)?,
+        };
+        if name {
+            self.names.push((sort_key(s.as_bytes()), self.tape.len()));
+        }
+        self.tape.push(Entry::String(s));
+        Ok(next)
+    }
+
+    /// Ends the array whose header is at `head`; the header of the
+    /// container around it.
+    #[inline(always)]
+    fn close_array(&mut self, head: usize) -> usize {
+        let end = self.tape.len();
+        match self.tape.get_mut(head) {
+            Some(Entry::Array { end: slot }) => std::mem::replace(slot, end),
+            _ => 0,
+        }
+    }
+
+    /// Ends the object whose header is at `head`, sorting its names; the
+    /// header of the container around it. `at` is only for the error.
+    fn close_object(&mut self, head: usize, at: usize) -> Result<usize, ParseError> {
+        let Some(&Entry::Object {
+            end: outer,
+            first: open,
+            ..
+        }) = self.tape.get(head)
+        else {
+            return Err(error(at, "not an object"));
+        };
+        let Parser {
+            tape,
+            names,
+            order,
+            last_keys,
+            last_order,
+            positions,
+            ..
+        } = self;
+        let own = names.get_mut(open..).unwrap_or_default();
+        let (first, len) = (order.len(), own.len());
+        if len < 2 {
+            order.extend(own.iter().map(|&(_, at)| at));
+        } else if last_order.len() == len
+            && own
+                .iter()
+                .map(|&(key, _)| key)
+                .eq(last_keys.iter().copied())
+        {
+            order.extend(
+                last_order
+                    .iter()
+                    .filter_map(|&i| own.get(i))
+                    .map(|&(_, at)| at),
+            );
+        } else {
+            let name = |at| name_at(tape, at);
+            positions.clear();
+            positions.extend(own.iter().map(|&(_, at)| at));
+            last_keys.clear();
+            last_keys.extend(own.iter().map(|&(key, _)| key));
+            own.sort_unstable_by(|a, b| {
+                a.0.cmp(&b.0).then_with(|| utf16_cmp(name(a.1), name(b.1)))
+            });
+            let mut distinct = true;
+            for (a, b) in own.iter().zip(own.iter().skip(1)) {
+                if a.0 == b.0 {
+                    if name(a.1) == name(b.1) {
+                        return Err(error(at, "duplicate object key"));
+                    }
+                    distinct = false;
+                }
+            }
+            order.extend(own.iter().map(|&(_, at)| at));
+            last_order.clear();
+            if distinct {
+                last_order.extend(
+                    own.iter()
+                        .filter_map(|&(_, at)| positions.binary_search(&at).ok()),
+                );
+            }
+        }
+        names.truncate(open);
+        let end = tape.len();
+        if let Some(slot) = tape.get_mut(head) {
+            *slot = Entry::Object { end, first, len };
+        }
+        Ok(outer)
+    }
+
+    #[inline(always)]
+    fn literal(
+        &mut self,
+        bytes: &[u8],
+        at: usize,
+        word: &'static [u8],
+        entry: Entry<'a>,
+    ) -> Result<usize, ParseError> {
+        let end = at + word.len();
+        if bytes.get(at..end) != Some(word) {
+            return Err(error(at, "expected a value"));
+        }
+        self.tape.push(entry);
+        Ok(end)
+    }
+
+    /// A number at `start`, as serde_json reads it (RFC 8259's grammar);
+    /// the position after it.
+    #[inline(always)]
+    fn number(&mut self, text: &str, start: usize) -> Result<usize, ParseError> {
+        let bytes = text.as_bytes();
+        let negative = bytes.get(start) == Some(&b'-');
+        let int_start = start + usize::from(negative);
+        // The digits read as an integer, wrapping: how many there are
+        // tells whether it fits.
+        let (mut mantissa, mut at) = digits(bytes, int_start, 0);
+        let int_digits = at - int_start;
+        if int_digits == 0 {
+            return Err(error(at, "expected a digit"));
+        }
+        if int_digits > 1 && bytes.get(int_start) == Some(&b'0') {
+            return Err(error(int_start, "leading zero"));
+        }
+        let mut significant = int_digits;
+        // The power of ten that scales `mantissa`.
+        let mut scale = 0i64;
+        let fraction = bytes.get(at) == Some(&b'.');
+        if fraction {
+            let first = at + 1;
+            (mantissa, at) = digits(bytes, first, mantissa);
+            if at == first {
+                return Err(error(at, "expected a digit"));
+            }
+            significant += at - first;
+            scale = i64::try_from(at - first).map_or(i64::MIN, |n| -n);
+        }
+        let exponent = matches!(bytes.get(at), Some(b'e' | b'E'));
+        if exponent {
+            (scale, at) = exponent_of(bytes, at + 1, scale)?;
+        }
+        if !fraction && !exponent {
+            // 19 digits always fit a u64, 21 never do.
+            let magnitude = match int_digits {
+                ..=19 => Some(mantissa),
+                20 => bytes.get(int_start..at).and_then(exact_integer),
+                _ => None,
+            };
+            if let Some(magnitude) = magnitude {
+                self.integer(negative, magnitude);
+                return Ok(at);
+            }
+        }
+        let magnitude = match fast_double(mantissa, scale) {
+            Some(value) if significant <= 19 => value,
+            _ => slow_double(text, int_start, at)?,
+        };
+        if !magnitude.is_finite() {
+            return Err(error(start, "number out of range"));
+        }
+        self.tape
+            .push(Entry::Number(if negative { -magnitude } else { magnitude }));
+        Ok(at)
+    }
+
+    /// An integer literal that fits 64 bits, as serde_json hands it over:
+    /// a `u64`, an `i64`, or (for `-0` and below -2^63) already a double.
+    #[inline(always)]
+    fn integer(&mut self, negative: bool, magnitude: u64) {
+        match (negative, magnitude) {
+            (false, m) => self.push_integer(m, m as f64),
+            (true, 0) => self.tape.push(Entry::Number(-0.0)),
+            (true, m) if m <= 1 << 63 => self.push_integer(m, -(m as f64)),
+            (true, m) => self.tape.push(Entry::Number(-(m as f64))),
+        }
+    }
+
+    /// An integer literal, `value` as the double it reads as: inexact past
+    /// [`EXACT_INTEGERS`] in `magnitude`.
+    #[inline(always)]
+    fn push_integer(&mut self, magnitude: u64, value: f64) {
+        if magnitude > EXACT_INTEGERS {
+            self.inexact = true;
+            self.tape.push(Entry::Inexact(value));
+        } else {
+            self.tape.push(Entry::Number(value));
+        }
+    }
+}
+
+/// A string from the end of its first plain run, at `stop`, on: an
+/// escape, or no JSON string at all.
+#[inline(never)]
+fn escaped(text: &str, start: usize, mut stop: usize) -> Result<(Cow<'_, str>, usize), ParseError> {
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(stop - start + 16);
+    let mut from = start;
+    loop {
+        let run = text
+            .get(from..stop)
+            .ok_or_else(|| error(stop, "not a character boundary"))?;
+        out.push_str(run);
+        match bytes.get(stop) {
+            Some(b'"') => return Ok((Cow::Owned(out), stop + 1)),
+            Some(b'\\') => {
+                let (c, next) = escape(bytes, stop + 1)?;
+                out.push(c);
+                from = next;
+            }
+            Some(_) => return Err(error(stop, "control character in a string")),
+            None => return Err(error(stop, "unterminated string")),
+        }
+        stop = plain_run(bytes, from);
+    }
+}
+
+/// The character an escape stands for, from just after its backslash,
+/// and the position after it.
+fn escape(bytes: &[u8], at: usize) -> Result<(char, usize), ParseError> {
+    let c = match bytes.get(at) {
+        Some(b'"') => '"',
+        Some(b'\\') => '\\',
+        Some(b'/') => '/',
+        Some(b'b') => '\u{8}',
+        Some(b'f') => '\u{c}',
+        Some(b'n') => '\n',
+        Some(b'r') => '\r',
+        Some(b't') => '\t',
+        Some(b'u') => return unicode_escape(bytes, at + 1),
+        Some(_) => return Err(error(at, "invalid escape")),
+        None => return Err(error(at, "unterminated string")),
+    };
+    Ok((c, at + 1))
+}
+
+/// A `\u` escape, from just after the `u`. Like serde_json reading into
+/// a string, a high surrogate must be followed at once by a low one
+/// (escaped), and a low one must not come first.
+fn unicode_escape(bytes: &[u8], at: usize) -> Result<(char, usize), ParseError> {
+    let unit = hex4(bytes, at)?;
+    let (code, next) = match unit {
+        0xD800..=0xDBFF => {
+            if bytes.get(at + 4..at + 6) != Some(b"\\u") {
+                return Err(error(at, "lone leading surrogate"));
+            }
+            let low = hex4(bytes, at + 6)?;
+            if !(0xDC00..=0xDFFF).contains(&low) {
+                return Err(error(at, "lone leading surrogate"));
+            }
+            (0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00), at + 10)
+        }
+        0xDC00..=0xDFFF => return Err(error(at, "lone trailing surrogate")),
+        _ => (unit, at + 4),
+    };
+    let c = char::from_u32(code).ok_or_else(|| error(at, "invalid code point"))?;
+    Ok((c, next))
+}
+
+fn hex4(bytes: &[u8], at: usize) -> Result<u32, ParseError> {
+    let digits = bytes
+        .get(at..at + 4)
+        .ok_or_else(|| error(at, "unterminated string"))?;
+    let mut unit = 0;
+    for &d in digits {
+        let Some(v) = char::from(d).to_digit(16) else {
+            return Err(error(at, "invalid escape"));
+        };
+        unit = unit << 4 | v;
+    }
+    Ok(unit)
+}
+
+#[cold]
+fn error(at: usize, reason: &'static str) -> ParseError {
+    ParseError { at, reason }
+}
+
+/// The literal from `start` to `end`, without its sign, correctly
+/// rounded, as serde_json's `float_roundtrip` reads it.
+#[inline(never)]
+fn slow_double(text: &str, start: usize, end: usize) -> Result<f64, ParseError> {
+    text.get(start..end)
+        .and_then(|literal| literal.parse::<f64>().ok())
+        .ok_or_else(|| error(start, "invalid number"))
+}
+
+/// The position of the first byte from `at` on that is not whitespace.
+#[inline(always)]
+fn skip_space(bytes: &[u8], mut at: usize) -> usize {
+    while let Some(b' ' | b'\n' | b'\t' | b'\r') = bytes.get(at) {
+        at += 1;
+    }
+    at
+}
+
+/// The digits from `at` on appended to `mantissa` (wrapping), and where
+/// they stop.
+#[inline(always)]
+fn digits(bytes: &[u8], mut at: usize, mut mantissa: u64) -> (u64, usize) {
+    while let Some(&b) = bytes.get(at) {
+        let d = b.wrapping_sub(b'0');
+        if d > 9 {
+            break;
+        }
+        mantissa = mantissa.wrapping_mul(10).wrapping_add(u64::from(d));
+        at += 1;
+    }
+    (mantissa, at)
+}
+
+/// An exponent's sign and digits from `at` on added to `scale`, and where
+/// they stop.
+fn exponent_of(bytes: &[u8], mut at: usize, scale: i64) -> Result<(i64, usize), ParseError> {
+    let negative = bytes.get(at) == Some(&b'-');
+    if matches!(bytes.get(at), Some(b'-' | b'+')) {
+        at += 1;
+    }
+    let first = at;
+    let mut value = 0i64;
+    while let Some(&b) = bytes.get(at) {
+        let d = b.wrapping_sub(b'0');
+        if d > 9 {
+            break;
+        }
+        // Saturates far beyond any double, where only the slow path looks.
+        value = value.saturating_mul(10).saturating_add(i64::from(d));
+        at += 1;
+    }
+    if at == first {
+        return Err(error(at, "expected a digit"));
+    }
+    let scale = if negative {
+        scale.saturating_sub(value)
+    } else {
+        scale.saturating_add(value)
+    };
+    Ok((scale, at))
+}
+
+/// Decimal digits as a `u64`, if it holds them.
+fn exact_integer(digits: &[u8]) -> Option<u64> {
+    digits.iter().try_fold(0u64, |m, &b| {
+        m.checked_mul(10)?
+            .checked_add(u64::from(b.wrapping_sub(b'0')))
+    })
+}
+
+/// Powers of ten a double holds exactly.
+const POW10: [f64; 23] = [
+    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+    1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+];
+
+/// `mantissa * 10^scale` when one multiplication or division of two
+/// doubles that hold their operands exactly gives it, correctly rounded
+/// (Clinger's fast path): most decimals in bodies. `None` otherwise, for
+/// `str::parse`, which reads the literal's text again.
+#[inline(always)]
+fn fast_double(mantissa: u64, scale: i64) -> Option<f64> {
+    if mantissa > 1 << 53 {
+        return None;
+    }
+    let m = mantissa as f64;
+    let pow = POW10.get(usize::try_from(scale.unsigned_abs()).ok()?)?;
+    Some(if scale < 0 { m / pow } else { m * pow })
+}
+
+/// Bytes with their high bit set, in a word of eight.
+const HIGH: u64 = u64::MAX / 255 * 0x80;
+
+/// The first eight bytes of a member name as a number that orders names
+/// as [`utf16_cmp`] does, where it tells them apart: so sorting compares
+/// numbers, and strings only for names alike in those bytes (or a prefix
+/// padded with NULs). UTF-8 byte order is UTF-16 order but for U+E000 to
+/// U+FFFF (lead bytes EE, EF), which sort after the surrogate pairs (F0
+/// to F4): they count as F5, F6, which UTF-8 never uses.
+#[inline(always)]
+fn sort_key(name: &[u8]) -> u64 {
+    let key = match name.get(..8).map(<[u8; 8]>::try_from) {
+        Some(Ok(first)) => u64::from_be_bytes(first),
+        _ => name
+            .iter()
+            .fold(0u64, |key, &b| key << 8 | u64::from(b))
+            .checked_shl(8 * (8 - name.len() as u32))
+            .unwrap_or(0),
+    };
+    if key & HIGH == 0 {
+        return key;
+    }
+    u64::from_be_bytes(
+        key.to_be_bytes()
+            .map(|b| if matches!(b, 0xEE | 0xEF) { b + 7 } else { b }),
+    )
+}
+
+/// The position of the first `"`, `\` or control character from `from`
+/// on, or the end of `bytes`: where a string's plain run stops. Eight
+/// bytes at a time (as serde_json does): each test flags the bytes it
+/// matches in their high bits, and a borrow can only flag a byte above
+/// one really matched, so the lowest flag is the answer.
+#[inline(always)]
+fn plain_run(bytes: &[u8], from: usize) -> usize {
+    const ONES: u64 = u64::MAX / 255;
+    let mut at = from;
+    while let Some(chunk) = bytes.get(at..at + 8) {
+        let Ok(chunk) = <[u8; 8]>::try_from(chunk) else {
+            break;
+        };
+        let word = u64::from_le_bytes(chunk);
+        let quote = word ^ (ONES * u64::from(b'"'));
+        let backslash = word ^ (ONES * u64::from(b'\\'));
+        let found = (word.wrapping_sub(ONES * 0x20) & !word
+            | quote.wrapping_sub(ONES) & !quote
+            | backslash.wrapping_sub(ONES) & !backslash)
+            & HIGH;
+        if found != 0 {
+            return at + (found.trailing_zeros() / 8) as usize;
+        }
+        at += 8;
+    }
+    while let Some(&b) = bytes.get(at) {
+        if b == b'"' || b == b'\\' || b < 0x20 {
+            break;
+        }
+        at += 1;
+    }
+    at
+}
+
+/// The parser this one replaced: serde_json validates and tokenizes, and
+/// visitors append each value to the tape. Kept as the oracle the
+/// differential tests hold [`Document::parse`] to.
+#[cfg(test)]
+mod oracle {
+    use std::borrow::Cow;
+    use std::fmt;
+
+    use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+
+    use super::super::{name_at, utf16_cmp, Document, Entry};
+    use super::EXACT_INTEGERS;
+
+    pub(super) fn parse(body: &[u8]) -> Result<Document<'_>, serde_json::Error> {
+        let mut builder = Builder {
             tape: Vec::with_capacity(body.len() / 8),
             names: Vec::with_capacity(16),
             order: Vec::with_capacity(body.len() / 16),
             inexact: false,
         };
-        // Validated as UTF-8 once, whole: read from a `str`, serde_json
-        // takes its strings as they are, where from a slice it validates
-        // each one again (a seventh of the parse). A body that is not
-        // UTF-8 is not JSON text either (RFC 8259 section 8.1).
         let text = std::str::from_utf8(body).map_err(de::Error::custom)?;
         let mut de = serde_json::Deserializer::from_str(text);
         EntrySeed(&mut builder).deserialize(&mut de)?;
@@ -40,188 +689,168 @@ impl<'a> Document<'a> {
             inexact: builder.inexact,
         })
     }
-}
 
-/// The document being parsed, plus the names of the objects still open
-/// (one stack for all of them, so no object allocates its own).
-struct Builder<'de> {
-    tape: Vec<Entry<'de>>,
-    names: Vec<usize>,
-    order: Vec<usize>,
-    /// Whether an [`Entry::Inexact`] was pushed.
-    inexact: bool,
-}
-
-impl<'de> Builder<'de> {
-    fn set(&mut self, at: usize, entry: Entry<'de>) {
-        if let Some(slot) = self.tape.get_mut(at) {
-            *slot = entry;
-        }
-    }
-}
-
-/// Appends a value to the tape rather than returning it: moving an entry
-/// out of every nested call costs more than pushing it where it goes.
-struct EntrySeed<'b, 'de>(&'b mut Builder<'de>);
-
-impl<'de> EntrySeed<'_, 'de> {
-    fn push<E>(self, entry: Entry<'de>) -> Result<(), E> {
-        self.0.tape.push(entry);
-        Ok(())
+    struct Builder<'de> {
+        tape: Vec<Entry<'de>>,
+        names: Vec<usize>,
+        order: Vec<usize>,
+        inexact: bool,
     }
 
-    /// An integer literal, `value` as the double it reads as: inexact past
-    /// [`EXACT_INTEGERS`] in `magnitude`.
-    fn push_integer<E>(self, magnitude: u64, value: f64) -> Result<(), E> {
-        if magnitude > EXACT_INTEGERS {
-            self.0.inexact = true;
-            return self.push(Entry::Inexact(value));
-        }
-        self.push(Entry::Number(value))
-    }
-}
-
-impl<'de> DeserializeSeed<'de> for EntrySeed<'_, 'de> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-/// The largest integer literal read as a number. RFC 8785 reads every
-/// number as a double, which holds every integer up to 2^53 and only some
-/// past it: `9007199254740993` and `9007199254740992` would fingerprint
-/// alike, so the same key with another account number (64-bit ids are
-/// common) would be answered with the first request's response instead
-/// of 409. I-JSON (RFC 7493 §2.2) leaves such numbers out; like a body
-/// with duplicate names, a body with one (outside the ignored members) is
-/// hashed as raw bytes, which can only err towards a 409. (Literals beyond
-/// 64 bits, and decimals with more than 15 significant digits, still round:
-/// serde_json hands them over as doubles already.)
-const EXACT_INTEGERS: u64 = 1 << 53;
-
-impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_bool<E>(self, v: bool) -> Result<(), E> {
-        self.push(Entry::Bool(v))
-    }
-
-    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-        self.push_integer(v.unsigned_abs(), v as f64)
-    }
-
-    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-        self.push_integer(v, v as f64)
-    }
-
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
-        if v.is_finite() {
-            self.push(Entry::Number(v))
-        } else {
-            Err(E::custom("number out of range"))
-        }
-    }
-
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
-        self.push(Entry::String(Cow::Borrowed(v)))
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<(), E> {
-        self.push(Entry::String(Cow::Owned(v.to_owned())))
-    }
-
-    fn visit_string<E>(self, v: String) -> Result<(), E> {
-        self.push(Entry::String(Cow::Owned(v)))
-    }
-
-    fn visit_unit<E>(self) -> Result<(), E> {
-        self.push(Entry::Null)
-    }
-
-    fn visit_none<E>(self) -> Result<(), E> {
-        self.push(Entry::Null)
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let head = self.0.tape.len();
-        self.0.tape.push(Entry::Array { end: head });
-        while seq.next_element_seed(EntrySeed(&mut *self.0))?.is_some() {}
-        let end = self.0.tape.len();
-        self.0.set(head, Entry::Array { end });
-        Ok(())
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let head = self.0.tape.len();
-        self.0.tape.push(Entry::Object {
-            end: head,
-            first: 0,
-            len: 0,
-        });
-        let open = self.0.names.len();
-        loop {
-            let at = self.0.tape.len();
-            if map.next_key_seed(NameSeed(&mut *self.0))?.is_none() {
-                break;
+    impl<'de> Builder<'de> {
+        fn set(&mut self, at: usize, entry: Entry<'de>) {
+            if let Some(slot) = self.tape.get_mut(at) {
+                *slot = entry;
             }
-            self.0.names.push(at);
-            map.next_value_seed(EntrySeed(&mut *self.0))?;
         }
-        let Builder {
-            tape, names, order, ..
-        } = &mut *self.0;
-        let own = names.get_mut(open..).unwrap_or_default();
-        own.sort_unstable_by(|&a, &b| utf16_cmp(name_at(tape, a), name_at(tape, b)));
-        if own
-            .iter()
-            .zip(own.iter().skip(1))
-            .any(|(&a, &b)| name_at(tape, a) == name_at(tape, b))
-        {
-            return Err(de::Error::custom("duplicate object key"));
+    }
+
+    struct EntrySeed<'b, 'de>(&'b mut Builder<'de>);
+
+    impl<'de> EntrySeed<'_, 'de> {
+        fn push<E>(self, entry: Entry<'de>) -> Result<(), E> {
+            self.0.tape.push(entry);
+            Ok(())
         }
-        let (first, len) = (order.len(), own.len());
-        order.extend_from_slice(own);
-        names.truncate(open);
-        let end = tape.len();
-        self.0.set(head, Entry::Object { end, first, len });
-        Ok(())
-    }
-}
 
-/// An object member's name, appended to the tape like a string value.
-struct NameSeed<'b, 'de>(&'b mut Builder<'de>);
-
-impl<'de> DeserializeSeed<'de> for NameSeed<'_, 'de> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for NameSeed<'_, 'de> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an object member name")
+        fn push_integer<E>(self, magnitude: u64, value: f64) -> Result<(), E> {
+            if magnitude > EXACT_INTEGERS {
+                self.0.inexact = true;
+                return self.push(Entry::Inexact(value));
+            }
+            self.push(Entry::Number(value))
+        }
     }
 
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
-        EntrySeed(self.0).push(Entry::String(Cow::Borrowed(v)))
+    impl<'de> DeserializeSeed<'de> for EntrySeed<'_, 'de> {
+        type Value = ();
+
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<(), E> {
-        EntrySeed(self.0).push(Entry::String(Cow::Owned(v.to_owned())))
+    impl<'de> Visitor<'de> for EntrySeed<'_, 'de> {
+        type Value = ();
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON value")
+        }
+
+        fn visit_bool<E>(self, v: bool) -> Result<(), E> {
+            self.push(Entry::Bool(v))
+        }
+
+        fn visit_i64<E>(self, v: i64) -> Result<(), E> {
+            self.push_integer(v.unsigned_abs(), v as f64)
+        }
+
+        fn visit_u64<E>(self, v: u64) -> Result<(), E> {
+            self.push_integer(v, v as f64)
+        }
+
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
+            if v.is_finite() {
+                self.push(Entry::Number(v))
+            } else {
+                Err(E::custom("number out of range"))
+            }
+        }
+
+        fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
+            self.push(Entry::String(Cow::Borrowed(v)))
+        }
+
+        fn visit_str<E>(self, v: &str) -> Result<(), E> {
+            self.push(Entry::String(Cow::Owned(v.to_owned())))
+        }
+
+        fn visit_string<E>(self, v: String) -> Result<(), E> {
+            self.push(Entry::String(Cow::Owned(v)))
+        }
+
+        fn visit_unit<E>(self) -> Result<(), E> {
+            self.push(Entry::Null)
+        }
+
+        fn visit_none<E>(self) -> Result<(), E> {
+            self.push(Entry::Null)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            let head = self.0.tape.len();
+            self.0.tape.push(Entry::Array { end: head });
+            while seq.next_element_seed(EntrySeed(&mut *self.0))?.is_some() {}
+            let end = self.0.tape.len();
+            self.0.set(head, Entry::Array { end });
+            Ok(())
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let head = self.0.tape.len();
+            self.0.tape.push(Entry::Object {
+                end: head,
+                first: 0,
+                len: 0,
+            });
+            let open = self.0.names.len();
+            loop {
+                let at = self.0.tape.len();
+                if map.next_key_seed(NameSeed(&mut *self.0))?.is_none() {
+                    break;
+                }
+                self.0.names.push(at);
+                map.next_value_seed(EntrySeed(&mut *self.0))?;
+            }
+            let Builder {
+                tape, names, order, ..
+            } = &mut *self.0;
+            let own = names.get_mut(open..).unwrap_or_default();
+            own.sort_unstable_by(|&a, &b| utf16_cmp(name_at(tape, a), name_at(tape, b)));
+            if own
+                .iter()
+                .zip(own.iter().skip(1))
+                .any(|(&a, &b)| name_at(tape, a) == name_at(tape, b))
+            {
+                return Err(de::Error::custom("duplicate object key"));
+            }
+            let (first, len) = (order.len(), own.len());
+            order.extend_from_slice(own);
+            names.truncate(open);
+            let end = tape.len();
+            self.0.set(head, Entry::Object { end, first, len });
+            Ok(())
+        }
     }
 
-    fn visit_string<E>(self, v: String) -> Result<(), E> {
-        EntrySeed(self.0).push(Entry::String(Cow::Owned(v)))
+    struct NameSeed<'b, 'de>(&'b mut Builder<'de>);
+
+    impl<'de> DeserializeSeed<'de> for NameSeed<'_, 'de> {
+        type Value = ();
+
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_str(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for NameSeed<'_, 'de> {
+        type Value = ();
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an object member name")
+        }
+
+        fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
+            EntrySeed(self.0).push(Entry::String(Cow::Borrowed(v)))
+        }
+
+        fn visit_str<E>(self, v: &str) -> Result<(), E> {
+            EntrySeed(self.0).push(Entry::String(Cow::Owned(v.to_owned())))
+        }
+
+        fn visit_string<E>(self, v: String) -> Result<(), E> {
+            EntrySeed(self.0).push(Entry::String(Cow::Owned(v)))
+        }
     }
 }
 
@@ -229,6 +858,8 @@ impl<'de> Visitor<'de> for NameSeed<'_, 'de> {
 mod tests {
     use super::*;
     use crate::idempotency::jcs::tests::canonical;
+    use proptest::prelude::*;
+    use proptest::sample::{select, Index};
 
     #[test]
     fn integer_literals_a_double_cannot_hold_are_not_i_json() {
@@ -282,5 +913,599 @@ mod tests {
                 Entry::String(Cow::Owned(_)),
             ] if esc == "esc"
         ));
+    }
+
+    /// A tape entry as the tests compare it: doubles by their bits, strings
+    /// with whether they borrow.
+    #[derive(Debug, PartialEq)]
+    enum Seen {
+        Null,
+        Bool(bool),
+        Number(u64),
+        Inexact(u64),
+        Borrowed(String),
+        Owned(String),
+        Array(usize),
+        Object(usize, usize, usize),
+        Removed(usize),
+    }
+
+    type Snapshot = (Vec<Seen>, Vec<usize>, bool);
+
+    fn snapshot(doc: &Document<'_>) -> Snapshot {
+        let tape = doc
+            .tape
+            .iter()
+            .map(|entry| match entry {
+                Entry::Null => Seen::Null,
+                Entry::Bool(b) => Seen::Bool(*b),
+                Entry::Number(n) => Seen::Number(n.to_bits()),
+                Entry::Inexact(n) => Seen::Inexact(n.to_bits()),
+                Entry::String(Cow::Borrowed(s)) => Seen::Borrowed((*s).to_owned()),
+                Entry::String(Cow::Owned(s)) => Seen::Owned(s.clone()),
+                Entry::Array { end } => Seen::Array(*end),
+                Entry::Object { end, first, len } => Seen::Object(*end, *first, *len),
+                Entry::Removed { end } => Seen::Removed(*end),
+            })
+            .collect();
+        (tape, doc.order.clone(), doc.inexact)
+    }
+
+    /// Both parsers' documents for `body`, `None` where one refuses it.
+    fn both(body: &[u8]) -> (Option<Snapshot>, Option<Snapshot>) {
+        (
+            Document::parse(body).ok().map(|d| snapshot(&d)),
+            oracle::parse(body).ok().map(|d| snapshot(&d)),
+        )
+    }
+
+    fn agrees(body: &[u8]) -> Result<(), TestCaseError> {
+        let (ours, theirs) = both(body);
+        prop_assert_eq!(
+            ours,
+            theirs,
+            "on {:?}: ours {:?}, serde_json {:?}",
+            String::from_utf8_lossy(body),
+            Document::parse(body).err(),
+            oracle::parse(body).err()
+        );
+        Ok(())
+    }
+
+    /// The root value of `json`, as the new parser reads it, checked
+    /// against the oracle.
+    fn root(json: &str) -> Option<Seen> {
+        let (ours, theirs) = both(json.as_bytes());
+        assert_eq!(ours, theirs, "{json:?}");
+        ours.and_then(|(tape, _, _)| tape.into_iter().next())
+    }
+
+    fn number(value: f64) -> Option<Seen> {
+        Some(Seen::Number(value.to_bits()))
+    }
+
+    fn inexact(value: f64) -> Option<Seen> {
+        Some(Seen::Inexact(value.to_bits()))
+    }
+
+    fn nested(depth: usize, open: &str, inner: &str, close: &str) -> String {
+        format!("{}{inner}{}", open.repeat(depth), close.repeat(depth))
+    }
+
+    #[test]
+    fn nesting_stops_where_serde_json_does() {
+        for (open, close) in [("[", "]"), (r#"{"a":"#, "}"), (r#"[{"a":"#, "}]")] {
+            let levels = open.matches(['[', '{']).count();
+            for (depth, ok) in [(126, true), (127, true), (128, false), (129, false)] {
+                let Some(times) = (depth % levels == 0).then_some(depth / levels) else {
+                    continue;
+                };
+                let json = nested(times, open, "0", close);
+                assert_eq!(root(&json).is_some(), ok, "{depth} × {open}");
+            }
+        }
+        // The innermost container counts, empty or not.
+        assert!(root(&nested(126, "[", "[]", "]")).is_some());
+        assert!(root(&nested(127, "[", "[]", "]")).is_none());
+        assert!(root(&nested(127, "[", "{}", "]")).is_none());
+        // Depth, not count: siblings do not add up.
+        assert!(root(&format!("[{}]", ["[[]]"; 200].join(","))).is_some());
+    }
+
+    #[test]
+    fn numbers_read_as_serde_json_reads_them() {
+        let two53 = EXACT_INTEGERS as f64;
+        for (json, seen) in [
+            ("0", number(0.0)),
+            // serde_json hands `-0` over as a double: not an integer zero.
+            ("-0", number(-0.0)),
+            ("-0.0", number(-0.0)),
+            ("0e5", number(0.0)),
+            ("-0e-5", number(-0.0)),
+            ("0.000e999999999999999999", number(0.0)),
+            ("1E400", None),
+            ("-1e400", None),
+            ("1e999999999999999999999", None),
+            ("1e-400", number(0.0)),
+            ("-1e-999999999999999999999", number(-0.0)),
+            ("4.9e-324", number(f64::from_bits(1))),
+            ("2.4703282292062327e-324", number(0.0)),
+            ("2.4703282292062328e-324", number(f64::from_bits(1))),
+            ("1.7976931348623157e308", number(f64::MAX)),
+            ("1.7976931348623158e308", number(f64::MAX)),
+            ("1.7976931348623159e308", None),
+            ("9007199254740992", number(two53)),
+            ("9007199254740993", inexact(two53)),
+            ("-9007199254740993", inexact(-two53)),
+            ("9007199254740993.0", number(two53)),
+            ("9007199254740993e0", number(two53)),
+            (
+                "9007199254740993.000000000000000000000000000001",
+                number(two53 + 2.0),
+            ),
+            ("18446744073709551615", inexact(u64::MAX as f64)),
+            // Past 64 bits serde_json reads a double, never marked inexact.
+            ("18446744073709551616", number(2f64.powi(64))),
+            ("-9223372036854775808", inexact(i64::MIN as f64)),
+            // And so below -2^63, though it fits a u64.
+            ("-9223372036854775809", number(-(2f64.powi(63)))),
+            ("-18446744073709551615", number(-(u64::MAX as f64))),
+            ("-18446744073709551616", number(-(2f64.powi(64)))),
+            ("9".repeat(309).as_str(), None),
+            ("9".repeat(308).as_str(), number(1e308)),
+            ("123.456e-2", number(1.23456)),
+            ("1E+2", number(100.0)),
+            ("0.1", number(0.1)),
+        ] {
+            assert_eq!(root(json), seen, "{json}");
+        }
+        for json in [
+            "01",
+            "-01",
+            "00",
+            "-",
+            "--1",
+            "+1",
+            "1.",
+            ".5",
+            "-.5",
+            "1e",
+            "1e+",
+            "1E-",
+            "1.e5",
+            "0x10",
+            "1_000",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "1 2",
+            "[1.]",
+            "[-]",
+            "[01]",
+        ] {
+            assert_eq!(root(json), None, "{json}");
+        }
+    }
+
+    #[test]
+    fn strings_read_as_serde_json_reads_them() {
+        let owned = |s: &str| Some(Seen::Owned(s.to_owned()));
+        let borrowed = |s: &str| Some(Seen::Borrowed(s.to_owned()));
+        for (json, seen) in [
+            (r#""""#, borrowed("")),
+            ("\"é😀\u{7f}\u{2028}\"", borrowed("é😀\u{7f}\u{2028}")),
+            (r#""\"\\\/\b\f\n\r\t""#, owned("\"\\/\u{8}\u{c}\n\r\t")),
+            (r#""\u00e9\u00E9\u0000""#, owned("éé\0")),
+            (r#""\uD83D\uDE00\ud83d\ude00""#, owned("😀😀")),
+            (r#""\uDBFF\uDFFF""#, owned("\u{10ffff}")),
+            (
+                r#""a long plain run, then \n""#,
+                owned("a long plain run, then \n"),
+            ),
+            (r#""\ud800""#, None),
+            (r#""\udc00""#, None),
+            (r#""\udc00\ud800""#, None),
+            (r#""\ud800\ud800""#, None),
+            (r#""\ud800\u0041""#, None),
+            (r#""\ud800x\udc00""#, None),
+            (r#""\ud800\n""#, None),
+            (r#""\ud800\""#, None),
+            (r#""\u12""#, None),
+            (r#""\u12g4""#, None),
+            (r#""\U0041""#, None),
+            (r#""\x41""#, None),
+            (r#""\'""#, None),
+            ("\"\\\"", None),
+            ("\"a\0\"", None),
+            ("\"a\u{1f}\"", None),
+            ("\"a\tb\"", None),
+            ("\"a\nb\"", None),
+            ("\"unterminated", None),
+        ] {
+            assert_eq!(root(json), seen, "{json:?}");
+        }
+    }
+
+    #[test]
+    fn only_json_text_is_accepted() {
+        for json in [
+            "",
+            " ",
+            "[1,]",
+            "[,1]",
+            "[1,,2]",
+            "[1 2]",
+            r#"{"a":1,}"#,
+            r#"{,"a":1}"#,
+            r#"{"a" 1}"#,
+            r#"{"a":}"#,
+            r#"{a:1}"#,
+            "{'a':1}",
+            "{1:1}",
+            "[1]x",
+            "[1]]",
+            "[1}",
+            r#"{"a":1]"#,
+            "[",
+            "{",
+            "// c\n1",
+            "/* c */ 1",
+            "1 // c",
+            "\u{feff}[]",
+            "\u{c}[]",
+            "[]\u{b}",
+            "[\u{a0}]",
+            "nul",
+            "nulll",
+            "True",
+            "tru",
+            "undefined",
+        ] {
+            assert_eq!(root(json), None, "{json:?}");
+        }
+        for json in [
+            " \t\n\r[ \t\n\r1 \t\n\r] \t\n\r",
+            "{ \"a\" : 1 , \"b\" : [ ] }",
+            "null",
+        ] {
+            assert!(root(json).is_some(), "{json:?}");
+        }
+        assert!(Document::parse(b"[\"\xff\"]").is_err());
+        assert!(Document::parse(b"\"\xed\xa0\x80\"").is_err());
+    }
+
+    /// Number literals, good and bad: edge values, random decimals, the
+    /// shortest and the full expansion of random doubles.
+    fn number_text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            select(vec![
+                "0",
+                "-0",
+                "-0.0",
+                "0e5",
+                "1E400",
+                "1e-400",
+                "-9223372036854775808",
+                "-9223372036854775809",
+                "18446744073709551615",
+                "18446744073709551616",
+                "9007199254740993",
+                "9007199254740993.0",
+                "2.4703282292062327e-324",
+                "2.4703282292062328e-324",
+                "1.7976931348623158e308",
+                "1.7976931348623159e308",
+                "01",
+                "-",
+                "1.",
+                ".5",
+                "1e",
+                "+1",
+                "-01",
+                "1e+",
+                "NaN",
+                "Infinity",
+            ])
+            .prop_map(String::from),
+            "-?(0|[1-9][0-9]{0,24})(\\.[0-9]{1,24})?([eE][-+]?[0-9]{1,3})?",
+            "-?[0-9]{1,3}(\\.[0-9]{0,3})?([eE][-+]?[0-9]{0,12})?",
+            "[-+.eE0-9]{1,12}",
+            any::<f64>().prop_map(|f| f.to_string()),
+            any::<f64>().prop_map(|f| format!("{f:e}")),
+            any::<f64>().prop_map(|f| format!("{f:.30e}")),
+            any::<i64>().prop_map(|i| i.to_string()),
+            any::<u64>().prop_map(|u| u.to_string()),
+            (any::<u64>(), 1usize..30).prop_map(|(u, zeros)| format!("{u}{}", "0".repeat(zeros))),
+            // Halfway between two doubles, then maybe a digit that decides.
+            (0u64..1 << 11, 0usize..40, "[0-9]").prop_map(|(k, zeros, d)| {
+                format!("{}.{}{d}", (1u64 << 53) + 2 * k + 1, "0".repeat(zeros))
+            }),
+        ]
+    }
+
+    /// Number literals a document holds, mostly good.
+    fn value_number() -> impl Strategy<Value = String> {
+        prop_oneof![
+            6 => "-?(0|[1-9][0-9]{0,24})(\\.[0-9]{1,24})?([eE][-+]?[0-9]{1,2})?",
+            2 => any::<i64>().prop_map(|i| i.to_string()),
+            2 => any::<f64>().prop_map(|f| format!("{f:e}")),
+            1 => number_text(),
+        ]
+    }
+
+    /// String literals with plain runs, every escape and surrogate pairs;
+    /// with `odd`, also bad escapes, lone or misordered surrogates and raw
+    /// control characters.
+    fn string_text(odd: bool) -> BoxedStrategy<String> {
+        let good = prop_oneof![
+            4 => "[a-z ]{1,12}",
+            3 => select(vec![
+                "\\\"", "\\\\", "\\/", "\\b", "\\f", "\\n", "\\r", "\\t", "é", "😀", "\u{e000}",
+                "\u{ffff}", "\u{10ffff}", "\u{2028}", "\u{7f}",
+            ])
+            .prop_map(String::from),
+            2 => "\\\\u(00[0-9a-fA-F]{2}|[0-9a-cA-CeEfF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})",
+            1 => "\\\\u[dD][89abAB][0-9a-fA-F]{2}\\\\u[dD][c-fC-F][0-9a-fA-F]{2}",
+        ];
+        let piece = if odd {
+            prop_oneof![
+                6 => good,
+                1 => "\\\\u[dD][89abAB][0-9a-fA-F]{2}",
+                1 => "\\\\u[dD][c-fC-F][0-9a-fA-F]{2}",
+                1 => "\\\\u[0-9a-fA-FgG]{0,4}",
+                1 => "\\\\[a-zA-Z0-9'/ ]",
+                1 => "[\\x00-\\x1f]",
+                1 => Just("\\".to_owned()),
+            ]
+            .boxed()
+        } else {
+            good.boxed()
+        };
+        prop::collection::vec(piece, 0..6)
+            .prop_map(|pieces| format!("\"{}\"", pieces.concat()))
+            .boxed()
+    }
+
+    /// Member names: some from few spellings, so that duplicates show up.
+    fn name_text(odd: bool) -> BoxedStrategy<String> {
+        let names = vec![
+            "\"a\"",
+            "\"\\u0061\"",
+            "\"b\"",
+            "\"\"",
+            "\"😀\"",
+            "\"\\ud83d\\ude00\"",
+            "\"\u{e000}\"",
+        ];
+        if odd {
+            prop_oneof![
+                2 => select(names).prop_map(String::from),
+                6 => string_text(true),
+                1 => select(vec!["a", "1", "null", "'a'", "[]"]).prop_map(String::from),
+            ]
+            .boxed()
+        } else {
+            prop_oneof![1 => select(names).prop_map(String::from), 6 => string_text(false)].boxed()
+        }
+    }
+
+    fn space(odd: bool) -> BoxedStrategy<&'static str> {
+        let good = prop_oneof![
+            3 => Just(""),
+            1 => select(vec![" ", "\n", "\t", "\r", " \r\n\t "]),
+        ];
+        if odd {
+            prop_oneof![
+                10 => good,
+                1 => select(vec!["\u{b}", "\u{c}", "\u{a0}", "\u{feff}", "/**/", "//\n", "\0"]),
+            ]
+            .boxed()
+        } else {
+            good.boxed()
+        }
+    }
+
+    fn separator(odd: bool) -> BoxedStrategy<&'static str> {
+        if odd {
+            prop_oneof![10 => Just(","), 1 => select(vec!["", ",,", ";", ", ,"])].boxed()
+        } else {
+            Just(",").boxed()
+        }
+    }
+
+    /// JSON-like text: valid JSON unless `odd`, which mixes in tokens that
+    /// break it here and there: bad literals, numbers, strings, names,
+    /// separators, whitespace and trailing commas.
+    fn json_text(odd: bool) -> impl Strategy<Value = String> {
+        let literals = vec!["null", "true", "false"];
+        let leaf = if odd {
+            prop_oneof![
+                4 => select(literals).prop_map(String::from),
+                1 => select(vec!["nul", "tru", "nulll", "True", "NaN", "undefined", "'a'", ""])
+                    .prop_map(String::from),
+                6 => value_number(),
+                2 => number_text(),
+                8 => string_text(odd),
+            ]
+            .boxed()
+        } else {
+            prop_oneof![
+                1 => select(literals).prop_map(String::from),
+                2 => value_number(),
+                3 => string_text(odd),
+            ]
+            .boxed()
+        };
+        leaf.prop_recursive(5, 64, 6, move |inner| {
+            let element = (space(odd), inner.clone(), space(odd), separator(odd));
+            let colon = if odd {
+                prop_oneof![20 => Just(":"), 1 => Just("")].boxed()
+            } else {
+                Just(":").boxed()
+            };
+            let member = (
+                (space(odd), name_text(odd), space(odd), colon),
+                (inner, space(odd), separator(odd)),
+            );
+            let trailing = if odd {
+                prop_oneof![20 => Just(""), 1 => Just(",")].boxed()
+            } else {
+                Just("").boxed()
+            };
+            prop_oneof![
+                (prop::collection::vec(element, 0..6), trailing.clone()).prop_map(
+                    |(items, trailing)| {
+                        let last = items.len();
+                        let mut out = String::from("[");
+                        for (i, (a, value, b, sep)) in items.into_iter().enumerate() {
+                            out.push_str(a);
+                            out.push_str(&value);
+                            out.push_str(b);
+                            if i + 1 < last {
+                                out.push_str(sep);
+                            }
+                        }
+                        out.push_str(trailing);
+                        out.push(']');
+                        out
+                    }
+                ),
+                (prop::collection::vec(member, 0..6), trailing).prop_map(|(members, trailing)| {
+                    let last = members.len();
+                    let mut out = String::from("{");
+                    for (i, ((a, name, b, colon), (value, c, sep))) in
+                        members.into_iter().enumerate()
+                    {
+                        out.push_str(a);
+                        out.push_str(&name);
+                        out.push_str(b);
+                        out.push_str(colon);
+                        out.push_str(&value);
+                        out.push_str(c);
+                        if i + 1 < last {
+                            out.push_str(sep);
+                        }
+                    }
+                    out.push_str(trailing);
+                    out.push('}');
+                    out
+                }),
+            ]
+        })
+    }
+
+    /// Damage done to a text after it is built: cut short, a byte put in,
+    /// taken out or changed.
+    #[derive(Clone, Debug)]
+    enum Damage {
+        Truncate(Index),
+        Insert(Index, u8),
+        Remove(Index),
+        Replace(Index, u8),
+    }
+
+    fn damage() -> impl Strategy<Value = Vec<Damage>> {
+        let byte = prop_oneof![
+            3 => select(b"\"\\,:[]{}0-.eE \n\x00\x1f\x7f\x80\xff/u".to_vec()),
+            1 => any::<u8>(),
+        ];
+        let one = prop_oneof![
+            any::<Index>().prop_map(Damage::Truncate),
+            (any::<Index>(), byte.clone()).prop_map(|(i, b)| Damage::Insert(i, b)),
+            any::<Index>().prop_map(Damage::Remove),
+            (any::<Index>(), byte).prop_map(|(i, b)| Damage::Replace(i, b)),
+        ];
+        prop_oneof![
+            3 => Just(Vec::new()),
+            2 => prop::collection::vec(one, 1..3),
+        ]
+    }
+
+    fn damaged(text: String, damage: &[Damage]) -> Vec<u8> {
+        let mut bytes = text.into_bytes();
+        for d in damage {
+            let len = bytes.len();
+            match *d {
+                Damage::Truncate(i) => bytes.truncate(i.index(len + 1)),
+                Damage::Insert(i, b) => bytes.insert(i.index(len + 1), b),
+                Damage::Remove(i) if len > 0 => {
+                    bytes.remove(i.index(len));
+                }
+                Damage::Replace(i, b) if len > 0 => {
+                    if let Some(at) = bytes.get_mut(i.index(len)) {
+                        *at = b;
+                    }
+                }
+                Damage::Remove(_) | Damage::Replace(..) => {}
+            }
+        }
+        bytes
+    }
+
+    /// Containers nested around the depth limit, arrays and objects mixed.
+    fn nested_text() -> impl Strategy<Value = String> {
+        (
+            prop::collection::vec(any::<bool>(), 118..134),
+            select(vec!["0", "[]", "{}", "[[]]", "\"x\"", "", "[1,]"]),
+        )
+            .prop_map(|(levels, inner)| {
+                let mut out = String::new();
+                for &object in &levels {
+                    out.push_str(if object { "{\"k\":" } else { "[" });
+                }
+                out.push_str(inner);
+                for &object in levels.iter().rev() {
+                    out.push(if object { '}' } else { ']' });
+                }
+                out
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Valid JSON text, now and then damaged in a place or two.
+        #[test]
+        fn agrees_with_serde_json_on_json_text(
+            text in (space(false), json_text(false), space(false))
+                .prop_map(|(a, v, b)| format!("{a}{v}{b}")),
+            damage in damage(),
+        ) {
+            agrees(&damaged(text, &damage))?;
+        }
+
+        #[test]
+        fn agrees_with_serde_json_on_odd_tokens(
+            text in (space(true), json_text(true), space(true))
+                .prop_map(|(a, v, b)| format!("{a}{v}{b}")),
+        ) {
+            agrees(text.as_bytes())?;
+        }
+
+        #[test]
+        fn agrees_with_serde_json_on_numbers(
+            text in (number_text(), space(true)).prop_map(|(n, s)| format!("[{n}{s}]")),
+            damage in damage(),
+        ) {
+            agrees(&damaged(text, &damage))?;
+        }
+
+        #[test]
+        fn agrees_with_serde_json_on_deep_nesting(text in nested_text(), damage in damage()) {
+            agrees(&damaged(text, &damage))?;
+        }
+
+        #[test]
+        fn agrees_with_serde_json_on_arbitrary_bytes(
+            bytes in prop_oneof![
+                prop::collection::vec(any::<u8>(), 0..64),
+                prop::collection::vec(
+                    select(b"[]{}\",:0123456789-+.eE \\ubfnrtl\x00\xc3\xa9".to_vec()),
+                    0..48,
+                ),
+            ],
+        ) {
+            agrees(&bytes)?;
+        }
     }
 }
