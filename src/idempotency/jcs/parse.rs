@@ -4,13 +4,13 @@
 //! where duplicate names show up.
 //!
 //! Hand-written rather than serde_json's deserializer driving visitors,
-//! which cost several times as much: a trip through the visitor and its
-//! access types per value, a scratch copy per escaped string, recursion
-//! per container. What it accepts, and the double every number reads as,
-//! are still serde_json's (with `float_roundtrip`, as the crate builds it):
-//! the visitors it replaced stay as the test oracle ([`oracle`]), and a
-//! differential property test holds the two to the same documents on
-//! arbitrary and corrupted input.
+//! which took twice as long: a trip through the visitor and its access
+//! types per value, a scratch copy per escaped string, recursion per
+//! container, and a full sort per object. What it accepts, and the double
+//! every number reads as, are still serde_json's (with `float_roundtrip`,
+//! as the crate builds it): the visitors it replaced stay as the test
+//! oracle (`oracle`), and a differential property test holds the two to
+//! the same documents on arbitrary and corrupted input.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -55,9 +55,11 @@ impl<'a> Document<'a> {
             names: Vec::with_capacity(16),
             order: Vec::with_capacity(body.len() / 12),
             inexact: false,
-            last_keys: Vec::new(),
-            last_order: Vec::new(),
-            positions: Vec::new(),
+            last: LastObject {
+                len: 0,
+                keys: [0; LAST_MAX],
+                order: [0; LAST_MAX],
+            },
         };
         parser.document()?;
         Ok(Document {
@@ -92,8 +94,8 @@ const MAX_DEPTH: usize = 127;
 ///
 /// The position read is passed along rather than kept here, and the
 /// common paths are inlined into [`Parser::document`]'s loop, so that it
-/// stays in a register: that, more than the tokenizing itself, is what
-/// the serde_json visitors could not have.
+/// stays in a register rather than going to memory and back around every
+/// push onto the tape.
 struct Parser<'a> {
     text: &'a str,
     tape: Vec<Entry<'a>>,
@@ -103,15 +105,22 @@ struct Parser<'a> {
     order: Vec<usize>,
     /// Whether an [`Entry::Inexact`] was pushed.
     inexact: bool,
-    /// The last object sorted whose names' keys all differ: the keys in
-    /// document order, and where sorting put each (an index into them).
-    /// Arrays of records repeat the same names in the same order, and the
-    /// same keys sort the same way: a comparison per name, not a sort.
-    last_keys: Vec<u64>,
-    last_order: Vec<usize>,
-    /// The positions of the names of the object being sorted, in
-    /// document order, to find each one's index after sorting.
-    positions: Vec<usize>,
+    last: LastObject,
+}
+
+/// How many names an object may have for [`LastObject`] to keep it.
+const LAST_MAX: usize = 16;
+
+/// The names of the last object sorted whose keys (see [`sort_key`]) all
+/// differ: the keys in document order, and where sorting put each (an
+/// index into them). Arrays of records repeat the same names in the same
+/// order, and the same keys sort the same way: a comparison per name
+/// rather than a sort. Arrays rather than `Vec`s, so that documents
+/// without such records allocate nothing for it.
+struct LastObject {
+    len: usize,
+    keys: [u64; LAST_MAX],
+    order: [u8; LAST_MAX],
 }
 
 impl<'a> Parser<'a> {
@@ -226,7 +235,8 @@ impl<'a> Parser<'a> {
         let bytes = text.as_bytes();
         let stop = plain_run(bytes, start);
         let (s, next) = match text.get(start..stop) {
-            // Quotes are character boundaries, so `get` is never `None`.
+            // A plain run stops at an ASCII byte or the end, both
+            // character boundaries: `get` is never `None`.
             Some(s) if bytes.get(stop) == Some(&b'"') => (Cow::Borrowed(s), stop + 1),
             _ => escaped(text, start, stop)?,
         };
@@ -248,8 +258,9 @@ impl<'a> Parser<'a> {
         }
     }
 
-    /// Ends the object whose header is at `head`, sorting its names; the
-    /// header of the container around it. `at` is only for the error.
+    /// Ends the object whose header is at `head`, sorting its names (or
+    /// ordering them as the last record's, see [`LastObject`]); the header
+    /// of the container around it. `at` is only for the error.
     fn close_object(&mut self, head: usize, at: usize) -> Result<usize, ParseError> {
         let Some(&Entry::Object {
             end: outer,
@@ -263,33 +274,40 @@ impl<'a> Parser<'a> {
             tape,
             names,
             order,
-            last_keys,
-            last_order,
-            positions,
+            last,
             ..
         } = self;
         let own = names.get_mut(open..).unwrap_or_default();
         let (first, len) = (order.len(), own.len());
-        if len < 2 {
-            order.extend(own.iter().map(|&(_, at)| at));
-        } else if last_order.len() == len
+        // Only records in arrays come in runs of the same names.
+        let in_array = matches!(tape.get(outer), Some(Entry::Array { .. }));
+        let last_keys = last.keys.get(..last.len).unwrap_or_default();
+        // The same keys, all different, sort the same way, and no two of
+        // them can be the same name.
+        if len > 1
+            && in_array
             && own
                 .iter()
                 .map(|&(key, _)| key)
                 .eq(last_keys.iter().copied())
         {
+            let sorted = last.order.get(..len).unwrap_or_default();
             order.extend(
-                last_order
+                sorted
                     .iter()
-                    .filter_map(|&i| own.get(i))
+                    .filter_map(|&i| own.get(usize::from(i)))
                     .map(|&(_, at)| at),
             );
-        } else {
+        } else if len > 1 {
+            // The names as they came, to remember the order they sort in.
+            let mut came = [(0, 0); LAST_MAX];
+            let remember = in_array && len <= LAST_MAX;
+            if remember {
+                for (to, &from) in came.iter_mut().zip(own.iter()) {
+                    *to = from;
+                }
+            }
             let name = |at| name_at(tape, at);
-            positions.clear();
-            positions.extend(own.iter().map(|&(_, at)| at));
-            last_keys.clear();
-            last_keys.extend(own.iter().map(|&(key, _)| key));
             own.sort_unstable_by(|a, b| {
                 a.0.cmp(&b.0).then_with(|| utf16_cmp(name(a.1), name(b.1)))
             });
@@ -303,13 +321,28 @@ impl<'a> Parser<'a> {
                 }
             }
             order.extend(own.iter().map(|&(_, at)| at));
-            last_order.clear();
-            if distinct {
-                last_order.extend(
-                    own.iter()
-                        .filter_map(|&(_, at)| positions.binary_search(&at).ok()),
-                );
+            if remember && distinct {
+                last.len = 0;
+                let came = came.get(..len).unwrap_or_default();
+                for (to, &(key, _)) in last.keys.iter_mut().zip(came) {
+                    *to = key;
+                }
+                // Positions grow in document order, so `came` is sorted by
+                // them: each name's index is always found.
+                let mut found = 0;
+                for (to, &(_, at)) in last.order.iter_mut().zip(own.iter()) {
+                    let index = came.binary_search_by_key(&at, |&(_, at)| at).ok();
+                    if let Some(index) = index.and_then(|i| u8::try_from(i).ok()) {
+                        *to = index;
+                        found += 1;
+                    }
+                }
+                if found == len {
+                    last.len = len;
+                }
             }
+        } else {
+            order.extend(own.iter().map(|&(_, at)| at));
         }
         names.truncate(open);
         let end = tape.len();
@@ -1127,6 +1160,38 @@ mod tests {
     }
 
     #[test]
+    fn records_in_arrays_sort_as_any_object() {
+        let many = |from: usize| {
+            let names = (0..17).map(|i| format!(r#""n{:02}":{i}"#, (i * 7 + from) % 17));
+            format!("{{{}}}", names.collect::<Vec<_>>().join(","))
+        };
+        for json in [
+            r#"[{"sku":1,"qty":2,"price":3},{"sku":4,"qty":5,"price":6},{"sku":7,"qty":8,"price":9}]"#,
+            // Other orders, fewer names, more names.
+            r#"[{"b":1,"a":2},{"a":1,"b":2},{"b":1},{"b":1,"a":2,"c":3},{"b":1,"a":2}]"#,
+            // Names alike in their first eight bytes, within and across.
+            r#"[{"customer_id":1,"customer_name":2},{"customer_id":3,"customer_name":4}]"#,
+            r#"[{"b":0,"customer_a":1},{"b":0,"customer_z":1},{"b":0,"customer":1}]"#,
+            r#"[{"\ue000":1,"😀":2,"é":3},{"\ue000":1,"😀":2,"é":3}]"#,
+            // Records within records, and records past the ones remembered.
+            r#"[{"y":{"d":1,"c":2},"x":1},{"y":{"d":1,"c":2},"x":1}]"#,
+            &format!("[{},{},{}]", many(0), many(0), many(3)),
+            // Objects in objects are sorted each time.
+            r#"{"b":{"d":1,"c":2},"a":{"d":1,"c":2}}"#,
+        ] {
+            assert!(root(json).is_some(), "{json}");
+        }
+        for json in [
+            r#"[{"b":1,"a":2},{"b":1,"b":2}]"#,
+            r#"[{"b":1,"a":2},{"b":1,"a":2,"a":3}]"#,
+            r#"[{"b":1,"a":2},{"b":1,"\u0061":2,"a":3}]"#,
+            r#"[{"customer_id":1,"customer_name":2},{"customer_id":1,"customer_id":2}]"#,
+        ] {
+            assert_eq!(root(json), None, "{json}");
+        }
+    }
+
+    #[test]
     fn only_json_text_is_accepted() {
         for json in [
             "",
@@ -1442,6 +1507,102 @@ mod tests {
         bytes
     }
 
+    /// How a record differs from the first of its array.
+    #[derive(Clone, Debug)]
+    enum Change {
+        Same,
+        Swap(Index, Index),
+        Drop(Index),
+        Repeat(Index),
+        Rename(Index, Index),
+    }
+
+    /// Member names for records: some alike in their first eight bytes,
+    /// some spelled two ways, and enough for records past [`LAST_MAX`].
+    fn record_names() -> Vec<String> {
+        let spelled = [
+            "a",
+            "\\u0061",
+            "b",
+            "sku",
+            "qty",
+            "customer",
+            "customer_id",
+            "customer_name",
+            "aaaaaaaa",
+            "aaaaaaaab",
+            "\u{e000}",
+            "😀",
+            "\\ud83d\\ude00",
+            "é",
+            "",
+        ];
+        let numbered = (0..20).map(|i| format!("f{i:02}"));
+        spelled
+            .iter()
+            .map(|&s| s.to_owned())
+            .chain(numbered)
+            .collect()
+    }
+
+    /// Arrays of records: objects with the first one's names, as they
+    /// are, in another order, with one left out, repeated or renamed.
+    fn records_text() -> impl Strategy<Value = String> {
+        let change = prop_oneof![
+            6 => Just(Change::Same),
+            1 => (any::<Index>(), any::<Index>()).prop_map(|(i, j)| Change::Swap(i, j)),
+            1 => any::<Index>().prop_map(Change::Drop),
+            1 => any::<Index>().prop_map(Change::Repeat),
+            1 => (any::<Index>(), any::<Index>()).prop_map(|(i, j)| Change::Rename(i, j)),
+        ];
+        let value = select(vec![
+            "1",
+            "\"x\"",
+            "[]",
+            "{}",
+            r#"{"k":1,"j":2}"#,
+            r#"[{"k":1,"j":2}]"#,
+        ]);
+        (
+            prop::sample::subsequence(record_names(), 1..24).prop_shuffle(),
+            prop::collection::vec((change, value), 1..6),
+        )
+            .prop_map(|(first, records)| {
+                let pool = record_names();
+                let records: Vec<String> = records
+                    .into_iter()
+                    .map(|(change, value)| {
+                        let mut names = first.clone();
+                        let len = names.len();
+                        match change {
+                            Change::Same => {}
+                            Change::Swap(i, j) => names.swap(i.index(len), j.index(len)),
+                            Change::Drop(i) => {
+                                names.remove(i.index(len));
+                            }
+                            Change::Repeat(i) => {
+                                let name = names.get(i.index(len)).cloned().unwrap_or_default();
+                                names.push(name);
+                            }
+                            Change::Rename(i, j) => {
+                                if let (Some(slot), Some(name)) =
+                                    (names.get_mut(i.index(len)), pool.get(j.index(pool.len())))
+                                {
+                                    slot.clone_from(name);
+                                }
+                            }
+                        }
+                        let members: Vec<String> = names
+                            .iter()
+                            .map(|name| format!("\"{name}\":{value}"))
+                            .collect();
+                        format!("{{{}}}", members.join(","))
+                    })
+                    .collect();
+                format!("[{}]", records.join(","))
+            })
+    }
+
     /// Containers nested around the depth limit, arrays and objects mixed.
     fn nested_text() -> impl Strategy<Value = String> {
         (
@@ -1487,6 +1648,11 @@ mod tests {
             text in (number_text(), space(true)).prop_map(|(n, s)| format!("[{n}{s}]")),
             damage in damage(),
         ) {
+            agrees(&damaged(text, &damage))?;
+        }
+
+        #[test]
+        fn agrees_with_serde_json_on_records(text in records_text(), damage in damage()) {
             agrees(&damaged(text, &damage))?;
         }
 
