@@ -6,10 +6,12 @@
 //! object key and buffers every value separately, about fifty times the cost
 //! of hashing the raw body. Even a `serde_json::Value` costs an allocation
 //! per key, string and container, a recursive drop, and a map per object.
-//! So serde_json only parses here (and so still does all the validation:
-//! UTF-8, escapes, lone surrogates, control characters, nesting depth,
-//! trailing data), into a flat document that borrows every string without
-//! escapes from the body. Each object's members are sorted once, while
+//! So a parser of our own (`parse.rs`) reads the body in one pass, into a
+//! flat document that borrows every string without escapes from the body;
+//! it accepts exactly what serde_json accepts (UTF-8, escapes, lone
+//! surrogates, control characters, nesting depth, trailing data) and reads
+//! every number as the same double, held to serde_json's deserializer by a
+//! differential property test. Each object's members are sorted once, while
 //! parsing, which is also where duplicate names show up, as neighbours. The
 //! writer streams into any [`Sink`], so a fingerprint hashes the canonical
 //! form without buffering it, and writes the usual short numbers without
