@@ -236,14 +236,12 @@ for scenario in ["unique", "passthrough", "replay"]:
               f"   {c['proxy']:20.1f} {c['upstream']:8.1f} {redis} {c['loadgen']:5.1f}")
 print()
 fixed = [r for r in rows if r[0] == "fixed"]
-over_nginx = {}
 if fixed:
     print(f"fixed rate {field(fixed[0], 'rate')} req/s, unique keys (passthrough: the same without a key, memory proxy), latency from the scheduled send time:")
     base = None
     for r in fixed:
         p99 = float(field(r, "p99_ms"))
         base = p99 if base is None else base
-        over_nginx[r[1]] = p99 - base
         print(f"  {r[1]:<17} p50 {float(field(r, 'p50_ms')):7.3f} ms  p99 {p99:7.3f} ms  (nginx p99 + {p99 - base:6.3f} ms)  p99.9 {float(field(r, 'p999_ms')):7.3f} ms  errors {field(r, 'errors')}")
 print()
 print(f"peak RSS over the runs above: idemproxy-memory {int(rss_mem) / 1024:.1f} MiB (records kept 24 h), idemproxy-redis {int(rss_redis) / 1024:.1f} MiB, idemproxy-embedded {int(rss_embedded) / 1024:.1f} MiB (records on disk)")
