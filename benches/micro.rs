@@ -1,7 +1,7 @@
 //! Micro-benchmarks of the per-request work: key parsing, fingerprints
-//! (canonicalization included), record encoding, the middleware's
-//! overhead on the memory store, in-process (no sockets), and the
-//! request's log line.
+//! (canonicalization included), record encoding, packing stored responses
+//! (compression, with and without a dictionary), the middleware's overhead
+//! on the memory store, in-process (no sockets), and the request's log line.
 //!
 //! `cargo bench --bench micro`
 
@@ -21,6 +21,7 @@ use idemproxy::forward::UpstreamError;
 use idemproxy::idempotency::fingerprint::FingerprintRules;
 use idemproxy::idempotency::key::parse_key;
 use idemproxy::idempotency::IdempotencyLayer;
+use idemproxy::store::compression::{self, Dictionary, Packer};
 use idemproxy::store::MemoryStore;
 use tower::{Layer, ServiceExt};
 
@@ -134,6 +135,159 @@ fn records(c: &mut Criterion) {
     group.bench_function("decode_shared 1KB", |b| {
         b.iter(|| Record::decode_shared(black_box(&shared)))
     });
+    group.finish();
+}
+
+/// A payment object of about 1.1 KB as a payments API answers, varied as
+/// real ones are (random ids and secrets, amounts, names, addresses): the
+/// same model as `examples/api_upstream.rs`, since what compression saves
+/// depends on how much responses differ.
+fn payment(i: u64) -> String {
+    let mut state = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    const ALPHANUMERIC: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut id = |n: usize| -> String {
+        (0..n)
+            .map(|_| ALPHANUMERIC[(next() % 62) as usize] as char)
+            .collect()
+    };
+    let (pi, secret, customer, charge, method, run, call) = (
+        id(24),
+        id(25),
+        id(14),
+        id(24),
+        id(24),
+        id(8).to_lowercase(),
+        id(7),
+    );
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
+        state >> 33
+    };
+    let pick =
+        |options: &'static [&'static str], n: u64| options[(n % options.len() as u64) as usize];
+    let amount = [499, 999, 1999, 4999, 12_900, 100 + next() % 500_000][(next() % 6) as usize];
+    let (first, last) = (
+        pick(
+            &[
+                "Jane", "John", "Amara", "Wei", "Lucas", "Sofia", "Noah", "Priya",
+            ],
+            next(),
+        ),
+        pick(
+            &[
+                "Doe", "Smith", "Okafor", "Chen", "Martin", "Rossi", "Kim", "Patel",
+            ],
+            next(),
+        ),
+    );
+    let city = pick(
+        &[
+            "Portland", "Austin", "Denver", "Boston", "Seattle", "Chicago",
+        ],
+        next(),
+    );
+    format!(
+        r#"{{"id":"pi_{pi}","object":"payment_intent","amount":{amount},"amount_capturable":0,"amount_received":{amount},"canceled_at":null,"cancellation_reason":null,"capture_method":"automatic","client_secret":"pi_{pi}_secret_{secret}","confirmation_method":"automatic","created":{},"currency":"{}","customer":"cus_{customer}","description":"Order #{} - {} items","last_payment_error":null,"latest_charge":"ch_{charge}","livemode":true,"metadata":{{"order_id":"{}","agent_run":"run_{run}","tool_call":"call_{call}"}},"next_action":null,"payment_method":"pm_{method}","payment_method_options":{{"card":{{"installments":null,"mandate_options":null,"network":null,"request_three_d_secure":"automatic"}}}},"payment_method_types":["card"],"receipt_email":"{}.{}{}@example.com","setup_future_usage":null,"shipping":{{"address":{{"city":"{city}","country":"US","line1":"{} Main St","line2":null,"postal_code":"97214","state":"OR"}},"carrier":null,"name":"{first} {last}","phone":null,"tracking_number":null}},"status":"succeeded","transfer_group":null}}"#,
+        1_764_758_400 + i * 3,
+        pick(&["usd", "usd", "usd", "eur", "gbp"], next()),
+        100_000 + i,
+        1 + next() % 5,
+        100_000 + i,
+        first.to_lowercase(),
+        last.to_lowercase(),
+        next() % 100,
+        1 + next() % 9999,
+    )
+}
+
+fn api_response(body: String) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            ),
+            ("content-length".into(), Bytes::from(body.len().to_string())),
+            (
+                "date".into(),
+                Bytes::from_static(b"Thu, 03 Dec 2026 09:21:51 GMT"),
+            ),
+            (
+                "request-id".into(),
+                Bytes::from_static(b"req_c6Y7h96vOjouJk"),
+            ),
+        ],
+        body: Bytes::from(body),
+    }
+}
+
+/// What a first execution pays to pack its response (`store.compression`)
+/// and a replay read from the store to unpack it, for a ~1.1 KB payment
+/// and a ~17 KB list of 15: off, zstd, and zstd with a dictionary trained
+/// on 2,000 other payments (as `idemproxy store train-dictionary` trains).
+fn packing(c: &mut Criterion) {
+    let plain = Packer::new(false, None, Vec::new(), usize::MAX);
+    let training: Vec<Vec<u8>> = (10_000..12_000)
+        .map(|i| plain.pack(&api_response(payment(i))).slice(1..).to_vec())
+        .collect();
+    let dictionary = compression::train(&training, 16 * 1024).expect("a dictionary");
+    let packers = [
+        ("off", plain),
+        ("zstd", Packer::new(true, None, Vec::new(), usize::MAX)),
+        (
+            "dictionary",
+            Packer::new(
+                true,
+                Some(Dictionary::new(&dictionary).expect("dictionary")),
+                Vec::new(),
+                usize::MAX,
+            ),
+        ),
+    ];
+    let list = (0..15).map(payment).collect::<Vec<_>>().join(",");
+    let responses = [
+        ("1KB", api_response(payment(7))),
+        (
+            "16KB",
+            api_response(format!(
+                r#"{{"object":"list","data":[{list}],"has_more":true,"url":"/v1/payment_intents"}}"#
+            )),
+        ),
+    ];
+    let mut group = c.benchmark_group("pack");
+    for (size, response) in &responses {
+        for (mode, packer) in &packers {
+            let packed = packer.pack(response);
+            eprintln!(
+                "pack {size} {mode}: {} bytes of body stored as {} ({:.2})",
+                response.body.len(),
+                packed.len(),
+                packed.len() as f64 / response.body.len() as f64
+            );
+            group.bench_function(BenchmarkId::new(*mode, size), |b| {
+                b.iter(|| packer.pack(black_box(response)))
+            });
+        }
+    }
+    group.finish();
+    let mut group = c.benchmark_group("unpack");
+    for (size, response) in &responses {
+        for (mode, packer) in &packers {
+            let packed = packer.pack(response);
+            group.bench_function(BenchmarkId::new(*mode, size), |b| {
+                b.iter(|| packer.unpack(black_box(&packed)))
+            });
+        }
+    }
     group.finish();
 }
 
@@ -277,6 +431,7 @@ criterion_group!(
     key_parsing,
     fingerprints,
     records,
+    packing,
     middleware,
     log_line
 );

@@ -29,7 +29,7 @@ seconds="${1:-20}"
 case "$seconds" in
   '' | *[!0-9]* | 0) echo "fuzz/run.sh: seconds per target must be a positive integer, not '$seconds'" >&2; exit 2 ;;
 esac
-targets=(${FUZZ_TARGETS:-key canonical_json record_codec jwt mcp})
+targets=(${FUZZ_TARGETS:-key canonical_json record_codec packed_response jwt mcp})
 corpus_root="${FUZZ_CORPUS:-$fuzz_dir/corpus}"
 sanitizer="${FUZZ_SANITIZER:-none}"
 logs="$fuzz_dir/target/fuzz-logs"

@@ -380,6 +380,9 @@ fn describe(key: &RecordKey, record: &Record) -> Value {
                 // Opened by the store before it gets here; sealed still,
                 // no configured key opens it.
                 Outcome::Sealed(_) => ("sealed".to_string(), 0),
+                // Unpacked likewise; packed still, it does not unpack (a
+                // dictionary no longer configured, or corruption).
+                Outcome::Packed(_) => ("packed".to_string(), 0),
             };
             json!({
                 "key_hash": key.to_hex(),

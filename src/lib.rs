@@ -34,6 +34,7 @@ mod settings;
 pub mod store;
 #[cfg(test)]
 mod testing;
+pub mod tools;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -194,11 +195,14 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
         StoreKind::Memory => {
             let store = MemoryStore::new();
             store.spawn_purger(config.store.purge_interval);
-            // Its records are in this process's memory already: a cache in
-            // front of it would hold a second, decoded copy of the latest
-            // ones and save no replay any CPU (measured:
-            // docs/performance.md).
-            cache_entries = 0;
+            // Its records are in this process's memory already: with
+            // responses stored as they came, a cache in front of it would
+            // hold a second, decoded copy of the latest ones and save no
+            // replay any CPU (measured: docs/performance.md). Compressed,
+            // a replay from the store decompresses, which the cache saves.
+            if config.store.compression == config::Compression::Off {
+                cache_entries = 0;
+            }
             Arc::new(store)
         }
         StoreKind::Embedded => {
@@ -217,6 +221,14 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
         Some(keys) => Arc::new(store::sealed::SealedStore::new(store, keys)),
         None => store,
     };
+    // Packed above the seal (what is sealed is the packed response) and
+    // below the cache (which keeps unpacked ones, so a cached replay costs
+    // no decompression). Always in place, whatever `compression` says:
+    // records packed earlier must unpack.
+    let store: SharedStore = Arc::new(store::compression::CompressedStore::new(
+        store,
+        settings::packer(config)?,
+    ));
     Ok(store::cache::wrap(store, cache_entries))
 }
 

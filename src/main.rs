@@ -40,6 +40,31 @@ enum Command {
         #[arg(long, default_value = "http://127.0.0.1:9090/readyz")]
         url: String,
     },
+    /// Work on the store the configuration names.
+    #[command(subcommand)]
+    Store(StoreCommand),
+}
+
+#[derive(Subcommand)]
+enum StoreCommand {
+    /// Train a zstd dictionary for `store.compression_dictionary` from a
+    /// sample of the stored responses (the embedded store's file must not
+    /// be in use), or from files of response bodies.
+    TrainDictionary {
+        /// Where to write the dictionary.
+        #[arg(long)]
+        out: PathBuf,
+        /// Train from the files in this directory, each a response body,
+        /// instead of the store.
+        #[arg(long)]
+        from_dir: Option<PathBuf>,
+        /// At most this many responses.
+        #[arg(long, default_value_t = 5000)]
+        samples: usize,
+        /// The dictionary's size at most, in bytes.
+        #[arg(long, default_value_t = 16 * 1024)]
+        size: usize,
+    },
 }
 
 #[derive(Args)]
@@ -129,6 +154,30 @@ fn main() -> ExitCode {
         }
         eprintln!("configuration is valid");
         return ExitCode::SUCCESS;
+    }
+    if let Some(Command::Store(StoreCommand::TrainDictionary {
+        out,
+        from_dir,
+        samples,
+        size,
+    })) = cli.command
+    {
+        let options = idemproxy::tools::TrainOptions {
+            from_dir,
+            samples,
+            max_len: size,
+        };
+        return block_on(async move {
+            let report = idemproxy::tools::train_dictionary(&config, &options).await?;
+            std::fs::write(&out, &report.dictionary)
+                .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+            print!("{report}");
+            println!(
+                "wrote {}; set store.compression_dictionary to it (and keep the one it replaces in previous_compression_dictionaries until its records expired)",
+                out.display()
+            );
+            Ok(())
+        });
     }
     let _log_guard = init_tracing(&config);
     for variable in &config.ignored_env {

@@ -21,6 +21,7 @@ use crate::idempotency::scope::{Anonymous, ScopeAttribute, ScopeRules};
 use crate::idempotency::{store_time_in_lease, Policies, Policy};
 use crate::mcp::tools::Protect;
 use crate::mcp::{ToolCatalog, ToolRules};
+use crate::store::compression::{Dictionary, Packer};
 use crate::store::redis::{self, RedisSettings};
 use crate::store::sealed::Keyring;
 
@@ -37,6 +38,9 @@ pub(crate) fn problems(config: &Config) -> Vec<String> {
     }
     problems.extend(redis_url_problems(&config.store));
     if let Err(why) = keyring(&config.store) {
+        problems.push(why);
+    }
+    if let Err(why) = packer(config) {
         problems.push(why);
     }
     if let Err(policy_problems) = policies(config) {
@@ -57,6 +61,41 @@ pub(crate) fn keyring(store: &StoreConfig) -> Result<Option<Keyring>, String> {
     Keyring::parse(&text)
         .map(Some)
         .map_err(|why| format!("store.encryption_keys_env ({name}): {why}"))
+}
+
+/// How stored responses are packed (`store.compression`), its
+/// dictionaries read now. Unpacking allocates at most the largest
+/// `max_response_bytes` any route allows, with room for headers, and never
+/// less than 16 MiB: a limit lowered since must not make the larger
+/// records stored before it unreadable.
+pub(crate) fn packer(config: &Config) -> Result<Packer, String> {
+    let store = &config.store;
+    let dictionary = store
+        .compression_dictionary
+        .as_deref()
+        .map(Dictionary::load)
+        .transpose()
+        .map_err(|why| format!("store.compression_dictionary: {why}"))?;
+    let previous = store
+        .previous_compression_dictionaries
+        .iter()
+        .map(|path| Dictionary::load(path))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|why| format!("store.previous_compression_dictionaries: {why}"))?;
+    let largest = config
+        .routes
+        .iter()
+        .filter_map(|route| route.max_response_bytes)
+        .chain([config.idempotency.max_response_bytes])
+        .max()
+        .unwrap_or_default();
+    let max_unpacked = largest.max(16 << 20).saturating_add(1 << 20);
+    Ok(Packer::new(
+        store.compression == config::Compression::Zstd,
+        dictionary,
+        previous,
+        max_unpacked,
+    ))
 }
 
 /// The Redis URLs the store kind connects to, checked as the store checks

@@ -29,7 +29,7 @@ const LAYERS: &[(&str, &[&str])] = &[
 ];
 
 /// The composition root: it reads `Config` and builds every part.
-const ROOT: &[&str] = &["lib", "main", "settings", "demo"];
+const ROOT: &[&str] = &["lib", "main", "settings", "demo", "tools"];
 
 /// Named from anywhere: helpers compiled for unit tests only.
 const ANYWHERE: &[&str] = &["testing"];

@@ -205,7 +205,8 @@ pub struct StoreConfig {
     /// operator may remove one; other replicas hear of that through Redis
     /// pub/sub (see `store::cache`). The embedded store keeps at least
     /// `store::cache::EMBEDDED_ENTRIES`; the memory store, whose records are
-    /// in the process already, none.
+    /// in the process already, none unless they are compressed (the cache
+    /// then saves a replay the decompression).
     pub local_cache_entries: usize,
     /// Bounds every store call; past it the store counts as unavailable.
     #[serde(with = "humantime_serde")]
@@ -231,6 +232,26 @@ pub struct StoreConfig {
     /// 32-byte keys: stored responses are sealed with AES-256-GCM, the
     /// first key seals, every key opens (rotation).
     pub encryption_keys_env: Option<String>,
+    /// How stored responses are kept: `zstd` (compact headers, the whole
+    /// compressed when that is shorter) or `off` (as they came). Records
+    /// read whatever it says now (`store::compression`).
+    pub compression: Compression,
+    /// A zstd dictionary file (`idemproxy store train-dictionary`) new
+    /// records are compressed with: small JSON responses compress several
+    /// times better with one trained on the API's own responses.
+    pub compression_dictionary: Option<PathBuf>,
+    /// Dictionaries replaced by `compression_dictionary`, kept so that
+    /// records written with them read until they expire (`ttl`).
+    pub previous_compression_dictionaries: Vec<PathBuf>,
+}
+
+/// `store.compression`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    #[default]
+    Zstd,
+    Off,
 }
 
 /// Completed records each proxy keeps to answer replays itself: up to about
@@ -260,6 +281,9 @@ impl Default for StoreConfig {
             min_replica_acks: 0,
             replica_ack_timeout: Duration::from_millis(100),
             encryption_keys_env: None,
+            compression: Compression::Zstd,
+            compression_dictionary: None,
+            previous_compression_dictionaries: Vec::new(),
         }
     }
 }

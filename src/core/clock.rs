@@ -41,6 +41,16 @@ impl Clock {
         })
     }
 
+    /// `origin_millis` now, advancing as tokio's clock does from here on:
+    /// for a test that reads records written at a known instant (a fixture
+    /// from an earlier build) as if it were then.
+    pub fn tokio_from(origin_millis: UnixMillis) -> Self {
+        Self(Source::Tokio {
+            origin_millis,
+            origin: tokio::time::Instant::now(),
+        })
+    }
+
     /// Milliseconds since the Unix epoch, now.
     pub fn now_millis(&self) -> UnixMillis {
         match self.0 {

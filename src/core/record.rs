@@ -84,7 +84,9 @@ impl CompletedRecord {
             Outcome::NotStored { status } => varint_len(usize::from(*status)),
             // The cause's variant.
             Outcome::Unknown { .. } => 1,
-            Outcome::Sealed(sealed) => varint_len(sealed.len()) + sealed.len(),
+            Outcome::Sealed(bytes) | Outcome::Packed(bytes) => {
+                varint_len(bytes.len()) + bytes.len()
+            }
         };
         ENCODED_PREFIX_MAX + 1 + outcome
     }
@@ -200,6 +202,7 @@ enum OutcomeView<'a> {
     NotStored { status: u16 },
     Unknown { cause: UnknownCause },
     Sealed(&'a [u8]),
+    Packed(&'a [u8]),
 }
 
 #[derive(Deserialize)]
@@ -240,6 +243,7 @@ impl<'a> RecordView<'a> {
             OutcomeView::NotStored { status } => Outcome::NotStored { status },
             OutcomeView::Unknown { cause } => Outcome::Unknown { cause },
             OutcomeView::Sealed(sealed) => Outcome::Sealed(bytes(sealed)),
+            OutcomeView::Packed(packed) => Outcome::Packed(bytes(packed)),
         };
         Record::Completed(CompletedRecord {
             fingerprint: completed.fingerprint,
@@ -311,8 +315,15 @@ pub enum Outcome {
     Unknown { cause: UnknownCause },
     /// A [`StoredResponse`] encrypted at rest (`store.encryption_keys_env`):
     /// opaque bytes to every store, opened by the store wrapper that sealed
-    /// it. Last, so that the variants before it keep their encoding.
+    /// it. After the first three, so that they keep their encoding.
     Sealed(Bytes),
+    /// A [`StoredResponse`] in the packed layout (`store.compression`:
+    /// compact headers, the whole compressed with zstd, optionally with a
+    /// dictionary): opaque bytes to every store, unpacked by the store
+    /// wrapper that packed it (`store::compression`). Last, so that every
+    /// variant before it keeps its encoding: records written before packing
+    /// existed still read.
+    Packed(Bytes),
 }
 
 impl StoredResponse {
@@ -400,6 +411,7 @@ mod tests {
         ];
         for len in [0, 1, 127, 128, 70_000] {
             outcomes.push(Outcome::Sealed(Bytes::from(vec![b's'; len])));
+            outcomes.push(Outcome::Packed(Bytes::from(vec![b'p'; len])));
         }
         for (headers, body) in [(0, 0), (1, 1), (4, 35), (12, 127), (3, 128), (40, 70_000)] {
             outcomes.push(response(headers, body));

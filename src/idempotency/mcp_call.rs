@@ -144,9 +144,10 @@ impl McpCall {
                     released: false,
                 })
                 .map(|text| tool_error(&self.id, &text)),
-            // The store opens what it sealed: one still sealed cannot be
-            // read, which the message below says.
-            Outcome::Sealed(_) => None,
+            // The stores open what they sealed and unpack what they packed:
+            // one still sealed or packed cannot be read, which the message
+            // below says.
+            Outcome::Sealed(_) | Outcome::Packed(_) => None,
         };
         let message = message.unwrap_or_else(|| {
             tool_error(

@@ -47,10 +47,13 @@ pub(super) fn replay(record: &CompletedRecord, policy: &Policy) -> Response<Body
             released: false,
         }
         .into_response(policy.profile),
-        // The store opens what it sealed before answering; a record still
-        // sealed here cannot be read, and the request behind it ran: an
-        // error of the proxy's, never a second execution.
-        Outcome::Sealed(_) => Rejection::Internal.into_response(policy.profile),
+        // The stores open what they sealed and unpack what they packed
+        // before answering; a record still sealed or packed here cannot be
+        // read, and the request behind it ran: an error of the proxy's,
+        // never a second execution.
+        Outcome::Sealed(_) | Outcome::Packed(_) => {
+            Rejection::Internal.into_response(policy.profile)
+        }
     };
     let headers = response.headers_mut();
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));

@@ -52,8 +52,13 @@
 //! the proxy is the only writer of its file, so the cache can never
 //! disagree with the store, and a replay is answered on the worker's
 //! thread instead of a round trip to the blocking pool. The memory store
-//! never has one: its records are in the process already, and a cache in
-//! front of it only held a second copy (see `open_store`).
+//! has one only when its responses are compressed (`store.compression`):
+//! its records are in the process already, and a cache in front of
+//! uncompressed ones only held a second copy (see `open_store`); in front
+//! of compressed ones it saves a replay the decompression.
+//!
+//! The cache sits above compression (`super::compression`): it holds
+//! unpacked responses, so a cached replay never decompresses.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -63,7 +68,8 @@ use async_trait::async_trait;
 use quick_cache::sync::Cache;
 
 use super::{
-    Begin, BeginOutcome, Removal, RemovalWatcher, Removed, SharedStore, Store, StoreError,
+    Begin, BeginOutcome, Removal, RemovalWatcher, Removed, ScanCursor, ScanPage, SharedStore,
+    Store, StoreError,
 };
 use crate::core::{
     millis, Clock, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnixMillis,
@@ -127,7 +133,7 @@ impl quick_cache::Weighter<RecordKey, Entry> for EntryWeight {
                         .map(|(name, value)| name.len() + value.len())
                         .sum::<usize>()
             }
-            Outcome::Sealed(sealed) => sealed.len(),
+            Outcome::Sealed(bytes) | Outcome::Packed(bytes) => bytes.len(),
             Outcome::NotStored { .. } | Outcome::Unknown { .. } => 0,
         };
         // usize is at most 64 bits on every supported target.
@@ -402,6 +408,10 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
+    }
+
+    async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
+        self.inner.scan(cursor, count).await
     }
 
     fn kind(&self) -> &'static str {

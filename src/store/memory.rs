@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{check_owner, Begin, BeginOutcome, Removal, Removed, Store, StoreError};
+use super::{
+    check_owner, scan_after, Begin, BeginOutcome, Removal, Removed, ScanCursor, ScanPage, Store,
+    StoreError,
+};
 use crate::core::{
     decide_begin, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
     UnixMillis,
@@ -208,6 +211,38 @@ impl Store for MemoryStore {
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let now = self.clock.now_millis();
         read(&self.shard(key), key, now)
+    }
+
+    /// In key order, each page after the last key of the one before: a
+    /// pass over every shard per page, which a store for tests can afford.
+    async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
+        let after = scan_after(cursor)?;
+        let now = self.clock.now_millis();
+        let mut keys: Vec<RecordKey> = self
+            .shards
+            .iter()
+            .flat_map(|shard| {
+                lock(shard)
+                    .iter()
+                    .filter(|(key, stored)| Some(**key) > after && stored.expires_at > now)
+                    .map(|(key, _)| *key)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        keys.sort_unstable();
+        let more = keys.len() > count;
+        keys.truncate(count.max(1));
+        let next = (more)
+            .then(|| keys.last().map(|last| ScanCursor::new(last.to_hex())))
+            .flatten();
+        let records = keys
+            .into_iter()
+            .filter_map(|key| match read(&self.shard(&key), &key, now) {
+                Ok(Some(record)) => Some((key, record)),
+                _ => None,
+            })
+            .collect();
+        Ok(ScanPage { records, next })
     }
 
     async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {

@@ -15,6 +15,8 @@
 //! store implementation only reports what it observed.
 
 pub mod cache;
+pub mod codec;
+pub mod compression;
 pub mod embedded;
 pub mod memory;
 pub mod redis;
@@ -75,6 +77,21 @@ pub trait Store: Send + Sync + 'static {
     /// Checks that the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// One page of a walk over the stored records, about `count` of them,
+    /// for operators' tools (training a compression dictionary): expired
+    /// records are left out, and records that do not decode too (a walk
+    /// reports what it can read). A page may hold fewer than `count`, or
+    /// none, before the walk ends (Redis `SCAN`), and a walk may meet a
+    /// record twice; it meets every record present from its start to its
+    /// end. The default walks nothing.
+    async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
+        let _ = (cursor, count);
+        Err(StoreError::Unavailable(format!(
+            "the {} store cannot be walked",
+            self.kind()
+        )))
+    }
+
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;
 
@@ -119,6 +136,45 @@ pub trait RemovalWatcher: Send + Sync + 'static {
 }
 
 pub type SharedStore = Arc<dyn Store>;
+
+/// Where a walk over the records ([`Store::scan`]) goes on: opaque text
+/// each store reads back (a Redis `SCAN` cursor, the last key of a page).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ScanCursor(String);
+
+impl ScanCursor {
+    /// The start of a walk.
+    pub fn start() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn new(text: String) -> Self {
+        Self(text)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The key a walk in key order resumes after (`None`: from the start), for
+/// the stores whose cursor is the last key of a page.
+pub(crate) fn scan_after(cursor: &ScanCursor) -> Result<Option<RecordKey>, StoreError> {
+    if cursor.0.is_empty() {
+        return Ok(None);
+    }
+    RecordKey::from_hex(&cursor.0)
+        .map(Some)
+        .ok_or_else(|| StoreError::Unavailable(format!("{:?} is not a walk's cursor", cursor.0)))
+}
+
+/// One page of a walk: its records, and where the walk goes on (`None`:
+/// it is over).
+#[derive(Debug, Default)]
+pub struct ScanPage {
+    pub records: Vec<(RecordKey, Record)>,
+    pub next: Option<ScanCursor>,
+}
 
 /// The fencing rule shared by the in-process stores: only the holder of the
 /// pending record's token may settle or release it.

@@ -18,26 +18,28 @@
 //!   fail closed, 503, the request behind it never executed again.
 //! - Responses stored before encryption was turned on still replay (they
 //!   are read as they are); new ones are sealed.
+//! - With compression on ([`super::compression`], above this wrapper), what
+//!   is sealed is the packed response (layout 2, which the associated data
+//!   also binds); without, the response in the record codec's layout
+//!   (layout 1, as every build before compression wrote it).
 //! - The local replay cache sits in front of this wrapper: it holds opened
 //!   responses, in process memory only.
 
-use std::sync::Arc;
-
-use async_trait::async_trait;
 use base64::Engine;
 use bytes::Bytes;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 use ring::rand::{SecureRandom, SystemRandom};
 use sha2::{Digest, Sha256};
 
-use super::{RemovalWatcher, SharedStore, Store, StoreError};
-use crate::core::{
-    Begin, BeginOutcome, CompletedRecord, FencingToken, Outcome, Record, RecordKey, Removal,
-    Removed, StoredResponse,
-};
+use super::codec::{CodecStore, OutcomeCodec};
+use super::StoreError;
+use crate::core::{Outcome, RecordKey, StoredResponse};
 
-/// The first byte of a sealed response: its layout, should it change.
+/// The first byte of a sealed response: what its plaintext is. Layout 1:
+/// a [`StoredResponse`] in the record codec's layout.
 const SEALED_V1: u8 = 1;
+/// Layout 2: a packed response (`Outcome::Packed`).
+const SEALED_PACKED: u8 = 2;
 const KEY_ID_LEN: usize = 4;
 const HEADER_LEN: usize = 1 + KEY_ID_LEN + NONCE_LEN;
 
@@ -90,8 +92,8 @@ impl Keyring {
         })
     }
 
-    /// `plain` sealed with the first key, bound to `record`.
-    fn seal(&self, record: &RecordKey, plain: &[u8]) -> Result<Bytes, StoreError> {
+    /// `plain` sealed with the first key, bound to `record` and `layout`.
+    fn seal(&self, record: &RecordKey, layout: u8, plain: &[u8]) -> Result<Bytes, StoreError> {
         let sealing = self
             .keys
             .first()
@@ -101,7 +103,7 @@ impl Keyring {
             .fill(&mut nonce)
             .map_err(|_| StoreError::Unavailable("the system's random source failed".into()))?;
         let mut out = Vec::with_capacity(HEADER_LEN + plain.len() + AES_256_GCM.tag_len());
-        out.push(SEALED_V1);
+        out.push(layout);
         out.extend_from_slice(&sealing.id);
         out.extend_from_slice(&nonce);
         let mut sealed = plain.to_vec();
@@ -109,7 +111,7 @@ impl Keyring {
             .key
             .seal_in_place_append_tag(
                 Nonce::assume_unique_for_key(nonce),
-                Aad::from(record.as_bytes()),
+                Aad::from(associated_data(record, layout)),
                 &mut sealed,
             )
             .map_err(|_| StoreError::Unavailable("sealing failed".into()))?;
@@ -117,9 +119,11 @@ impl Keyring {
         Ok(Bytes::from(out))
     }
 
-    /// The plaintext of `sealed`, if a configured key opens it for `record`.
-    fn open(&self, record: &RecordKey, sealed: &[u8]) -> Option<Vec<u8>> {
-        if sealed.len() < HEADER_LEN || sealed[0] != SEALED_V1 {
+    /// The layout and plaintext of `sealed`, if a configured key opens it
+    /// for `record`.
+    fn open(&self, record: &RecordKey, sealed: &[u8]) -> Option<(u8, Vec<u8>)> {
+        let layout = *sealed.first()?;
+        if sealed.len() < HEADER_LEN || !matches!(layout, SEALED_V1 | SEALED_PACKED) {
             return None;
         }
         let (id, rest) = sealed[1..].split_at(KEY_ID_LEN);
@@ -129,154 +133,55 @@ impl Keyring {
         let mut buffer = ciphertext.to_vec();
         let plain = key
             .key
-            .open_in_place(nonce, Aad::from(record.as_bytes()), &mut buffer)
+            .open_in_place(
+                nonce,
+                Aad::from(associated_data(record, layout)),
+                &mut buffer,
+            )
             .ok()?;
         let len = plain.len();
         buffer.truncate(len);
-        Some(buffer)
+        Some((layout, buffer))
     }
 }
 
-/// `record`'s instants and fingerprint with another outcome.
-fn with_outcome(record: &CompletedRecord, outcome: Outcome) -> CompletedRecord {
-    CompletedRecord {
-        fingerprint: record.fingerprint,
-        created_at: record.created_at,
-        completed_at: record.completed_at,
-        expires_at: record.expires_at,
-        outcome,
+/// What a seal is bound to: the record key, and a layout after the first
+/// (layout 1 was sealed with the key alone, and must keep opening).
+fn associated_data(record: &RecordKey, layout: u8) -> Vec<u8> {
+    let mut aad = record.as_bytes().to_vec();
+    if layout != SEALED_V1 {
+        aad.push(layout);
     }
+    aad
 }
 
 /// A store whose stored responses are sealed (see the module docs).
-pub struct SealedStore {
-    inner: SharedStore,
-    keys: Arc<Keyring>,
-}
+pub type SealedStore = CodecStore<Keyring>;
 
-impl std::fmt::Debug for SealedStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SealedStore")
-            .field("kind", &self.inner.kind())
-            .field("keys", &self.keys)
-            .finish()
-    }
-}
-
-impl SealedStore {
-    pub fn new(inner: SharedStore, keys: Keyring) -> Self {
-        Self {
-            inner,
-            keys: Arc::new(keys),
-        }
-    }
-
-    fn sealed(
-        &self,
-        key: &RecordKey,
-        record: &CompletedRecord,
-    ) -> Result<Option<CompletedRecord>, StoreError> {
-        let Outcome::Response(response) = &record.outcome else {
-            return Ok(None);
+impl OutcomeCodec for Keyring {
+    fn encode(&self, key: &RecordKey, outcome: &Outcome) -> Result<Option<Outcome>, StoreError> {
+        let sealed = match outcome {
+            Outcome::Response(response) => self.seal(key, SEALED_V1, &response.encode())?,
+            Outcome::Packed(packed) => self.seal(key, SEALED_PACKED, packed)?,
+            _ => return Ok(None),
         };
-        let sealed = self.keys.seal(key, &response.encode())?;
-        Ok(Some(with_outcome(record, Outcome::Sealed(sealed))))
+        Ok(Some(Outcome::Sealed(sealed)))
     }
 
-    /// `record` with its response opened; `Err` when no key opens it.
-    fn opened(
-        &self,
-        key: &RecordKey,
-        record: &CompletedRecord,
-    ) -> Result<Option<CompletedRecord>, ()> {
-        let Outcome::Sealed(sealed) = &record.outcome else {
-            return Ok(None);
+    /// Opened into what was sealed: a response, or a packed one for the
+    /// compression above to unpack.
+    fn decode(&self, key: &RecordKey, outcome: &Outcome) -> Option<Result<Outcome, String>> {
+        let Outcome::Sealed(sealed) = outcome else {
+            return None;
         };
-        let plain = self.keys.open(key, sealed).ok_or(())?;
-        let response = StoredResponse::decode(&plain).map_err(|_| ())?;
-        Ok(Some(with_outcome(record, Outcome::Response(response))))
-    }
-
-    fn open_for_replay(
-        &self,
-        key: &RecordKey,
-        record: Arc<CompletedRecord>,
-    ) -> Result<Arc<CompletedRecord>, StoreError> {
-        match self.opened(key, &record) {
-            Ok(Some(opened)) => Ok(Arc::new(opened)),
-            Ok(None) => Ok(record),
-            Err(()) => Err(StoreError::Corrupt(format!(
-                "record {} holds a sealed response that no configured encryption key opens",
-                key.to_hex()
-            ))),
-        }
-    }
-}
-
-#[async_trait]
-impl Store for SealedStore {
-    async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
-        Ok(match self.inner.begin(begin).await? {
-            BeginOutcome::Completed(record) => {
-                BeginOutcome::Completed(self.open_for_replay(&begin.key, record)?)
-            }
-            BeginOutcome::Settled(record) => {
-                BeginOutcome::Settled(self.open_for_replay(&begin.key, record)?)
-            }
-            other => other,
+        let unreadable = || "a sealed response that no configured encryption key opens".to_string();
+        Some(match self.open(key, sealed) {
+            Some((SEALED_PACKED, packed)) => Ok(Outcome::Packed(Bytes::from(packed))),
+            Some((_, plain)) => StoredResponse::decode(&plain)
+                .map(Outcome::Response)
+                .map_err(|_| unreadable()),
+            None => Err(unreadable()),
         })
-    }
-
-    async fn complete(
-        &self,
-        key: &RecordKey,
-        token: FencingToken,
-        record: &CompletedRecord,
-    ) -> Result<(), StoreError> {
-        match self.sealed(key, record)? {
-            Some(sealed) => self.inner.complete(key, token, &sealed).await,
-            None => self.inner.complete(key, token, record).await,
-        }
-    }
-
-    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
-        self.inner.release(key, token).await
-    }
-
-    /// Opened when a key opens it; else as stored (the admin API shows it
-    /// as `sealed`).
-    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        Ok(match self.inner.get(key).await? {
-            Some(Record::Completed(record)) => match self.opened(key, &record) {
-                Ok(Some(opened)) => Some(Record::Completed(opened)),
-                _ => Some(Record::Completed(record)),
-            },
-            other => other,
-        })
-    }
-
-    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
-        self.inner.remove(key, removal).await
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.inner.ping().await
-    }
-
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
-    }
-
-    fn local_cache_hits(&self) -> Option<u64> {
-        self.inner.local_cache_hits()
-    }
-
-    fn local_cache_live(&self) -> Option<bool> {
-        self.inner.local_cache_live()
-    }
-
-    fn watch_removals(&self, watcher: Arc<dyn RemovalWatcher>) {
-        self.inner.watch_removals(watcher);
     }
 }
 
@@ -298,14 +203,14 @@ mod tests {
         let keys = ring(&[1]);
         let here = RecordKey::from_bytes([7; 32]);
         let there = RecordKey::from_bytes([8; 32]);
-        let sealed = keys.seal(&here, b"card 4242").expect("seal");
+        let sealed = keys.seal(&here, SEALED_V1, b"card 4242").expect("seal");
         assert!(!sealed.windows(4).any(|w| w == b"4242"), "no plaintext");
         assert_eq!(
-            keys.open(&here, &sealed).as_deref(),
-            Some(&b"card 4242"[..])
+            keys.open(&here, &sealed),
+            Some((SEALED_V1, b"card 4242".to_vec()))
         );
         assert_eq!(keys.open(&there, &sealed), None, "bound to its record key");
-        let again = keys.seal(&here, b"card 4242").expect("seal");
+        let again = keys.seal(&here, SEALED_V1, b"card 4242").expect("seal");
         assert_ne!(sealed, again, "a fresh nonce per seal");
         let mut tampered = sealed.to_vec();
         let last = tampered.len() - 1;
@@ -317,13 +222,41 @@ mod tests {
     #[test]
     fn the_first_key_seals_and_every_key_opens() {
         let record = RecordKey::from_bytes([3; 32]);
-        let old = ring(&[1]).seal(&record, b"old").expect("seal");
+        let old = ring(&[1]).seal(&record, SEALED_V1, b"old").expect("seal");
         let rotated = ring(&[2, 1]);
-        assert_eq!(rotated.open(&record, &old).as_deref(), Some(&b"old"[..]));
-        let new = rotated.seal(&record, b"new").expect("seal");
-        assert_eq!(ring(&[2]).open(&record, &new).as_deref(), Some(&b"new"[..]));
+        assert_eq!(
+            rotated.open(&record, &old),
+            Some((SEALED_V1, b"old".to_vec()))
+        );
+        let new = rotated.seal(&record, SEALED_PACKED, b"new").expect("seal");
+        assert_eq!(
+            ring(&[2]).open(&record, &new),
+            Some((SEALED_PACKED, b"new".to_vec()))
+        );
         assert_eq!(ring(&[1]).open(&record, &new), None, "sealed by the first");
         assert_eq!(ring(&[2]).open(&record, &old), None, "its key was removed");
+    }
+
+    #[test]
+    fn the_layout_is_bound_to_the_seal() {
+        let keys = ring(&[1]);
+        let record = RecordKey::from_bytes([5; 32]);
+        let packed = keys.seal(&record, SEALED_PACKED, b"packed").expect("seal");
+        assert_eq!(
+            keys.open(&record, &packed),
+            Some((SEALED_PACKED, b"packed".to_vec()))
+        );
+        // Relabelled as the other layout, it no longer opens: a store
+        // operator cannot make one layout be read as the other.
+        let mut relabelled = packed.to_vec();
+        relabelled[0] = SEALED_V1;
+        assert_eq!(keys.open(&record, &relabelled), None);
+        let old = keys.seal(&record, SEALED_V1, b"plain").expect("seal");
+        let mut relabelled = old.to_vec();
+        relabelled[0] = SEALED_PACKED;
+        assert_eq!(keys.open(&record, &relabelled), None);
+        relabelled[0] = 3;
+        assert_eq!(keys.open(&record, &relabelled), None, "an unknown layout");
     }
 
     #[test]

@@ -63,7 +63,10 @@ use self::tables::{
 };
 use self::writer::{storage, Waited, WriteError, Writer};
 pub use self::writer::{MAX_GROUP, MAX_QUEUED};
-use super::{check_owner, Begin, BeginOutcome, Removal, Removed, Store, StoreError};
+use super::{
+    check_owner, scan_after, Begin, BeginOutcome, Removal, Removed, ScanCursor, ScanPage, Store,
+    StoreError,
+};
 use crate::core::{
     decide_begin, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
 };
@@ -354,6 +357,42 @@ impl Store for EmbeddedStore {
             } else {
                 Removed::Absent
             })
+        })
+        .await
+    }
+
+    /// In key order (the records table's), each page after the last key of
+    /// the one before, in one read transaction.
+    async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
+        let after = scan_after(cursor)?;
+        let now = self.clock.now_millis();
+        self.blocking(move |db| {
+            let txn = db.begin_read().map_err(db_error)?;
+            let table = txn.open_table(RECORDS).map_err(db_error)?;
+            let range = match &after {
+                Some(after) => table.range::<&[u8; 32]>((
+                    std::ops::Bound::Excluded(after.as_bytes()),
+                    std::ops::Bound::Unbounded,
+                )),
+                None => table.range::<&[u8; 32]>(..),
+            }
+            .map_err(db_error)?;
+            let mut page = ScanPage::default();
+            let (mut last, mut taken) = (None, 0);
+            for entry in range.take(count.max(1)) {
+                let (key, value) = entry.map_err(db_error)?;
+                let key = RecordKey::from_bytes(*key.value());
+                (last, taken) = (Some(key), taken + 1);
+                match Record::decode(value.value()) {
+                    Ok(record) if record.expires_at() > now => page.records.push((key, record)),
+                    _ => {}
+                }
+            }
+            // A short page is the last.
+            page.next = last
+                .filter(|_| taken == count.max(1))
+                .map(|key| ScanCursor::new(key.to_hex()));
+            Ok(page)
         })
         .await
     }

@@ -113,7 +113,9 @@ use self::value::{
     claim_id, pexpire_ms, read_stored, stored_completed, stored_expires_at, unexpected, Reply,
 };
 use super::RemovalWatcher;
-use super::{Begin, BeginOutcome, Removal, Removed, SharedStore, Store, StoreError};
+use super::{
+    Begin, BeginOutcome, Removal, Removed, ScanCursor, ScanPage, SharedStore, Store, StoreError,
+};
 use crate::core::{
     new_claim, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
 };
@@ -602,6 +604,83 @@ impl Store for RedisStore {
         self.removals.follow(invalidator);
     }
 
+    /// `SCAN` with the prefix as its pattern (never `KEYS`, which blocks
+    /// Redis for the whole keyspace), then a `GET` per key found. On a
+    /// cluster, every primary in turn (ordered by address): the cursor
+    /// names the node and its `SCAN` cursor.
+    async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
+        let bad_cursor =
+            || StoreError::Unavailable(format!("{:?} is not a walk's cursor", cursor.as_str()));
+        let (node, position) = match cursor.as_str().split_once(':') {
+            _ if cursor.as_str().is_empty() => (0, 0),
+            Some((node, position)) => (
+                node.parse::<usize>().map_err(|_| bad_cursor())?,
+                position.parse::<u64>().map_err(|_| bad_cursor())?,
+            ),
+            None => (0, cursor.as_str().parse::<u64>().map_err(|_| bad_cursor())?),
+        };
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(position)
+            .arg("MATCH")
+            .arg(format!("{}*", glob_escaped(&self.prefix)))
+            .arg("COUNT")
+            .arg(count.max(1));
+        let mut conn = self.conn();
+        let (reply, next) = match &mut conn {
+            Conn::Cluster(cluster) => {
+                let primaries = cluster_primaries(cluster).await?;
+                let Some((host, port)) = primaries.get(node) else {
+                    return Ok(ScanPage::default());
+                };
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                });
+                let reply = cluster
+                    .route_command(scan, routing)
+                    .await
+                    .map_err(redis_error)?;
+                let (position, keys): (u64, Vec<String>) = redis::from_redis_value(reply)
+                    .map_err(|e| StoreError::Corrupt(format!("an unexpected reply: {e}")))?;
+                let next = match position {
+                    0 if node + 1 < primaries.len() => Some(format!("{}:0", node + 1)),
+                    0 => None,
+                    position => Some(format!("{node}:{position}")),
+                };
+                (keys, next)
+            }
+            _ => {
+                let (position, keys): (u64, Vec<String>) =
+                    scan.query_async(&mut conn).await.map_err(redis_error)?;
+                (keys, (position != 0).then(|| position.to_string()))
+            }
+        };
+        let now = self.clock.now_millis();
+        let mut page = ScanPage {
+            records: Vec::with_capacity(reply.len()),
+            next: next.map(ScanCursor::new),
+        };
+        for name in reply {
+            let Some(key) = name
+                .strip_prefix(self.prefix.as_str())
+                .and_then(|tagged| tagged.strip_prefix('{')?.strip_suffix('}'))
+                .and_then(RecordKey::from_hex)
+            else {
+                continue;
+            };
+            let value: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(&name)
+                .query_async(&mut self.conn())
+                .await
+                .map_err(redis_error)?;
+            match value.map(|value| read_stored(&Bytes::from(value))) {
+                Some(Ok(record)) if record.expires_at() > now => page.records.push((key, record)),
+                _ => {}
+            }
+        }
+        Ok(page)
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         redis::cmd("PING")
             .query_async::<()>(&mut self.conn())
@@ -612,6 +691,48 @@ impl Store for RedisStore {
     fn kind(&self) -> &'static str {
         self.kind
     }
+}
+
+/// `text` with the characters a `SCAN` pattern treats specially escaped.
+fn glob_escaped(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 4);
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\' | '^') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The cluster's primaries that are up, as `(host, port)` ordered by
+/// address, from `CLUSTER NODES` (any node answers for all).
+async fn cluster_primaries(
+    cluster: &mut redis::cluster_async::ClusterConnection,
+) -> Result<Vec<(String, u16)>, StoreError> {
+    let reply = cluster
+        .route_command(
+            redis::cmd("CLUSTER").arg("NODES").clone(),
+            RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+        )
+        .await
+        .map_err(redis_error)?;
+    let text: String = redis::from_redis_value(reply)
+        .map_err(|e| StoreError::Corrupt(format!("an unexpected reply: {e}")))?;
+    let mut primaries: Vec<(String, u16)> = text
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let address = fields.nth(1)?;
+            let flags = fields.next()?;
+            let up = flags.split(',').any(|f| f == "master")
+                && !flags.split(',').any(|f| f == "fail" || f == "noaddr");
+            let (host, port) = address.split(['@', ',']).next()?.rsplit_once(':')?;
+            up.then(|| Some((host.to_owned(), port.parse().ok()?)))?
+        })
+        .collect();
+    primaries.sort();
+    Ok(primaries)
 }
 
 /// A failed command. A value of the wrong type under a record key (for the

@@ -1,0 +1,132 @@
+//! zstd dictionaries (`store.compression_dictionary`): loaded from a file,
+//! named by an id derived from their bytes, trained from samples.
+
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+use zstd::zstd_safe::{CDict, DDict};
+
+use super::packer::LEVEL;
+
+/// What a record stores to name the dictionary it was compressed with: the
+/// first four bytes of the SHA-256 of the dictionary file. A different file
+/// has a different id (a collision among the few dictionaries one
+/// deployment keeps is a 1 in 4 billion chance, and would fail closed: the
+/// frame's checksum does not match).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DictionaryId([u8; DictionaryId::LEN]);
+
+impl DictionaryId {
+    pub const LEN: usize = 4;
+
+    pub fn of(bytes: &[u8]) -> Self {
+        let digest = Sha256::new()
+            .chain_update(b"idemproxy.dictionary-id.v1\0")
+            .chain_update(bytes)
+            .finalize();
+        let mut id = [0; Self::LEN];
+        id.copy_from_slice(&digest[..Self::LEN]);
+        Self(id)
+    }
+
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Self)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; Self::LEN] {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for DictionaryId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for byte in self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A dictionary, prepared once for compressing and for decompressing (zstd
+/// digests it into tables; a context only references them per record).
+pub struct Dictionary {
+    id: DictionaryId,
+    len: usize,
+    compression: CDict<'static>,
+    decompression: DDict<'static>,
+}
+
+impl std::fmt::Debug for Dictionary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dictionary")
+            .field("id", &self.id.to_string())
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Smaller than any dictionary worth having; what zstd accepts as one is
+/// at least this.
+const MIN_LEN: usize = 8;
+
+impl Dictionary {
+    /// A dictionary from its bytes: one `idemproxy store train-dictionary`
+    /// wrote, or any zstd dictionary (raw content works too).
+    pub fn new(bytes: &[u8]) -> Result<Self, String> {
+        if bytes.len() < MIN_LEN {
+            return Err(format!(
+                "{} bytes is too short for a dictionary",
+                bytes.len()
+            ));
+        }
+        let compression = CDict::try_create(bytes, LEVEL)
+            .ok_or("zstd could not prepare the dictionary for compression")?;
+        let decompression = DDict::try_create(bytes)
+            .ok_or("zstd could not prepare the dictionary for decompression")?;
+        Ok(Self {
+            id: DictionaryId::of(bytes),
+            len: bytes.len(),
+            compression,
+            decompression,
+        })
+    }
+
+    /// [`Dictionary::new`] on a file's contents; the error names the file.
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| format!("cannot read the dictionary {}: {e}", path.display()))?;
+        Self::new(&bytes).map_err(|e| format!("dictionary {}: {e}", path.display()))
+    }
+
+    pub fn id(&self) -> DictionaryId {
+        self.id
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(super) fn compression(&self) -> &CDict<'static> {
+        &self.compression
+    }
+
+    pub(super) fn decompression(&self) -> &DDict<'static> {
+        &self.decompression
+    }
+}
+
+/// Trains a dictionary of at most `max_len` bytes from `samples` (zstd's
+/// COVER trainer). zstd wants about a hundred times the dictionary's size
+/// in samples; it refuses far fewer, which the error says.
+pub fn train<S: AsRef<[u8]>>(samples: &[S], max_len: usize) -> Result<Vec<u8>, String> {
+    zstd::dict::from_samples(samples, max_len).map_err(|e| {
+        format!(
+            "zstd could not train a dictionary from {} samples ({e}); give it more samples",
+            samples.len()
+        )
+    })
+}
