@@ -455,7 +455,7 @@ where
         }
         // Forwarded without protection, as the operator chose; the outcome
         // says so in logs and metrics.
-        self.forward_unclaimed(request, respond, RequestOutcome::Unprotected)
+        self.forward_unclaimed(request, respond, RequestOutcome::Unprotected, None)
             .await
     }
 
@@ -466,11 +466,20 @@ where
         request: Request<Body>,
         respond: Responder,
         outcome: RequestOutcome,
+        duplicate_of: Option<RecordKey>,
     ) {
         let started = Instant::now();
         let deadline = started + self.settings.upstream_timeout;
         let result = self.inner.clone().oneshot(request).await;
         self.upstream_done(started);
+        // Which request came first, looked up once the upstream answered
+        // rather than before: the request that holds the key remembers
+        // itself only when its claim returns, and a duplicate's claim can
+        // overtake that (one in six storms did, on two workers).
+        if let (Some(key), Some(observe)) = (duplicate_of, &self.policy.observe) {
+            self.log
+                .set_first_request_id(observe.first_request_id(&key));
+        }
         let response = result.unwrap_or_else(|e| {
             Rejection::PassthroughFailed {
                 timeout: e.into().is_timeout(),

@@ -194,7 +194,7 @@ where
     /// the store (`begun` says how), counted as what it would have been.
     /// Its answer is not stored: the key's record stays the first one's.
     pub(super) async fn forward_observed(
-        mut self,
+        self,
         claim: &Claim,
         begun: BeginOutcome,
         request: Request<Body>,
@@ -207,13 +207,8 @@ where
             // Not sent here: an acquired key is executed.
             BeginOutcome::Acquired { .. } => RequestOutcome::Passthrough,
         };
-        let first = self
-            .policy
-            .observe
-            .as_ref()
-            .and_then(|observe| observe.first_request_id(&claim.key));
-        self.log.set_first_request_id(first);
-        self.forward_unclaimed(request, respond, outcome).await
+        self.forward_unclaimed(request, respond, outcome, Some(claim.key))
+            .await
     }
 }
 
