@@ -111,3 +111,51 @@ stop_rig() {
   sleep 0.3
   rm -rf "$WORK"
 }
+
+# --- benches/storage.sh --------------------------------------------------
+
+# start_api_upstream NAME PORT [START]: examples/api_upstream ($API_UPSTREAM),
+# varied payment objects numbered from START (default 0); pid in
+# $WORK/NAME.pid.
+start_api_upstream() {
+  "$API_UPSTREAM" "127.0.0.1:$2" "${3:-0}" >"$WORK/$1.log" 2>&1 &
+  PIDS+=($!); echo $! >"$WORK/$1.pid"; wait_port "$2"
+}
+
+# start_redis_volatile NAME PORT: a private Redis without persistence (no
+# AOF, no RDB), for measuring memory; its files in $WORK/NAME, pid in
+# $WORK/NAME.pid.
+start_redis_volatile() {
+  mkdir -p "$WORK/$1"
+  redis-server --port "$2" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK/$1" --daemonize no >"$WORK/$1.log" 2>&1 &
+  PIDS+=($!); echo $! >"$WORK/$1.pid"; wait_port "$2"
+}
+
+# start_proxy_admin NAME PORT ADMIN STORE [VAR=value...]: start_proxy with
+# a known admin port (its /metrics and /readyz), waiting until /readyz
+# answers 200; pid in $WORK/NAME.pid.
+start_proxy_admin() {
+  local name=$1 port=$2 admin=$3 kind=$4; shift 4
+  env IDEMPROXY_LOG__LEVEL=info "$@" "${PROXY_BIN:-$BIN}" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$admin" \
+    --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "redis://127.0.0.1:${RP:-6379}" >"$WORK/$name.log" 2>&1 &
+  PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
+  local _
+  for _ in $(seq 100); do
+    curl -fsS -o /dev/null "http://127.0.0.1:$admin/readyz" 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "$name never became ready (log: $WORK/$name.log)" >&2; tail -5 "$WORK/$name.log" >&2; exit 1
+}
+
+# stop_pid PID: stops one process this rig started (SIGTERM, waits up to
+# 10 s, then SIGKILL) and forgets it, so stop_rig never signals a reused
+# pid.
+stop_pid() {
+  local pid=$1 p _ kept=()
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+  kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null || true
+  for p in "${PIDS[@]}"; do [ "$p" = "$pid" ] || kept+=("$p"); done
+  PIDS=("${kept[@]}")
+}

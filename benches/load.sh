@@ -82,7 +82,9 @@ fi
 if [ -n "${BASELINE_BIN:-}" ]; then
   BM=$(free_port); BR=$(free_port)
   PROXY_BIN=$BASELINE_BIN start_proxy baseline-memory "$BM" memory
-  PROXY_BIN=$BASELINE_BIN start_proxy baseline-redis "$BR" redis
+  # Its own keys: a build before compression reads the records a newer one
+  # packed as corrupt (503), and the replay runs share their keys.
+  PROXY_BIN=$BASELINE_BIN start_proxy baseline-redis "$BR" redis IDEMPROXY_STORE__KEY_PREFIX=baseline:
   URL[baseline-memory]="http://127.0.0.1:$BM"; URL[baseline-redis]="http://127.0.0.1:$BR"
   TARGETS+=(baseline-memory baseline-redis)
   REPLAY_TARGETS+=(baseline-memory baseline-redis)
