@@ -25,7 +25,7 @@ use crate::http::{ClientCertificate, Problem};
 use crate::idempotency::identity::bearer;
 use crate::idempotency::Policies;
 use crate::observe::metrics::Metrics;
-use crate::store::{Removal, Removed, SharedStore};
+use crate::store::{Removal, Removed, SharedStore, StoreError};
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -102,6 +102,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/v1/keys", get(list_keys))
         .route("/v1/keys/{hash}", get(show_key).delete(delete_key))
         .route("/v1/keys/lookup", post(lookup_key))
         .with_state(state)
@@ -290,6 +291,143 @@ async fn delete_key(
             ),
         }),
     }
+}
+
+/// Records a `GET /v1/keys` walks at most per call, whatever it finds:
+/// the work one call puts on the store is bounded, and `next_cursor` goes
+/// on from where it stopped.
+const LIST_WALK: usize = 10_000;
+
+/// Records a `GET /v1/keys` page asks the store for at once.
+const LIST_PAGE: usize = 500;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    /// `pending`, `outcome-unknown`, `completed` (every other completion)
+    /// or `any` (the default).
+    #[serde(default)]
+    state: Option<String>,
+    /// Only records created at least this long ago (`10m`, `2h`).
+    #[serde(default)]
+    older_than: Option<String>,
+    /// Stop once this many are found (default 100, at most 1,000); the
+    /// store page that reaches it is returned whole, so nothing is
+    /// skipped between two calls.
+    #[serde(default)]
+    limit: Option<usize>,
+    /// Where the previous page stopped (its `next_cursor`).
+    #[serde(default)]
+    cursor: Option<String>,
+}
+
+/// Which records a list shows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ListState {
+    Pending,
+    OutcomeUnknown,
+    Completed,
+    Any,
+}
+
+impl ListState {
+    fn parse(text: Option<&str>) -> Option<Self> {
+        Some(match text.unwrap_or("any") {
+            "pending" => Self::Pending,
+            "outcome-unknown" => Self::OutcomeUnknown,
+            "completed" => Self::Completed,
+            "any" => Self::Any,
+            _ => return None,
+        })
+    }
+
+    fn admits(self, record: &Record) -> bool {
+        match (self, record) {
+            (Self::Any, _) | (Self::Pending, Record::Pending(_)) => true,
+            (Self::OutcomeUnknown, Record::Completed(c)) => {
+                matches!(c.outcome, Outcome::Unknown { .. })
+            }
+            (Self::Completed, Record::Completed(c)) => {
+                !matches!(c.outcome, Outcome::Unknown { .. })
+            }
+            _ => false,
+        }
+    }
+}
+
+/// `GET /v1/keys?state=outcome-unknown&older_than=10m`: the records in a
+/// state, for reconciling them. A bounded walk over the store (Redis
+/// `SCAN`, never `KEYS`), pages of [`LIST_PAGE`] until `limit` are found
+/// or [`LIST_WALK`] examined, then `next_cursor` to go on (`null` once the
+/// walk is over).
+async fn list_keys(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Result<Json<Value>, AdminProblem> {
+    authorize(&state, &headers)?;
+    let bad = |detail: String| AdminProblem {
+        status: StatusCode::BAD_REQUEST,
+        slug: "invalid-list",
+        detail,
+    };
+    let query: ListQuery = serde_urlencoded_query(query.as_deref().unwrap_or_default())
+        .map_err(|e| bad(format!("query: {e}")))?;
+    let wanted = ListState::parse(query.state.as_deref())
+        .ok_or_else(|| bad("`state` is one of pending, outcome-unknown, completed, any".into()))?;
+    let older_than = query
+        .older_than
+        .as_deref()
+        .map(humantime::parse_duration)
+        .transpose()
+        .map_err(|e| bad(format!("`older_than`: {e} (e.g. 10m, 2h)")))?
+        .unwrap_or_default();
+    let limit = query.limit.unwrap_or(100).clamp(1, 1000);
+    let created_before = crate::core::now_millis().saturating_sub(crate::core::millis(older_than));
+    let mut cursor = crate::store::ScanCursor::new(query.cursor.unwrap_or_default());
+    let (mut keys, mut examined) = (Vec::<Value>::new(), 0);
+    let next = loop {
+        let page = tokio::time::timeout(state.store_timeout, state.store.scan(&cursor, LIST_PAGE))
+            .await
+            .map_err(|_| store_problem("no answer in time"))?
+            .map_err(|e| match e {
+                StoreError::InvalidCursor(_) => bad(format!("`cursor`: {e}")),
+                e => store_problem(e),
+            })?;
+        examined += page.records.len();
+        keys.extend(
+            page.records
+                .iter()
+                .filter(|(_, record)| wanted.admits(record) && created_at(record) <= created_before)
+                .map(|(key, record)| describe(key, record)),
+        );
+        match page.next {
+            Some(next) if keys.len() < limit && examined < LIST_WALK => cursor = next,
+            next => break next,
+        }
+    };
+    Ok(Json(json!({
+        "keys": keys,
+        "examined": examined,
+        "next_cursor": next.map(|c| c.as_str().to_owned()),
+    })))
+}
+
+fn created_at(record: &Record) -> u64 {
+    match record {
+        Record::Pending(p) => p.created_at,
+        Record::Completed(c) => c.created_at,
+    }
+}
+
+fn serde_urlencoded_query<T: serde::de::DeserializeOwned>(query: &str) -> Result<T, String> {
+    axum::extract::Query::<T>::try_from_uri(
+        &format!("/?{query}")
+            .parse()
+            .map_err(|e: axum::http::uri::InvalidUri| e.to_string())?,
+    )
+    .map(|q| q.0)
+    .map_err(|e| e.body_text())
 }
 
 #[derive(Deserialize)]

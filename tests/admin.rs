@@ -229,6 +229,11 @@ async fn the_key_api_requires_the_bearer_token() {
                 .await,
             // ... and before the hash is checked.
             admin.get("not-a-hash").await,
+            // Listing too, and before its query is read.
+            admin
+                .call(Method::GET, "/v1/keys?state=outcome-unknown", "")
+                .await,
+            admin.call(Method::GET, "/v1/keys?state=bogus", "").await,
         ] {
             reply.assert_problem(401, "admin-unauthorized");
             assert_eq!(
@@ -595,6 +600,63 @@ impl Store for SlowComplete {
 /// stored, so a caller that retries the moment it has the response finds
 /// the record" — also when the response has a `Content-Length` (the client
 /// needs no end of stream to know the body is complete) or no body at all.
+/// `GET /v1/keys` lists by state and age, and says what is wrong with a
+/// query it cannot read.
+#[tokio::test]
+async fn keys_are_listed_by_state_and_age() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(with_routes(config(&upstream.url()), Some(TOKEN))).await;
+    let client = TestClient::new();
+    for key in ["list-1", "list-2"] {
+        let done = post(&client, &proxy, "/v1/payments", key, TENANT_A).await;
+        assert_eq!(done.status, 201);
+    }
+    let admin = Admin::bearer(&proxy);
+    let listed = |reply: Reply| -> Vec<String> {
+        assert_eq!(reply.status, 200, "{reply:?}");
+        let mut hashes: Vec<String> = reply.json()["keys"]
+            .as_array()
+            .expect("keys")
+            .iter()
+            .map(|k| k["key_hash"].as_str().expect("a hash").to_owned())
+            .collect();
+        hashes.sort();
+        hashes
+    };
+    let mut both = vec![
+        hash_of("/v1/payments", "list-1", TENANT_A),
+        hash_of("/v1/payments", "list-2", TENANT_A),
+    ];
+    both.sort();
+    let all = admin.call(Method::GET, "/v1/keys", "").await;
+    assert_eq!(listed(all), both);
+    let completed = admin
+        .call(Method::GET, "/v1/keys?state=completed&limit=5", "")
+        .await;
+    assert_eq!(listed(completed), both);
+    for empty in [
+        "/v1/keys?state=pending",
+        "/v1/keys?state=outcome-unknown",
+        "/v1/keys?older_than=1h",
+    ] {
+        let reply = admin.call(Method::GET, empty, "").await;
+        assert!(listed(reply).is_empty(), "{empty}");
+    }
+    let walked = admin.call(Method::GET, "/v1/keys", "").await.json();
+    assert_eq!(walked["examined"], 2);
+    assert_eq!(walked["next_cursor"], Value::Null, "the walk is over");
+    for bad in [
+        "/v1/keys?state=bogus",
+        "/v1/keys?older_than=soon",
+        "/v1/keys?limit=-1",
+        "/v1/keys?colour=red",
+        "/v1/keys?cursor=not-a-cursor",
+    ] {
+        let reply = admin.call(Method::GET, bad, "").await;
+        reply.assert_problem(400, "invalid-list");
+    }
+}
+
 #[tokio::test]
 async fn a_key_is_completed_by_the_time_its_response_has_arrived() {
     let upstream = TestUpstream::start().await;

@@ -42,6 +42,9 @@ pub enum StoreError {
     /// A value in the store could not be decoded.
     #[error("store holds a corrupt record: {0}")]
     Corrupt(String),
+    /// A walk's cursor ([`Store::scan`]) that this store did not hand out.
+    #[error("{0:?} is not a cursor of this store's walk")]
+    InvalidCursor(String),
     /// The caller does not hold the key (its token was superseded or the
     /// record is gone).
     #[error("fencing token does not own the key")]
@@ -165,7 +168,7 @@ pub(crate) fn scan_after(cursor: &ScanCursor) -> Result<Option<RecordKey>, Store
     }
     RecordKey::from_hex(&cursor.0)
         .map(Some)
-        .ok_or_else(|| StoreError::Unavailable(format!("{:?} is not a walk's cursor", cursor.0)))
+        .ok_or_else(|| StoreError::InvalidCursor(cursor.0.clone()))
 }
 
 /// One page of a walk: its records, and where the walk goes on (`None`:

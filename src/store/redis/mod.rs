@@ -609,8 +609,7 @@ impl Store for RedisStore {
     /// cluster, every primary in turn (ordered by address): the cursor
     /// names the node and its `SCAN` cursor.
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
-        let bad_cursor =
-            || StoreError::Unavailable(format!("{:?} is not a walk's cursor", cursor.as_str()));
+        let bad_cursor = || StoreError::InvalidCursor(cursor.as_str().to_owned());
         let (node, position) = match cursor.as_str().split_once(':') {
             _ if cursor.as_str().is_empty() => (0, 0),
             Some((node, position)) => (

@@ -1,10 +1,8 @@
-//! Part of the composition root: operators' commands beside serving, on
-//! the store the configuration names.
-//!
-//! `idemproxy store train-dictionary` trains a zstd dictionary for
-//! `store.compression_dictionary` from a sample of the responses the store
-//! holds (or from files): small JSON responses compress several times
-//! better against one trained on the API's own responses.
+//! `idemproxy store train-dictionary`: a zstd dictionary for
+//! `store.compression_dictionary`, trained from a sample of the responses
+//! the configured store holds (or from files): small JSON responses
+//! compress several times better against one trained on the API's own
+//! responses.
 
 use std::path::{Path, PathBuf};
 

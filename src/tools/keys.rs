@@ -1,0 +1,214 @@
+//! `idemproxy keys`: the admin API's key reconciliation from a shell.
+//!
+//! Talks to a running proxy's admin listener (`--admin`, default
+//! `http://127.0.0.1:9090`) with the token from `IDEMPROXY_ADMIN_TOKEN`
+//! (an environment variable, never a flag: flags show in process lists).
+//! Every call is the admin API's own (`GET /v1/keys?state=…`,
+//! `GET /v1/keys/{hash}`, `POST /v1/keys/lookup`, `DELETE
+//! /v1/keys/{hash}`), so the CLI and a script using the API see the same
+//! answers, and the store's own rules (a running claim is not deleted
+//! unless forced) hold for both.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+
+use crate::Error;
+
+/// How long one admin call may take: a bounded walk of the store is the
+/// longest.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The environment variable the token is read from.
+pub const TOKEN_VARIABLE: &str = "IDEMPROXY_ADMIN_TOKEN";
+
+/// A client of one proxy's admin API.
+#[derive(Debug)]
+pub struct AdminClient {
+    base: String,
+    token: Option<String>,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// Which keys `keys list` asks for.
+#[derive(Clone, Debug)]
+pub struct ListFilter {
+    /// `pending`, `outcome-unknown`, `completed` or `any`.
+    pub state: String,
+    /// Only keys created at least this long ago (`10m`).
+    pub older_than: Option<String>,
+    /// At most this many.
+    pub limit: usize,
+}
+
+impl AdminClient {
+    /// A client of the admin API at `base` (`http://host:port`), with
+    /// `token` (usually [`TOKEN_VARIABLE`]'s value).
+    pub fn new(base: &str, token: Option<String>) -> Self {
+        Self {
+            base: base.trim_end_matches('/').to_owned(),
+            token,
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    /// The keys `filter` selects, following the API's pages until `limit`
+    /// are found or the walk is over.
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Value>, Error> {
+        let mut keys = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut query = form_urlencoded::Serializer::new(String::new());
+            query.append_pair("state", &filter.state);
+            query.append_pair("limit", &(filter.limit - keys.len()).to_string());
+            if let Some(older_than) = &filter.older_than {
+                query.append_pair("older_than", older_than);
+            }
+            if let Some(cursor) = &cursor {
+                query.append_pair("cursor", cursor);
+            }
+            let page = self
+                .call(Method::GET, &format!("/v1/keys?{}", query.finish()), None)
+                .await?;
+            if let Some(found) = page["keys"].as_array() {
+                keys.extend(found.iter().cloned());
+            }
+            match page["next_cursor"].as_str() {
+                Some(next) if keys.len() < filter.limit => cursor = Some(next.to_owned()),
+                _ => break,
+            }
+        }
+        keys.truncate(filter.limit);
+        Ok(keys)
+    }
+
+    /// The record of the key whose hash is `hash`.
+    pub async fn show(&self, hash: &str) -> Result<Value, Error> {
+        self.call(Method::GET, &format!("/v1/keys/{}", hash_path(hash)?), None)
+            .await
+    }
+
+    /// The record of the raw key `key` as a client sent it on `route`
+    /// (default `default`), with the scope `headers` the client sent.
+    pub async fn lookup(
+        &self,
+        key: &str,
+        route: Option<&str>,
+        headers: &[(String, String)],
+    ) -> Result<Value, Error> {
+        let headers: serde_json::Map<String, Value> = headers
+            .iter()
+            .map(|(name, value)| (name.clone(), Value::from(value.as_str())))
+            .collect();
+        let mut body = json!({ "key": key, "headers": headers });
+        if let Some(route) = route {
+            body["route"] = Value::from(route);
+        }
+        self.call(Method::POST, "/v1/keys/lookup", Some(body)).await
+    }
+
+    /// Deletes the record of `hash`; a running claim only with `force`.
+    pub async fn forget(&self, hash: &str, force: bool) -> Result<Value, Error> {
+        let query = if force { "?force=true" } else { "" };
+        self.call(
+            Method::DELETE,
+            &format!("/v1/keys/{}{query}", hash_path(hash)?),
+            None,
+        )
+        .await
+    }
+
+    /// One call; a problem+json answer becomes an error carrying its
+    /// detail.
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Result<Value, Error> {
+        let url = format!("{}{path}", self.base);
+        let mut request = Request::builder().method(method).uri(&url);
+        if let Some(token) = &self.token {
+            request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let body = match body {
+            Some(body) => {
+                request = request.header(http::header::CONTENT_TYPE, "application/json");
+                Full::new(Bytes::from(body.to_string()))
+            }
+            None => Full::new(Bytes::new()),
+        };
+        let request = request
+            .body(body)
+            .map_err(|e| format!("{url} is not a usable admin URL: {e}"))?;
+        let response = tokio::time::timeout(CALL_TIMEOUT, self.client.request(request))
+            .await
+            .map_err(|_| format!("{url}: no answer within {CALL_TIMEOUT:?}"))?
+            .map_err(|e| format!("{url}: {e} (is the proxy's admin listener there?)"))?;
+        let status = response.status();
+        let bytes = tokio::time::timeout(CALL_TIMEOUT, response.into_body().collect())
+            .await
+            .map_err(|_| format!("{url}: the answer did not finish within {CALL_TIMEOUT:?}"))?
+            .map_err(|e| format!("{url}: {e}"))?
+            .to_bytes();
+        let value: Value = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::from(String::from_utf8_lossy(&bytes).trim().to_owned()));
+        if status.is_success() {
+            return Ok(value);
+        }
+        let detail = value["detail"].as_str().unwrap_or_default();
+        let hint = if status == StatusCode::UNAUTHORIZED && self.token.is_none() {
+            format!(" (set {TOKEN_VARIABLE} to the proxy's admin_token)")
+        } else {
+            String::new()
+        };
+        Err(format!("{status}: {detail}{hint}").into())
+    }
+}
+
+fn hash_path(hash: &str) -> Result<&str, Error> {
+    if hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(hash)
+    } else {
+        Err("a key hash is 64 hex digits (the key_hash of the request log)".into())
+    }
+}
+
+/// A record as `keys show` prints it: one `field: value` per line.
+pub fn render_record(record: &Value) -> String {
+    let mut out = String::new();
+    if let Some(fields) = record.as_object() {
+        for (name, value) in fields {
+            let value = match value {
+                Value::String(text) => text.clone(),
+                other => other.to_string(),
+            };
+            out.push_str(&format!("{name}: {value}\n"));
+        }
+    }
+    out
+}
+
+/// Records as `keys list` prints them: a header, then one line each.
+pub fn render_list(records: &[Value]) -> String {
+    let mut out = format!(
+        "{:<64}  {:<9}  {:<24}  {}\n",
+        "KEY_HASH", "STATE", "CREATED_AT", "OUTCOME"
+    );
+    for record in records {
+        let text = |field: &str| record[field].as_str().unwrap_or("-").to_owned();
+        let outcome = match record["state"].as_str() {
+            Some("pending") => format!("lease until {}", text("lease_expires_at")),
+            _ => format!("{} ({})", text("outcome"), record["status"]),
+        };
+        out.push_str(&format!(
+            "{:<64}  {:<9}  {:<24}  {outcome}\n",
+            text("key_hash"),
+            text("state"),
+            text("created_at"),
+        ));
+    }
+    out.push_str(&format!("{} keys\n", records.len()));
+    out
+}

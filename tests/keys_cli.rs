@@ -1,0 +1,201 @@
+//! `idemproxy keys` against the real binary on every store, and the
+//! runbook (docs/runbook.md) end to end: an upstream that does not answer
+//! in time leaves an `outcome-unknown` key; `keys list` finds it, `keys
+//! show` looks it up by the raw key, `keys forget` frees it once the
+//! operator checked the upstream, and the retry executes. A running claim
+//! is listed as pending and not forgotten without `--force`.
+
+mod support;
+
+use std::time::Duration;
+
+use idemproxy::config::{Config, StoreKind};
+use serde_json::Value;
+use support::binary::{ProxyProcess, BIN};
+use support::proxy::{config, TestClient};
+use support::redis_server::{shared, shared_cluster, unique_prefix};
+use support::upstream::TestUpstream;
+
+const TOKEN: &str = "runbook-admin-token-7d1e-4b9a2c58e0f3a6d1";
+
+/// What `idemproxy keys ARGS` printed, and whether it succeeded.
+struct Ran {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+impl Ran {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}{}", self.stdout, self.stderr))
+    }
+}
+
+async fn keys(proxy: &ProxyProcess, token: Option<&str>, args: &[&str]) -> Ran {
+    let mut command = tokio::process::Command::new(BIN);
+    command
+        .arg("keys")
+        .args(args)
+        .arg("--admin")
+        .arg(proxy.admin_url(""))
+        .env_remove("IDEMPROXY_ADMIN_TOKEN")
+        .stdin(std::process::Stdio::null());
+    if let Some(token) = token {
+        command.env("IDEMPROXY_ADMIN_TOKEN", token);
+    }
+    let output = tokio::time::timeout(Duration::from_secs(30), command.output())
+        .await
+        .expect("idemproxy keys finishes")
+        .expect("idemproxy keys runs");
+    Ran {
+        ok: output.status.success(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+/// The proxy on `kind`, its upstream answering within 300 ms or counted as
+/// an unknown outcome (`on_ambiguous = "store"`, the default).
+fn proxy_config(upstream: &TestUpstream, kind: StoreKind, dir: &std::path::Path) -> Config {
+    let mut c = config(&upstream.url());
+    c.admin_token = Some(TOKEN.into());
+    c.upstream.timeout = Duration::from_millis(300);
+    c.store.kind = kind;
+    c.store.key_prefix = unique_prefix("runbook");
+    match kind {
+        StoreKind::Embedded => c.store.path = dir.join("data"),
+        StoreKind::Redis => c.store.url = shared().url(),
+        StoreKind::RedisCluster => c.store.urls = shared_cluster().urls(),
+        _ => {}
+    }
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runbook_reconciles_an_unknown_outcome_on_every_store() {
+    let upstream = TestUpstream::start().await;
+    let client = TestClient::new();
+    for kind in [
+        StoreKind::Memory,
+        StoreKind::Embedded,
+        StoreKind::Redis,
+        StoreKind::RedisCluster,
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let c = tokio::task::block_in_place(|| proxy_config(&upstream, kind, dir.path()));
+        let proxy = ProxyProcess::start(c).await;
+        let name = format!("{kind:?}").to_lowercase();
+        let charge = proxy.url(&format!("/v1/charges/{name}?hold=late-{name}"));
+        let key = format!("runbook-{name}");
+
+        // The alert: a charge whose upstream did not answer in time.
+        let first = client.post_json(&charge, &key, "{}").await;
+        assert_eq!(first.status, 504, "{name}: {first:?}");
+        let path = format!("/v1/charges/{name}");
+        assert_eq!(upstream.executions(&path), 1);
+
+        // Find the keys.
+        let listed = keys(
+            &proxy,
+            Some(TOKEN),
+            &["list", "--state", "outcome-unknown", "--json"],
+        )
+        .await;
+        assert!(listed.ok, "{name}: {}", listed.stderr);
+        let found = listed.json();
+        let found = found.as_array().expect("a list");
+        assert_eq!(found.len(), 1, "{name}: {found:?}");
+        assert_eq!(found[0]["outcome"], "outcome-unknown (timeout)", "{name}");
+        let hash = found[0]["key_hash"].as_str().expect("a hash").to_owned();
+        let text = keys(&proxy, Some(TOKEN), &["list", "--state", "outcome-unknown"]).await;
+        assert!(
+            text.ok && text.stdout.contains(&hash) && text.stdout.contains("1 keys"),
+            "{}",
+            text.stdout
+        );
+        let none = keys(
+            &proxy,
+            Some(TOKEN),
+            &[
+                "list",
+                "--state",
+                "outcome-unknown",
+                "--older-than",
+                "1h",
+                "--json",
+            ],
+        )
+        .await;
+        assert_eq!(
+            none.json(),
+            Value::Array(Vec::new()),
+            "{name}: none is an hour old"
+        );
+
+        // The key a caller reports is the same record.
+        let shown = keys(&proxy, Some(TOKEN), &["show", "--key", &key, "--json"]).await;
+        assert!(shown.ok, "{name}: {}", shown.stderr);
+        assert_eq!(shown.json()["key_hash"], hash.as_str());
+
+        // A running claim is pending, and is not forgotten unless forced.
+        let held = proxy.url(&format!("/v1/charges/{name}-held?hold=running-{name}"));
+        let running = {
+            let (client, held, key) = (client.clone(), held.clone(), format!("{key}-held"));
+            tokio::spawn(async move { client.post_json(&held, &key, "{}").await })
+        };
+        let mut pending = Vec::new();
+        for _ in 0..50 {
+            let listed = keys(
+                &proxy,
+                Some(TOKEN),
+                &["list", "--state", "pending", "--json"],
+            )
+            .await;
+            pending = listed.json().as_array().cloned().unwrap_or_default();
+            if !pending.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(pending.len(), 1, "{name}: the running claim is listed");
+        let pending_hash = pending[0]["key_hash"].as_str().expect("a hash");
+        let refused = keys(&proxy, Some(TOKEN), &["forget", "--hash", pending_hash]).await;
+        assert!(
+            !refused.ok && refused.stderr.contains("lease runs"),
+            "{name}: {}",
+            refused.stderr
+        );
+        upstream.release(&format!("running-{name}"));
+        let _ = running.await;
+
+        // Without the token, nothing is forgotten, and the error says why.
+        let anonymous = keys(&proxy, None, &["forget", "--hash", &hash]).await;
+        assert!(
+            !anonymous.ok && anonymous.stderr.contains("IDEMPROXY_ADMIN_TOKEN"),
+            "{}",
+            anonymous.stderr
+        );
+
+        // Checked with the upstream: the charge never happened. Forget it,
+        // and the retry executes.
+        let forgot = keys(&proxy, Some(TOKEN), &["forget", "--hash", &hash]).await;
+        assert!(
+            forgot.ok && forgot.stdout.contains(&format!("forgot {hash}")),
+            "{name}: {}",
+            forgot.stderr
+        );
+        upstream.release(&format!("late-{name}"));
+        let retry = client.post_json(&charge, &key, "{}").await;
+        assert_eq!(retry.status, 201, "{name}: {retry:?}");
+        assert!(!retry.replayed());
+        assert_eq!(upstream.executions(&path), 2, "{name}: the retry executed");
+        let after = keys(&proxy, Some(TOKEN), &["show", "--hash", &hash]).await;
+        assert!(
+            after.ok && after.stdout.contains("outcome: response"),
+            "{name}: {}",
+            after.stdout
+        );
+        drop(proxy);
+    }
+}
