@@ -69,6 +69,7 @@ enum KeysCommand {
     /// Show a key's record: by its hash (the request log's key_hash), or
     /// by the raw key as a client sent it.
     Show {
+        /// The key's hash: the request log's key_hash (64 hex digits).
         #[arg(long, required_unless_present = "key", conflicts_with = "key")]
         hash: Option<String>,
         /// The raw Idempotency-Key value.
@@ -87,6 +88,7 @@ enum KeysCommand {
     /// Forget a key so that its retry executes: only once its effect was
     /// checked with the upstream. Asks first on a terminal.
     Forget {
+        /// The key's hash, as `keys list` shows it.
         #[arg(long)]
         hash: String,
         /// Also a claim whose lease runs (a request may be executing it).
