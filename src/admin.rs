@@ -301,6 +301,9 @@ const LIST_WALK: usize = 10_000;
 /// Records a `GET /v1/keys` page asks the store for at once.
 const LIST_PAGE: usize = 500;
 
+/// How long one page of a `GET /v1/keys` walk may take.
+const LIST_PAGE_TIMEOUT: Duration = Duration::from_secs(5);
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ListQuery {
@@ -387,7 +390,10 @@ async fn list_keys(
     let mut cursor = crate::store::ScanCursor::new(query.cursor.unwrap_or_default());
     let (mut keys, mut examined) = (Vec::<Value>::new(), 0);
     let next = loop {
-        let page = tokio::time::timeout(state.store_timeout, state.store.scan(&cursor, LIST_PAGE))
+        // A page is up to LIST_PAGE reads: given longer than one request's
+        // store call, as an operator's listing is not on a request's path.
+        let page_timeout = state.store_timeout.max(LIST_PAGE_TIMEOUT);
+        let page = tokio::time::timeout(page_timeout, state.store.scan(&cursor, LIST_PAGE))
             .await
             .map_err(|_| store_problem("no answer in time"))?
             .map_err(|e| match e {

@@ -132,6 +132,7 @@ macro_rules! contract {
                     get_remove_ping,
                     a_running_claim_is_removed_only_by_force,
                     concurrent_begins_acquire_once,
+                    a_walk_meets_every_live_record,
                 );
             }
         )+
@@ -633,6 +634,52 @@ mod cases {
             store.complete(&forced, token, &completed(1, TTL)).await,
             "complete after a forced removal",
         );
+    }
+
+    /// `scan` pages through every record present for the whole walk (a
+    /// record may come twice on Redis, never not at all), claims and
+    /// completions alike, and leaves out expired ones.
+    pub(crate) async fn a_walk_meets_every_live_record(store: SharedStore) {
+        let mut live = std::collections::BTreeSet::new();
+        for i in 0..600 {
+            let key = new_key();
+            let token = claim(&*store, key, 1, LONG_LEASE).await;
+            if i % 6 != 0 {
+                store
+                    .complete(&key, token, &completed(1, TTL))
+                    .await
+                    .expect("complete");
+            }
+            live.insert(key);
+        }
+        let expired = new_key();
+        let token = claim(&*store, expired, 1, LONG_LEASE).await;
+        store
+            .complete(&expired, token, &completed(1, Duration::from_millis(50)))
+            .await
+            .expect("complete");
+        tokio::time::sleep(Duration::from_millis(120)).await;
+
+        let (mut met, mut pending, mut pages) = (std::collections::BTreeSet::new(), 0, 0);
+        let mut cursor = idemproxy::store::ScanCursor::start();
+        loop {
+            let page = store.scan(&cursor, 250).await.expect("scan");
+            pages += 1;
+            for (key, record) in page.records {
+                if met.insert(key) && matches!(record, Record::Pending(_)) {
+                    pending += 1;
+                }
+            }
+            match page.next {
+                Some(next) => cursor = next,
+                None => break,
+            }
+            assert!(pages < 1000, "the walk ends");
+        }
+        assert!(!met.contains(&expired), "an expired record is left out");
+        assert_eq!(met, live, "every live record, once or more");
+        assert_eq!(pending, 100, "claims too");
+        assert!(pages >= 3, "{pages} pages of at most about 250");
     }
 
     pub(crate) async fn concurrent_begins_acquire_once(store: SharedStore) {

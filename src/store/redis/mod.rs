@@ -659,20 +659,34 @@ impl Store for RedisStore {
             records: Vec::with_capacity(reply.len()),
             next: next.map(ScanCursor::new),
         };
-        for name in reply {
-            let Some(key) = name
-                .strip_prefix(self.prefix.as_str())
-                .and_then(|tagged| tagged.strip_prefix('{')?.strip_suffix('}'))
-                .and_then(RecordKey::from_hex)
-            else {
-                continue;
-            };
-            let value: Option<Vec<u8>> = redis::cmd("GET")
-                .arg(&name)
-                .query_async(&mut self.conn())
-                .await
-                .map_err(redis_error)?;
-            match value.map(|value| read_stored(&Bytes::from(value))) {
+        let keys: Vec<(RecordKey, String)> = reply
+            .into_iter()
+            .filter_map(|name| {
+                let key = name
+                    .strip_prefix(self.prefix.as_str())
+                    .and_then(|tagged| tagged.strip_prefix('{')?.strip_suffix('}'))
+                    .and_then(RecordKey::from_hex)?;
+                Some((key, name))
+            })
+            .collect();
+        // All at once: the connection pipelines them, so a page costs
+        // about one round trip, not one per key (500 of them to a Redis a
+        // millisecond away would outlast any timeout).
+        let values = futures_util::future::join_all(keys.iter().map(|(_, name)| {
+            let mut conn = self.conn();
+            async move {
+                redis::cmd("GET")
+                    .arg(name)
+                    .query_async::<Option<Vec<u8>>>(&mut conn)
+                    .await
+            }
+        }))
+        .await;
+        for ((key, _), value) in keys.into_iter().zip(values) {
+            match value
+                .map_err(redis_error)?
+                .map(|value| read_stored(&Bytes::from(value)))
+            {
                 Some(Ok(record)) if record.expires_at() > now => page.records.push((key, record)),
                 _ => {}
             }
