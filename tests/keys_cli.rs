@@ -110,7 +110,7 @@ async fn the_runbook_reconciles_an_unknown_outcome_on_every_store() {
         let hash = found[0]["key_hash"].as_str().expect("a hash").to_owned();
         let text = keys(&proxy, Some(TOKEN), &["list", "--state", "outcome-unknown"]).await;
         assert!(
-            text.ok && text.stdout.contains(&hash) && text.stdout.contains("1 keys"),
+            text.ok && text.stdout.contains(&hash) && text.stdout.contains("\n1 key\n"),
             "{}",
             text.stdout
         );

@@ -209,6 +209,7 @@ pub fn render_list(records: &[Value]) -> String {
             text("created_at"),
         ));
     }
-    out.push_str(&format!("{} keys\n", records.len()));
+    let plural = if records.len() == 1 { "" } else { "s" };
+    out.push_str(&format!("{} key{plural}\n", records.len()));
     out
 }
