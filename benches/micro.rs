@@ -237,7 +237,7 @@ fn api_response(body: String) -> StoredResponse {
 fn packing(c: &mut Criterion) {
     let plain = Packer::new(false, None, Vec::new(), usize::MAX);
     let training: Vec<Vec<u8>> = (10_000..12_000)
-        .map(|i| plain.pack(&api_response(payment(i))).slice(1..).to_vec())
+        .map(|i| compression::payload(&api_response(payment(i))))
         .collect();
     let dictionary = compression::train(&training, 16 * 1024).expect("a dictionary");
     let packers = [

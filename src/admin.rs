@@ -11,7 +11,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -366,7 +367,9 @@ impl ListState {
 async fn list_keys(
     State(state): State<AdminState>,
     headers: HeaderMap,
-    RawQuery(query): RawQuery,
+    // Taken as a Result: the caller is authenticated before its query is
+    // read, and a bad one is a problem+json like every answer here.
+    query: Result<Query<ListQuery>, QueryRejection>,
 ) -> Result<Json<Value>, AdminProblem> {
     authorize(&state, &headers)?;
     let bad = |detail: String| AdminProblem {
@@ -374,8 +377,7 @@ async fn list_keys(
         slug: "invalid-list",
         detail,
     };
-    let query: ListQuery = serde_urlencoded_query(query.as_deref().unwrap_or_default())
-        .map_err(|e| bad(format!("query: {e}")))?;
+    let Query(query) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
     let wanted = ListState::parse(query.state.as_deref())
         .ok_or_else(|| bad("`state` is one of pending, outcome-unknown, completed, any".into()))?;
     let older_than = query
@@ -404,7 +406,9 @@ async fn list_keys(
         keys.extend(
             page.records
                 .iter()
-                .filter(|(_, record)| wanted.admits(record) && created_at(record) <= created_before)
+                .filter(|(_, record)| {
+                    wanted.admits(record) && record.created_at() <= created_before
+                })
                 .map(|(key, record)| describe(key, record)),
         );
         match page.next {
@@ -417,23 +421,6 @@ async fn list_keys(
         "examined": examined,
         "next_cursor": next.map(|c| c.as_str().to_owned()),
     })))
-}
-
-fn created_at(record: &Record) -> u64 {
-    match record {
-        Record::Pending(p) => p.created_at,
-        Record::Completed(c) => c.created_at,
-    }
-}
-
-fn serde_urlencoded_query<T: serde::de::DeserializeOwned>(query: &str) -> Result<T, String> {
-    axum::extract::Query::<T>::try_from_uri(
-        &format!("/?{query}")
-            .parse()
-            .map_err(|e: axum::http::uri::InvalidUri| e.to_string())?,
-    )
-    .map(|q| q.0)
-    .map_err(|e| e.body_text())
 }
 
 #[derive(Deserialize)]

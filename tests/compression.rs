@@ -231,6 +231,64 @@ async fn every_store_round_trips_plain_compressed_and_dictionary_records() {
     }
 }
 
+/// The configuration reaches the store `open_store` builds: `off` writes
+/// responses as they came, `zstd` packs them with the configured
+/// dictionary, and a dictionary moved to `previous_compression_dictionaries`
+/// still reads its records with compression turned off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_configuration_decides_how_responses_are_written_not_how_they_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dictionary = dir.path().join("responses.dict");
+    let mut content = Vec::new();
+    for i in 1000..1010 {
+        content.extend_from_slice(&payment(i));
+    }
+    std::fs::write(&dictionary, &content).expect("write the dictionary");
+    let mut c = config("http://127.0.0.1:9");
+    c.store.kind = StoreKind::Embedded;
+    c.store.path = dir.path().join("data");
+    let (off, packed) = (
+        RecordKey::from_bytes([1; 32]),
+        RecordKey::from_bytes([2; 32]),
+    );
+
+    c.store.compression = Compression::Off;
+    let store = idemproxy::open_store(&c).await.expect("open");
+    store_response(&*store, off, response(1)).await;
+    drop(store);
+    c.store.compression = Compression::Zstd;
+    c.store.compression_dictionary = Some(dictionary.clone());
+    let store = idemproxy::open_store(&c).await.expect("open");
+    store_response(&*store, packed, response(2)).await;
+    drop(store);
+
+    let raw = EmbeddedStore::open(&c.store.path).expect("the file");
+    let outcome = |record: Option<Record>| match record {
+        Some(Record::Completed(c)) => c.outcome,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        outcome(raw.get(&off).await.expect("get")),
+        Outcome::Response(response(1))
+    );
+    match outcome(raw.get(&packed).await.expect("get")) {
+        Outcome::Packed(bytes) => assert_eq!(bytes[0], 3, "the dictionary layout"),
+        other => panic!("{other:?}"),
+    }
+    drop(raw);
+
+    c.store.compression = Compression::Off;
+    c.store.compression_dictionary = None;
+    c.store.previous_compression_dictionaries = vec![dictionary];
+    let store = idemproxy::open_store(&c).await.expect("open");
+    for (key, i) in [(off, 1), (packed, 2)] {
+        assert_eq!(
+            outcome(store.get(&key).await.expect("get")),
+            Outcome::Response(response(i))
+        );
+    }
+}
+
 /// With encryption at rest too, what is sealed is the packed response
 /// (compression first: ciphertext does not compress), and it replays.
 #[tokio::test]

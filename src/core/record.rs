@@ -121,6 +121,14 @@ impl Record {
         }
     }
 
+    /// When the request that made the record claimed its key.
+    pub fn created_at(&self) -> UnixMillis {
+        match self {
+            Record::Pending(p) => p.created_at,
+            Record::Completed(c) => c.created_at,
+        }
+    }
+
     /// When the store may forget the record.
     pub fn expires_at(&self) -> UnixMillis {
         match self {

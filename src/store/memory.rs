@@ -230,11 +230,12 @@ impl Store for MemoryStore {
             })
             .collect();
         keys.sort_unstable();
-        let more = keys.len() > count;
-        keys.truncate(count.max(1));
-        let next = (more)
-            .then(|| keys.last().map(|last| ScanCursor::new(last.to_hex())))
-            .flatten();
+        let count = count.max(1);
+        let next = keys
+            .get(count - 1)
+            .filter(|_| keys.len() > count)
+            .map(|last| ScanCursor::new(last.to_hex()));
+        keys.truncate(count);
         let records = keys
             .into_iter()
             .filter_map(|key| match read(&self.shard(&key), &key, now) {

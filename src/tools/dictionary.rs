@@ -73,12 +73,8 @@ pub async fn train_dictionary(
         Some(dir) => read_bodies(dir, options.samples)?,
         None => stored_responses(config, options.samples).await?,
     };
-    let plain = Packer::new(false, None, Vec::new(), usize::MAX);
-    // What packing compresses is the plain layout's payload: train on it.
-    let payloads: Vec<Vec<u8>> = responses
-        .iter()
-        .map(|response| plain.pack(response).slice(1..).to_vec())
-        .collect();
+    // Trained on what packing compresses.
+    let payloads: Vec<Vec<u8>> = responses.iter().map(compression::payload).collect();
     let (held_out, training): (Vec<_>, Vec<_>) = payloads
         .iter()
         .enumerate()
@@ -88,6 +84,7 @@ pub async fn train_dictionary(
         return Err("no stored responses to train from (records that are claims, outcome-unknown or not stored carry none)".into());
     }
     let dictionary = compression::train(&training, options.max_len)?;
+    let plain = Packer::new(false, None, Vec::new(), usize::MAX);
     let with = Packer::new(
         true,
         Some(Dictionary::new(&dictionary)?),

@@ -35,7 +35,7 @@ mod dictionary;
 mod packer;
 
 pub use dictionary::{train, Dictionary, DictionaryId};
-pub use packer::{Packer, UnpackError, KNOWN_NAMES, LEVEL};
+pub use packer::{payload, Packer, UnpackError, KNOWN_NAMES, LEVEL};
 
 use super::codec::{CodecStore, OutcomeCodec};
 use super::StoreError;

@@ -205,22 +205,7 @@ impl Packer {
 
     /// `response` in the packed layout: compressed when that is shorter.
     pub fn pack(&self, response: &StoredResponse) -> Bytes {
-        let view = PayloadRef {
-            status: response.status,
-            headers: PayloadHeaders(&response.headers),
-            body: &response.body,
-        };
-        let estimate = 16
-            + response.body.len()
-            + response
-                .headers
-                .iter()
-                .map(|(name, value)| name.len() + value.len() + 4)
-                .sum::<usize>();
-        let mut plain = Vec::with_capacity(1 + estimate);
-        plain.push(LAYOUT_PLAIN);
-        // Serializing plain data into a Vec cannot fail.
-        let plain = postcard::to_extend(&view, plain).unwrap_or_default();
+        let plain = payload_after(response, vec![LAYOUT_PLAIN]);
         let payload = plain.get(1..).unwrap_or_default();
         let worth_it = self.dictionary.is_some() || payload.len() >= MIN_COMPRESSED;
         if self.compress && worth_it {
@@ -322,6 +307,29 @@ impl Packer {
         }
         Ok(Bytes::from(out))
     }
+}
+
+/// What packing compresses: `response` as the payload (see the module
+/// docs). Dictionaries are trained on these.
+pub fn payload(response: &StoredResponse) -> Vec<u8> {
+    payload_after(response, Vec::new())
+}
+
+/// [`payload`], appended to `out`.
+fn payload_after(response: &StoredResponse, mut out: Vec<u8>) -> Vec<u8> {
+    let view = PayloadRef {
+        status: response.status,
+        headers: PayloadHeaders(&response.headers),
+        body: &response.body,
+    };
+    let headers: usize = response
+        .headers
+        .iter()
+        .map(|(name, value)| name.len() + value.len() + 4)
+        .sum();
+    out.reserve(16 + headers + response.body.len());
+    // Serializing plain data into a Vec cannot fail.
+    postcard::to_extend(&view, out).unwrap_or_default()
 }
 
 /// The response in `payload`, its values slices of it.
@@ -440,6 +448,13 @@ mod tests {
             *byte = x as u8;
         }
         assert_eq!(packer.pack(&response(&noise))[0], LAYOUT_PLAIN);
+    }
+
+    #[test]
+    fn the_plain_layout_is_the_payload_dictionaries_are_trained_on() {
+        let original = response(&payment(4));
+        let packed = packer(false, None).pack(&original);
+        assert_eq!(packed[1..], payload(&original)[..]);
     }
 
     #[test]

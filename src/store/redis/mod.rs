@@ -639,8 +639,8 @@ impl Store for RedisStore {
                     .route_command(scan, routing)
                     .await
                     .map_err(redis_error)?;
-                let (position, keys): (u64, Vec<String>) = redis::from_redis_value(reply)
-                    .map_err(|e| StoreError::Corrupt(format!("an unexpected reply: {e}")))?;
+                let (position, keys): (u64, Vec<String>) =
+                    redis::from_redis_value(reply).map_err(|e| unexpected(&e.to_string()))?;
                 let next = match position {
                     0 if node + 1 < primaries.len() => Some(format!("{}:0", node + 1)),
                     0 => None,
@@ -730,8 +730,7 @@ async fn cluster_primaries(
         )
         .await
         .map_err(redis_error)?;
-    let text: String = redis::from_redis_value(reply)
-        .map_err(|e| StoreError::Corrupt(format!("an unexpected reply: {e}")))?;
+    let text: String = redis::from_redis_value(reply).map_err(|e| unexpected(&e.to_string()))?;
     let mut primaries: Vec<(String, u16)> = text
         .lines()
         .filter_map(|line| {
