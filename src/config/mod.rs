@@ -35,6 +35,8 @@ pub struct Config {
     /// How routes with `protocol = "mcp"` protect tool calls.
     pub mcp: McpConfig,
     pub log: LogConfig,
+    /// OpenTelemetry traces, off without `otlp_endpoint`.
+    pub telemetry: TelemetryConfig,
     /// On SIGTERM/SIGINT: how long open connections and running executions
     /// get to finish (and store their outcomes) before the process exits.
     #[serde(with = "humantime_serde")]
@@ -73,6 +75,7 @@ impl Default for Config {
             identity: IdentityConfig::default(),
             mcp: McpConfig::default(),
             log: LogConfig::default(),
+            telemetry: TelemetryConfig::default(),
             drain_timeout: Duration::from_secs(35),
             workers: 0,
             max_in_flight: 1024,
@@ -608,6 +611,32 @@ impl Default for LogConfig {
         Self {
             format: LogFormat::Human,
             level: "info".into(),
+        }
+    }
+}
+
+/// Where and how much the proxy traces (OpenTelemetry, OTLP over
+/// HTTP/protobuf).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// The collector's OTLP/HTTP base URL, e.g. `http://otel-collector:4318`;
+    /// spans go to its `/v1/traces`. Unset, nothing is traced and the
+    /// request path pays nothing for it.
+    pub otlp_endpoint: Option<String>,
+    /// The `service.name` of every span.
+    pub service_name: String,
+    /// The share of new traces recorded, 0 to 1. A request whose
+    /// `traceparent` carries its caller's decision follows it.
+    pub sample_ratio: f64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: None,
+            service_name: "idemproxy".into(),
+            sample_ratio: 1.0,
         }
     }
 }

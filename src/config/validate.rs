@@ -16,11 +16,36 @@ impl Config {
         if let Err(why) = check_log_level(&self.log.level) {
             problems.push(format!("log.level: {why}"));
         }
+        self.check_telemetry(&mut problems);
         self.check_policies(&mut problems);
         if problems.is_empty() {
             Ok(())
         } else {
             Err(ConfigError::Invalid(problems))
+        }
+    }
+
+    fn check_telemetry(&self, problems: &mut Vec<String>) {
+        let telemetry = &self.telemetry;
+        if let Some(endpoint) = &telemetry.otlp_endpoint {
+            let uri = endpoint.parse::<http::Uri>();
+            let scheme = uri.as_ref().ok().and_then(|u| u.scheme_str());
+            let host = uri.as_ref().ok().and_then(|u| u.host());
+            if !matches!(scheme, Some("http" | "https")) || host.is_none() {
+                problems.push(format!(
+                    "telemetry.otlp_endpoint: `{endpoint}` is not an http:// or https:// URL \
+                     (the collector's OTLP/HTTP address, e.g. http://otel-collector:4318)"
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&telemetry.sample_ratio) {
+            problems.push(format!(
+                "telemetry.sample_ratio: {} is not between 0 and 1",
+                telemetry.sample_ratio
+            ));
+        }
+        if telemetry.service_name.trim().is_empty() {
+            problems.push("telemetry.service_name: must not be empty".into());
         }
     }
 
