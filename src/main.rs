@@ -9,7 +9,15 @@ use clap::{Args, Parser, Subcommand};
 use idemproxy::config::{Config, FlagOverrides, LogFormat, StoreKind};
 use idemproxy::observe::log_format::{JsonLines, PlainFields, PlainLines};
 use idemproxy::observe::log_writer::{BatchedWriter, FlushGuard};
+use idemproxy::observe::otlp::{self, TraceExport, TraceGuard};
+use idemproxy::observe::trace;
+use opentelemetry_sdk::trace::SdkTracer;
+use tracing_opentelemetry::OpenTelemetryLayer;
+use tracing_subscriber::filter::{Filtered, Targets};
 use tracing_subscriber::fmt::format::JsonFields;
+use tracing_subscriber::layer::{Layered, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{Layer, Registry};
 
 #[derive(Parser)]
 #[command(
@@ -251,7 +259,13 @@ fn main() -> ExitCode {
             Ok(())
         });
     }
-    let _log_guard = init_tracing(&config);
+    let _telemetry = match init_telemetry(&config) {
+        Ok(telemetry) => telemetry,
+        Err(e) => {
+            eprintln!("idemproxy: cannot start telemetry: {e}");
+            return ExitCode::from(2);
+        }
+    };
     for variable in &config.ignored_env {
         tracing::warn!(%variable, "ignored: this IDEMPROXY_* variable names no configuration field");
     }
@@ -400,53 +414,87 @@ async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {
     idemproxy::run(config, shutdown_signal()).await
 }
 
-/// Logs go to stdout in batches (see `idemproxy::observe::log_writer`); the guard
-/// writes out what is buffered when `main` returns. If the writer thread
-/// cannot start, logs go to stderr, unbatched.
-fn init_tracing(config: &Config) -> Option<FlushGuard> {
+/// What keeps logs and traces flowing until `main` returns.
+struct Telemetry {
+    /// Writes out what is buffered (see `idemproxy::observe::log_writer`).
+    _logs: Option<FlushGuard>,
+    /// Sends what is batched to the collector (see `idemproxy::observe::otlp`).
+    _traces: Option<TraceGuard>,
+}
+
+/// The traces' layer: only their spans, at their target, reach it.
+type TraceLayer = Filtered<OpenTelemetryLayer<Registry, SdkTracer>, Targets, Registry>;
+/// What the log lines' layer is stacked on.
+type WithTraces = Layered<Option<TraceLayer>, Registry>;
+
+/// Logs go to stdout in batches; the guard writes out what is buffered
+/// when `main` returns. If the writer thread cannot start, logs go to
+/// stderr, unbatched. Traces go to `telemetry.otlp_endpoint` when it is
+/// set: the request spans are at a target of their own, which the log
+/// filter turns off, so log lines stay as they are either way.
+fn init_telemetry(config: &Config) -> Result<Telemetry, idemproxy::Error> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&config.log.level))
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    match BatchedWriter::new(std::io::stdout()) {
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+        .add_directive(format!("{}=off", trace::TARGET).parse()?);
+    let (traces, trace_guard) = match &config.telemetry.otlp_endpoint {
+        Some(endpoint) => {
+            let export = TraceExport {
+                endpoint: endpoint.clone(),
+                service_name: config.telemetry.service_name.clone(),
+                sample_ratio: config.telemetry.sample_ratio,
+            };
+            let (layer, guard) = otlp::layer(&export)?;
+            let spans = Targets::new().with_target(trace::TARGET, tracing::Level::INFO);
+            (Some(layer.with_filter(spans)), Some(guard))
+        }
+        None => (None, None),
+    };
+    let (logs, log_guard) = match BatchedWriter::new(std::io::stdout()) {
         Ok((writer, guard)) => {
             let ansi = std::io::stdout().is_terminal();
-            install_subscriber(filter, config.log.format, writer, ansi);
-            Some(guard)
+            (log_layer(config.log.format, writer, ansi), Some(guard))
         }
         Err(e) => {
             eprintln!("idemproxy: cannot start the log writer: {e}; logging to stderr");
             let ansi = std::io::stderr().is_terminal();
-            install_subscriber(filter, config.log.format, std::io::stderr, ansi);
-            None
+            (log_layer(config.log.format, std::io::stderr, ansi), None)
         }
-    }
+    };
+    tracing_subscriber::registry()
+        .with(traces)
+        .with(logs.with_filter(filter))
+        .init();
+    Ok(Telemetry {
+        _logs: log_guard,
+        _traces: trace_guard,
+    })
 }
 
-fn install_subscriber<W>(
-    filter: tracing_subscriber::EnvFilter,
+fn log_layer<W>(
     format: LogFormat,
     writer: W,
     ansi: bool,
-) where
+) -> Box<dyn Layer<WithTraces> + Send + Sync>
+where
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
 {
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let layer = tracing_subscriber::fmt::layer()
         .with_writer(writer)
         .with_ansi(ansi);
     match format {
-        LogFormat::Json => builder
+        LogFormat::Json => layer
             .with_ansi(false)
             .fmt_fields(JsonFields::new())
             .event_format(JsonLines::new())
-            .init(),
+            .boxed(),
         // Colours are for people at a terminal; output that goes elsewhere
         // (a collector, a file) gets the same lines for less CPU.
-        LogFormat::Human if !ansi => builder
+        LogFormat::Human if !ansi => layer
             .fmt_fields(PlainFields)
             .event_format(PlainLines::new())
-            .init(),
-        LogFormat::Human => builder.init(),
+            .boxed(),
+        LogFormat::Human => layer.boxed(),
     }
 }
 

@@ -28,7 +28,7 @@ fn exported_series() -> BTreeSet<String> {
     let m = Metrics::new();
     let route = m.route("default");
     for outcome in RequestOutcome::ALL {
-        route.request(outcome, Duration::from_millis(1));
+        route.request(outcome, Duration::from_millis(1), None);
     }
     route.upstream(Duration::from_millis(1));
     m.store_call("begin", Duration::from_micros(200), false);

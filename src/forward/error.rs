@@ -24,6 +24,18 @@ pub enum UpstreamError {
     Reset(String),
 }
 
+impl UpstreamError {
+    /// The failure's class in one word, for the upstream span's
+    /// `error.type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            UpstreamError::Unreachable(_) => "unreachable",
+            UpstreamError::Timeout => "timeout",
+            UpstreamError::Reset(_) => "reset",
+        }
+    }
+}
+
 /// How the client reached the proxy, for `X-Forwarded-*`.
 #[derive(Clone, Debug)]
 pub struct ClientInfo {

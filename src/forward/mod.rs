@@ -13,11 +13,15 @@ use std::time::Duration;
 
 use axum::body::Body;
 use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
 use http::{Request, Response};
 use tower::Service;
+use tracing::Instrument;
 
 pub use client::{Upstream, UpstreamSettings, UpstreamUrl};
 pub use error::{ClientInfo, UpstreamError};
+
+use crate::observe::trace;
 
 /// Forwards each request to the upstream, within `timeout` (the response
 /// body included).
@@ -50,12 +54,25 @@ impl Service<Request<Body>> for Forward {
             .get::<ClientInfo>()
             .cloned()
             .unwrap_or_else(|| ClientInfo::new(None, false));
-        let req = self.upstream.prepare(req, client);
+        let mut req = self.upstream.prepare(req, client);
+        let span = trace::upstream_span(req.method(), req.uri());
+        trace::inject(&span, req.headers_mut());
         let deadline = tokio::time::Instant::now() + self.timeout;
         let upstream = self.upstream.clone();
-        Box::pin(async move {
-            let response = upstream.send(req, deadline).await?;
-            Ok(response.map(Body::new))
-        })
+        let answered = span.clone();
+        async move {
+            match upstream.send(req, deadline).await {
+                Ok(response) => {
+                    trace::upstream_answered(&answered, response.status().as_u16());
+                    Ok(response.map(Body::new))
+                }
+                Err(e) => {
+                    trace::upstream_failed(&answered, e.kind());
+                    Err(e)
+                }
+            }
+        }
+        .instrument(span)
+        .boxed()
     }
 }

@@ -16,6 +16,7 @@ use http::{Request, Response};
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
+use tracing::Instrument;
 
 use super::body::{holding, read_request_body};
 use super::detach::DetachOnDrop;
@@ -229,8 +230,10 @@ where
         };
         let (respond, mut answer) = oneshot::channel();
         let tasks = self.settings.tasks.clone();
+        // The request's span goes with the run, into its own task too.
+        let span = self.log.span().clone();
         let mut run = DetachOnDrop::new(Box::pin(
-            tasks.track_future(self.run(claim, request, respond)),
+            tasks.track_future(self.run(claim, request, respond).instrument(span)),
         ));
         let answer = std::future::poll_fn(|cx| {
             run.poll(cx);

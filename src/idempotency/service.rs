@@ -31,6 +31,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tower::util::Oneshot;
 use tower::{Service, ServiceExt};
+use tracing::instrument::Instrumented;
+use tracing::{Instrument, Span};
 
 use super::body::holding;
 use super::exchange::Exchange;
@@ -94,16 +96,14 @@ where
         };
         if let Some(mcp) = policy.mcp.clone() {
             if req.method() == http::Method::POST {
+                let span = log.span().clone();
                 let exchange = self.exchange(policy, log, permit);
-                return ResponseFuture::Covered {
-                    fut: Box::pin(exchange.start_mcp(req, mcp)),
-                };
+                return ResponseFuture::covered(span, exchange.start_mcp(req, mcp));
             }
             if req.method() == http::Method::DELETE {
+                let span = log.span().clone();
                 let exchange = self.exchange(policy, log, permit);
-                return ResponseFuture::Covered {
-                    fut: Box::pin(exchange.end_session(req, mcp)),
-                };
+                return ResponseFuture::covered(span, exchange.end_session(req, mcp));
             }
             // GET streams: the transport's, not a call.
             return ResponseFuture::passthrough(
@@ -162,10 +162,9 @@ where
                 );
             }
         };
+        let span = log.span().clone();
         let exchange = self.exchange(policy, log, permit);
-        ResponseFuture::Covered {
-            fut: Box::pin(exchange.start(req, key)),
-        }
+        ResponseFuture::covered(span, exchange.start(req, key))
     }
 }
 
@@ -191,8 +190,9 @@ pin_project! {
     #[project = ResponseFutureProj]
     pub enum ResponseFuture<S: Service<Request<Body>>> {
         Passthrough {
+            // In the request's span, so the upstream call's is its child.
             #[pin]
-            fut: Oneshot<S, Request<Body>>,
+            fut: Instrumented<Oneshot<S, Request<Body>>>,
             log: Option<RequestLog>,
             permit: Option<OwnedSemaphorePermit>,
             // `upstream.timeout` from arrival: the body's too.
@@ -228,11 +228,19 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
         outcome: RequestOutcome,
     ) -> Self {
         ResponseFuture::Passthrough {
-            fut,
+            fut: fut.instrument(log.span().clone()),
             deadline: log.started() + timeout,
             log: Some(log),
             permit: Some(permit),
             outcome,
+        }
+    }
+
+    /// The covered path, run in the request's span: its store and
+    /// upstream calls' spans are children of it.
+    fn covered(span: Span, fut: impl Future<Output = Response<Body>> + Send + 'static) -> Self {
+        ResponseFuture::Covered {
+            fut: Box::pin(fut.instrument(span)),
         }
     }
 

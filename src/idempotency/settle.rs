@@ -5,6 +5,7 @@
 //! background until the claim's lease ends.
 
 use std::time::Duration;
+use tracing::Instrument;
 
 use axum::body::Body;
 use http::{Request, Response};
@@ -85,7 +86,8 @@ where
         let permit = self.permit.split(self.permit.num_permits());
         let counted = self.settings.metrics.settling();
         let (key, lease_ends) = (claim.key, claim.lease_ends);
-        self.settings.tasks.spawn(async move {
+        self.settings.tasks.spawn(
+            async move {
             // The gauge goes down before the slot is free.
             let _held = (counted, permit);
             for attempt in INLINE_SETTLE_ATTEMPTS.. {
@@ -113,7 +115,9 @@ where
                     return;
                 }
             }
-        });
+            }
+            .in_current_span(),
+        );
     }
 }
 

@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::time::Duration;
+use tracing::Instrument;
 
 use futures_util::future::FusedFuture;
 use futures_util::future::{BoxFuture, Fuse};
@@ -12,7 +13,7 @@ use tokio::time::Instant;
 
 use super::layer::Settings;
 use crate::core::{Begin, BeginOutcome, FencingToken, RecordKey};
-use crate::observe::RequestLog;
+use crate::observe::{trace, RequestLog};
 use crate::store::{SharedStore, Store, StoreError};
 
 /// A `begin` that owns what it needs, so that it can outlive the caller's
@@ -57,21 +58,24 @@ pub(super) fn release_unanswered_claim(
         return;
     };
     let (store, key, token) = (settings.store.clone(), begin.key, begin.token);
-    settings.tasks.spawn(async move {
-        let _slot = slot;
-        let mut stopped = StoppedRelease(Some(key));
-        // What the call still does says whether it claimed the key.
-        if !call.is_terminated() {
-            match tokio::time::timeout_at(lease_ends, call).await {
-                Ok(Ok(BeginOutcome::Acquired { .. })) | Ok(Err(_)) | Err(_) => {}
-                // The key was settled or held by another request: no claim
-                // of this one's is there.
-                Ok(Ok(_)) => return stopped.finished(),
+    settings.tasks.spawn(
+        async move {
+            let _slot = slot;
+            let mut stopped = StoppedRelease(Some(key));
+            // What the call still does says whether it claimed the key.
+            if !call.is_terminated() {
+                match tokio::time::timeout_at(lease_ends, call).await {
+                    Ok(Ok(BeginOutcome::Acquired { .. })) | Ok(Err(_)) | Err(_) => {}
+                    // The key was settled or held by another request: no claim
+                    // of this one's is there.
+                    Ok(Ok(_)) => return stopped.finished(),
+                }
             }
+            release_by_token(store, key, token, lease_ends).await;
+            stopped.finished();
         }
-        release_by_token(store, key, token, lease_ends).await;
-        stopped.finished();
-    });
+        .in_current_span(),
+    );
 }
 
 /// Says, when a release task is dropped before it finished (the drain
@@ -160,12 +164,17 @@ pub(super) async fn bounded<T>(
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     let started = Instant::now();
-    let result = match tokio::time::timeout(limit, call).await {
+    let span = trace::store_span(op);
+    let result = match tokio::time::timeout(limit, call.instrument(span.clone())).await {
         Ok(result) => result,
         Err(_) => Err(StoreError::Unavailable(format!(
             "no answer within {limit:?}"
         ))),
     };
+    match &result {
+        Ok(_) | Err(StoreError::Fenced) => {}
+        Err(e) => trace::store_failed(&span, e.kind()),
+    }
     settings.metrics.store_call(
         op,
         started.elapsed(),

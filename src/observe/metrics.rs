@@ -9,9 +9,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use opentelemetry::trace::TraceId;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -63,6 +65,19 @@ fn histogram() -> Histogram {
     Histogram::new(BUCKETS)
 }
 
+/// The exemplar of a request in a sampled trace: Grafana links a latency
+/// point to its trace by `trace_id`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TraceExemplar {
+    trace_id: String,
+}
+
+type LatencyHistogram = HistogramWithExemplars<TraceExemplar>;
+
+fn latency_histogram() -> LatencyHistogram {
+    HistogramWithExemplars::new(BUCKETS.into_iter())
+}
+
 /// A histogram per label set, each with [`BUCKETS`].
 fn histograms<L: Clone + std::hash::Hash + Eq>() -> Family<L, Histogram, fn() -> Histogram> {
     Family::new_with_constructor(histogram as fn() -> Histogram)
@@ -74,7 +89,9 @@ pub struct Metrics {
     /// per-request path should not hash and allocate labels.
     store_ops: [(&'static str, Histogram, Counter); 3],
     requests: Family<OutcomeLabels, Counter>,
-    request_duration: Family<RouteLabels, Histogram, fn() -> Histogram>,
+    /// With the trace id of a recent sampled request per bucket, while
+    /// traces are on.
+    request_duration: Family<RouteLabels, LatencyHistogram, fn() -> LatencyHistogram>,
     upstream_duration: Family<RouteLabels, Histogram, fn() -> Histogram>,
     store_duration: Family<OpLabels, Histogram, fn() -> Histogram>,
     store_errors: Family<OpLabels, Counter>,
@@ -116,7 +133,9 @@ impl Metrics {
             registry: Registry::with_prefix("idemproxy"),
             store_ops,
             requests: Family::default(),
-            request_duration: histograms(),
+            request_duration: Family::new_with_constructor(
+                latency_histogram as fn() -> LatencyHistogram,
+            ),
             upstream_duration: histograms(),
             store_duration,
             store_errors,
@@ -294,7 +313,7 @@ impl Metrics {
 #[derive(Clone)]
 pub struct RouteMetrics {
     outcomes: [Counter; RequestOutcome::ALL.len()],
-    duration: Histogram,
+    duration: LatencyHistogram,
     upstream: Histogram,
     released: Counter,
     stale: Counter,
@@ -310,9 +329,14 @@ impl std::fmt::Debug for RouteMetrics {
 }
 
 impl RouteMetrics {
-    pub fn request(&self, outcome: RequestOutcome, elapsed: Duration) {
+    /// Counts a request; `trace`, the id of its sampled trace, becomes its
+    /// latency bucket's exemplar.
+    pub fn request(&self, outcome: RequestOutcome, elapsed: Duration, trace: Option<TraceId>) {
         self.outcomes[outcome.index()].inc();
-        self.duration.observe(elapsed.as_secs_f64());
+        let exemplar = trace.map(|id| TraceExemplar {
+            trace_id: id.to_string(),
+        });
+        self.duration.observe(elapsed.as_secs_f64(), exemplar, None);
     }
 
     pub fn upstream(&self, elapsed: Duration) {
@@ -376,7 +400,7 @@ mod tests {
     fn series_are_named_as_documented() {
         let m = Metrics::new();
         m.route("payments")
-            .request(RequestOutcome::Executed, Duration::from_millis(3));
+            .request(RequestOutcome::Executed, Duration::from_millis(3), None);
         m.store_call("begin", Duration::from_micros(300), false);
         {
             let _g = m.executing();
@@ -396,5 +420,32 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("idemproxy_in_flight 0"), "{text}");
+        assert!(
+            !text.contains("trace_id"),
+            "no exemplar without a trace: {text}"
+        );
+    }
+
+    #[test]
+    fn a_sampled_request_is_its_latency_buckets_exemplar() {
+        let m = Metrics::new();
+        let trace = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").expect("a trace id");
+        let route = m.route("payments");
+        route.request(
+            RequestOutcome::Executed,
+            Duration::from_millis(3),
+            Some(trace),
+        );
+        route.request(RequestOutcome::Replayed, Duration::from_millis(40), None);
+        let text = m.render();
+        // OpenMetrics: `bucket{…} count # {labels} value`, on the bucket the
+        // request fell in only.
+        assert!(
+            text.contains(
+                r#"idemproxy_request_duration_seconds_bucket{le="0.005",route="payments"} 1 # {trace_id="4bf92f3577b34da6a3ce929d0e0e4736"} 0.003"#
+            ),
+            "{text}"
+        );
+        assert_eq!(text.matches("trace_id=").count(), 1, "{text}");
     }
 }

@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use http::{HeaderValue, Method, Request, Response};
 use tokio::time::Instant;
+use tracing::Span;
 
 use super::metrics::{RouteMetrics, UNLISTED_TOOL};
 use super::outcome::RequestOutcome;
+use super::trace;
 use crate::core::{KeyHex, RecordKey};
 use crate::http::headers::X_REQUEST_ID;
 
@@ -31,6 +33,9 @@ pub struct RequestLog {
     status: Option<u16>,
     store: Duration,
     upstream: Option<Duration>,
+    /// The request's span (see [`trace`]); disabled while traces are off.
+    /// It ends with the line.
+    span: Span,
     /// Set once the line is written. A log dropped before that while its
     /// thread unwinds belongs to a run that panicked: it is written then, as
     /// `internal`, so the request is in the log and in
@@ -78,6 +83,7 @@ impl RequestLog {
     /// request's time counts from here.
     pub fn new<B>(route: Arc<str>, metrics: Arc<RouteMetrics>, req: &Request<B>) -> Self {
         Self {
+            span: trace::request_span(&route, req),
             metrics,
             route,
             method: req.method().clone(),
@@ -97,6 +103,11 @@ impl RequestLog {
     /// The route's series, for the counts that are not per request.
     pub fn metrics(&self) -> &Arc<RouteMetrics> {
         &self.metrics
+    }
+
+    /// The request's span: the parent of its store and upstream calls'.
+    pub fn span(&self) -> &Span {
+        &self.span
     }
 
     /// When the request arrived.
@@ -168,13 +179,23 @@ impl RequestLog {
     fn write(&mut self, outcome: RequestOutcome) {
         self.written = true;
         let elapsed = self.started.elapsed();
-        self.metrics.request(outcome, elapsed);
         if let Some((_, label)) = &self.tool {
             self.metrics.tool_call(label, outcome);
         }
         // The full store hash: an operator can look the key up through the
         // admin API. It is a hash of scope and key, never the key itself.
         let key = self.key.map(|k| k.hex());
+        let sampled = trace::end_request(
+            &self.span,
+            &trace::Ending {
+                outcome: outcome.as_str(),
+                status: self.status.unwrap_or(0),
+                key_hash: key.as_ref().map(KeyHex::as_str),
+                replayed: outcome == RequestOutcome::Replayed,
+                tool: self.tool.as_ref().map(|(tool, _)| &**tool),
+            },
+        );
+        self.metrics.request(outcome, elapsed, sampled);
         let key = key.as_ref().map_or("-", KeyHex::as_str);
         let request_id = self
             .request_id

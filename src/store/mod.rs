@@ -51,6 +51,18 @@ pub enum StoreError {
     Fenced,
 }
 
+impl StoreError {
+    /// The error's class in one word, for a store call's span.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Unavailable(_) => "unavailable",
+            StoreError::Corrupt(_) => "corrupt",
+            StoreError::InvalidCursor(_) => "invalid_cursor",
+            StoreError::Fenced => "fenced",
+        }
+    }
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Claims `begin.key` or reports its current state, in one atomic step.
