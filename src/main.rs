@@ -15,7 +15,7 @@ use opentelemetry_sdk::trace::SdkTracer;
 use tracing_opentelemetry::OpenTelemetryLayer;
 use tracing_subscriber::filter::{Filtered, Targets};
 use tracing_subscriber::fmt::format::JsonFields;
-use tracing_subscriber::layer::{Layered, SubscriberExt};
+use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{Layer, Registry};
 
@@ -424,8 +424,6 @@ struct Telemetry {
 
 /// The traces' layer: only their spans, at their target, reach it.
 type TraceLayer = Filtered<OpenTelemetryLayer<Registry, SdkTracer>, Targets, Registry>;
-/// What the log lines' layer is stacked on.
-type WithTraces = Layered<Option<TraceLayer>, Registry>;
 
 /// Logs go to stdout in batches; the guard writes out what is buffered
 /// when `main` returns. If the writer thread cannot start, logs go to
@@ -450,33 +448,71 @@ fn init_telemetry(config: &Config) -> Result<Telemetry, idemproxy::Error> {
         }
         None => (None, None),
     };
-    let (logs, log_guard) = match BatchedWriter::new(std::io::stdout()) {
+    let format = config.log.format;
+    let log_guard = match BatchedWriter::new(std::io::stdout()) {
         Ok((writer, guard)) => {
             let ansi = std::io::stdout().is_terminal();
-            (log_layer(config.log.format, writer, ansi), Some(guard))
+            install_subscriber(filter, format, writer, ansi, traces);
+            Some(guard)
         }
         Err(e) => {
             eprintln!("idemproxy: cannot start the log writer: {e}; logging to stderr");
             let ansi = std::io::stderr().is_terminal();
-            (log_layer(config.log.format, std::io::stderr, ansi), None)
+            install_subscriber(filter, format, std::io::stderr, ansi, traces);
+            None
         }
     };
-    tracing_subscriber::registry()
-        .with(traces)
-        .with(logs.with_filter(filter))
-        .init();
     Ok(Telemetry {
         _logs: log_guard,
         _traces: trace_guard,
     })
 }
 
-fn log_layer<W>(
+/// Without traces, one filter for the whole subscriber, as the log lines
+/// alone need: every span and event it turns off is a call site that is
+/// never asked again. With traces, each layer filters for itself, so the
+/// exporter sees the request spans and the log lines never do.
+fn install_subscriber<W>(
+    filter: tracing_subscriber::EnvFilter,
     format: LogFormat,
     writer: W,
     ansi: bool,
-) -> Box<dyn Layer<WithTraces> + Send + Sync>
+    traces: Option<TraceLayer>,
+) where
+    W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
+{
+    if let Some(traces) = traces {
+        let logs = log_layer(format, writer, ansi).with_filter(filter);
+        tracing_subscriber::registry()
+            .with(traces)
+            .with(logs)
+            .init();
+        return;
+    }
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer)
+        .with_ansi(ansi);
+    match format {
+        LogFormat::Json => builder
+            .with_ansi(false)
+            .fmt_fields(JsonFields::new())
+            .event_format(JsonLines::new())
+            .init(),
+        // Colours are for people at a terminal; output that goes elsewhere
+        // (a collector, a file) gets the same lines for less CPU.
+        LogFormat::Human if !ansi => builder
+            .fmt_fields(PlainFields)
+            .event_format(PlainLines::new())
+            .init(),
+        LogFormat::Human => builder.init(),
+    }
+}
+
+/// The log lines' layer, as [`install_subscriber`] builds it without traces.
+fn log_layer<S, W>(format: LogFormat, writer: W, ansi: bool) -> Box<dyn Layer<S> + Send + Sync>
 where
+    S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
 {
     let layer = tracing_subscriber::fmt::layer()
@@ -488,8 +524,6 @@ where
             .fmt_fields(JsonFields::new())
             .event_format(JsonLines::new())
             .boxed(),
-        // Colours are for people at a terminal; output that goes elsewhere
-        // (a collector, a file) gets the same lines for less CPU.
         LogFormat::Human if !ansi => layer
             .fmt_fields(PlainFields)
             .event_format(PlainLines::new())

@@ -109,6 +109,47 @@ fn dashboard_panels_use_exported_metrics() {
     check_exprs("idemproxy.json", &exprs);
 }
 
+/// The latency panel shows trace exemplars (`[telemetry]`), and asks for
+/// them only from the one histogram the proxy attaches them to.
+#[test]
+fn dashboard_asks_for_exemplars_where_the_proxy_writes_them() {
+    let text = std::fs::read_to_string(deploy("grafana/idemproxy.json")).expect("dashboard");
+    let dash: serde_json::Value = serde_json::from_str(&text).expect("dashboard is JSON");
+    let with_exemplars: Vec<String> = dash["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .flat_map(|panel| panel["targets"].as_array().expect("targets"))
+        .filter(|target| target["exemplar"] == serde_json::Value::Bool(true))
+        .map(|target| target["expr"].as_str().expect("expr").to_string())
+        .collect();
+    assert!(!with_exemplars.is_empty(), "no panel shows exemplars");
+    for expr in &with_exemplars {
+        assert_eq!(
+            metric_names(expr),
+            ["idemproxy_request_duration_seconds_bucket"],
+            "exemplars asked of a series without them: {expr}"
+        );
+    }
+    // And the proxy writes them there: a sampled request's trace id.
+    let metrics = idemproxy::observe::Metrics::new();
+    let trace = opentelemetry::trace::TraceId::from_hex("0af7651916cd43dd8448eb211c80319c")
+        .expect("a trace id");
+    metrics.route("payments").request(
+        RequestOutcome::Executed,
+        Duration::from_millis(2),
+        Some(trace),
+    );
+    let rendered = metrics.render();
+    assert!(
+        rendered.lines().any(
+            |line| line.starts_with("idemproxy_request_duration_seconds_bucket")
+                && line.contains(r#"# {trace_id="0af7651916cd43dd8448eb211c80319c"}"#)
+        ),
+        "{rendered}"
+    );
+}
+
 #[test]
 fn metric_name_extraction_finds_every_name() {
     assert_eq!(

@@ -13,10 +13,8 @@ use std::time::Duration;
 
 use axum::body::Body;
 use futures_util::future::BoxFuture;
-use futures_util::FutureExt;
 use http::{Request, Response};
 use tower::Service;
-use tracing::Instrument;
 
 pub use client::{Upstream, UpstreamSettings, UpstreamUrl};
 pub use error::{ClientInfo, UpstreamError};
@@ -60,7 +58,7 @@ impl Service<Request<Body>> for Forward {
         let deadline = tokio::time::Instant::now() + self.timeout;
         let upstream = self.upstream.clone();
         let answered = span.clone();
-        async move {
+        let call = async move {
             match upstream.send(req, deadline).await {
                 Ok(response) => {
                     trace::upstream_answered(&answered, response.status().as_u16());
@@ -71,8 +69,7 @@ impl Service<Request<Body>> for Forward {
                     Err(e)
                 }
             }
-        }
-        .instrument(span)
-        .boxed()
+        };
+        trace::boxed_in(span, call)
     }
 }

@@ -16,7 +16,6 @@ use http::{Request, Response};
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
-use tracing::Instrument;
 
 use super::body::{holding, read_request_body};
 use super::detach::DetachOnDrop;
@@ -33,7 +32,7 @@ use crate::core::{
     millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey,
     UnknownCause, UpstreamFailure,
 };
-use crate::observe::{RequestLog, RequestOutcome};
+use crate::observe::{trace, RequestLog, RequestOutcome};
 use crate::store::StoreError;
 
 /// One covered request, from its body to its stored outcome.
@@ -232,8 +231,9 @@ where
         let tasks = self.settings.tasks.clone();
         // The request's span goes with the run, into its own task too.
         let span = self.log.span().clone();
-        let mut run = DetachOnDrop::new(Box::pin(
-            tasks.track_future(self.run(claim, request, respond).instrument(span)),
+        let mut run = DetachOnDrop::new(trace::boxed_in(
+            span,
+            tasks.track_future(self.run(claim, request, respond)),
         ));
         let answer = std::future::poll_fn(|cx| {
             run.poll(cx);

@@ -41,7 +41,7 @@ use super::layer::Settings;
 use super::policy::{Policy, Profile};
 use super::rejection::Rejection;
 use crate::core::UpstreamFailure;
-use crate::observe::{RequestLog, RequestOutcome};
+use crate::observe::{trace, RequestLog, RequestOutcome};
 
 /// The middleware service. `S` forwards a request to the upstream; its
 /// error says whether the request could have executed
@@ -240,7 +240,7 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
     /// upstream calls' spans are children of it.
     fn covered(span: Span, fut: impl Future<Output = Response<Body>> + Send + 'static) -> Self {
         ResponseFuture::Covered {
-            fut: Box::pin(fut.instrument(span)),
+            fut: trace::boxed_in(span, fut),
         }
     }
 

@@ -16,13 +16,16 @@
 //! (`http.request.method`, `http.response.status_code`, `url.path`,
 //! `url.full`), and `idemproxy.*` otherwise.
 
+use std::future::Future;
+
+use futures_util::future::BoxFuture;
 use http::{HeaderMap, Method, Request};
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{TraceContextExt, TraceId};
 use opentelemetry_http::{HeaderExtractor, HeaderInjector};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use tracing::field::Empty;
-use tracing::Span;
+use tracing::{Instrument, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::http::headers::X_REQUEST_ID;
@@ -70,6 +73,24 @@ pub fn request_span<B>(route: &str, req: &Request<B>) -> Span {
     span
 }
 
+/// Boxes `fut` to run in `span`; with traces off, boxes it as it is: the
+/// wrapper of a disabled span would still cost a copy of a large future
+/// and a check on every poll.
+#[inline]
+pub fn boxed_in<'a, F>(span: Span, fut: F) -> BoxFuture<'a, F::Output>
+where
+    F: Future + Send + 'a,
+{
+    if span.is_disabled() {
+        Box::pin(fut)
+    } else {
+        Box::pin(fut.instrument(span))
+    }
+}
+
+// Integers are recorded as `i64`: the OpenTelemetry layer turns other
+// integer types into text, and `http.response.status_code` is an int.
+
 /// What a request ended as, on its span (see [`request_span`]).
 #[derive(Debug)]
 pub struct Ending<'a> {
@@ -88,7 +109,7 @@ pub fn end_request(span: &Span, ending: &Ending<'_>) -> Option<TraceId> {
         return None;
     }
     span.record("idemproxy.outcome", ending.outcome);
-    span.record("http.response.status_code", ending.status);
+    span.record("http.response.status_code", i64::from(ending.status));
     span.record("idemproxy.replayed", ending.replayed);
     if let Some(key_hash) = ending.key_hash {
         span.record("idemproxy.key_hash", key_hash);
@@ -143,7 +164,7 @@ pub fn upstream_span(method: &Method, url: &http::Uri) -> Span {
 
 /// Records the upstream's answer on its span.
 pub fn upstream_answered(span: &Span, status: u16) {
-    span.record("http.response.status_code", status);
+    span.record("http.response.status_code", i64::from(status));
     if status >= 500 {
         span.record("otel.status_code", "ERROR");
     }

@@ -5,6 +5,7 @@ pub mod fault;
 pub mod faulty;
 pub mod keys;
 pub mod mcp;
+pub mod otlp;
 pub mod proxy;
 pub mod raw;
 pub mod redis_server;
