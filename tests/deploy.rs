@@ -141,6 +141,34 @@ fn dashboard_asks_for_exemplars_where_the_proxy_writes_them() {
         Some(trace),
     );
     let rendered = metrics.render();
+    // The data sources' provisioning links that label to a trace store.
+    let sources = &yaml_docs("grafana/datasources.yaml")[0]["datasources"];
+    let links: Vec<(String, String)> = sources
+        .as_vec()
+        .expect("datasources")
+        .iter()
+        .flat_map(|source| {
+            source["jsonData"]["exemplarTraceIdDestinations"]
+                .as_vec()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .map(|link| {
+            let field = |name: &str| link[name].as_str().expect(name).to_owned();
+            (field("name"), field("datasourceUid"))
+        })
+        .collect();
+    assert_eq!(links.len(), 1, "{links:?}");
+    let (label, uid) = &links[0];
+    assert_eq!(label, "trace_id", "the label the proxy writes");
+    assert!(
+        sources
+            .as_vec()
+            .expect("datasources")
+            .iter()
+            .any(|source| source["uid"].as_str() == Some(uid.as_str())),
+        "exemplars link to {uid}, which is not provisioned"
+    );
     assert!(
         rendered.lines().any(
             |line| line.starts_with("idemproxy_request_duration_seconds_bucket")

@@ -24,6 +24,9 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
 use tracing_opentelemetry::OpenTelemetryLayer;
 
+/// Why the exporter could not be set up (a runtime, TLS, the exporter).
+pub type SetupError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Where spans go and how many new traces are kept (`[telemetry]`).
 #[derive(Clone, Debug)]
 pub struct TraceExport {
@@ -70,7 +73,7 @@ impl Drop for TraceGuard {
 /// sends them to `export.endpoint`, and the guard that keeps it sending.
 pub fn layer<S>(
     export: &TraceExport,
-) -> Result<(OpenTelemetryLayer<S, SdkTracer>, TraceGuard), crate::Error>
+) -> Result<(OpenTelemetryLayer<S, SdkTracer>, TraceGuard), SetupError>
 where
     S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
 {
@@ -132,7 +135,7 @@ fn traces_url(endpoint: &str) -> String {
 
 /// `https://` collectors are checked against the system's roots and the
 /// webpki (Mozilla) ones.
-fn https_connector() -> Result<HttpsConnector<HttpConnector>, crate::Error> {
+fn https_connector() -> Result<HttpsConnector<HttpConnector>, SetupError> {
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     // A broken system store leaves the webpki roots.
