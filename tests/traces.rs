@@ -422,15 +422,16 @@ async fn sampling_follows_the_caller() {
     let mut proxy = start_traced(c).await;
     let client = TestClient::new();
 
-    // The caller decided not to record: the proxy records nothing, but the
-    // upstream still learns the trace and the decision.
+    // The caller decided not to record: the proxy records nothing, and the
+    // upstream gets the caller's trace and decision as they came.
     let unsampled = trace_id();
+    let unsampled_parent = traceparent(&unsampled, &span_id(), false);
     let reply = client
         .post_json_with(
             &proxy.url("/v1/unsampled"),
             &[
                 ("idempotency-key", "trace-unsampled"),
-                ("traceparent", &traceparent(&unsampled, &span_id(), false)),
+                ("traceparent", &unsampled_parent),
             ],
             "{}",
         )
@@ -474,9 +475,16 @@ async fn sampling_follows_the_caller() {
         "{}",
         describe_all(&spans)
     );
-    let sent = parse_traceparent(&upstream_traceparent(&upstream, "/v1/unsampled"));
-    assert_eq!(sent[1], unsampled, "the caller's trace: {sent:?}");
-    assert_eq!(sent[3], "00", "not sampled: {sent:?}");
+    let sent = upstream_traceparent(&upstream, "/v1/unsampled");
+    let [_, trace, _, flags] = parse_traceparent(&sent);
+    assert_eq!(trace, unsampled, "the caller's trace: {sent:?}");
+    assert_eq!(flags, "00", "not sampled: {sent:?}");
+    assert_eq!(sent, unsampled_parent, "passed on as it came");
+    // A new trace not sampled is not started at all.
+    let unparented = upstream
+        .last_headers("/v1/unparented")
+        .expect("the upstream got /v1/unparented");
+    assert_eq!(unparented.get("traceparent"), None, "{unparented:?}");
 
     // Everything, flushed: only the sampled trace is there.
     stop(&mut proxy).await;

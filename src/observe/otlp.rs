@@ -77,6 +77,7 @@ pub fn layer<S>(
 where
     S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
 {
+    super::trace::set_sample_ratio(export.sample_ratio);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("idemproxy-otlp")
@@ -94,9 +95,9 @@ where
         .build()?;
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
-        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-            export.sample_ratio,
-        ))))
+        // Requests are sampled before their spans exist
+        // (`trace::request_span`): every span that reaches the SDK is kept.
+        .with_sampler(Sampler::AlwaysOn)
         .with_resource(
             Resource::builder()
                 .with_service_name(export.service_name.clone())

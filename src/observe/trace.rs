@@ -17,6 +17,7 @@
 //! `url.full`), and `idemproxy.*` otherwise.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures_util::future::BoxFuture;
 use http::{HeaderMap, Method, Request};
@@ -25,7 +26,7 @@ use opentelemetry::trace::{TraceContextExt, TraceId};
 use opentelemetry_http::{HeaderExtractor, HeaderInjector};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use tracing::field::Empty;
-use tracing::{Instrument, Span};
+use tracing::{Instrument, Level, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::http::headers::X_REQUEST_ID;
@@ -35,9 +36,44 @@ pub const TARGET: &str = "idemproxy::trace";
 
 const TRACESTATE: &str = "tracestate";
 
+/// The share of new traces kept (`telemetry.sample_ratio`), as `f64`
+/// bits; set once, by [`super::otlp::layer`].
+static SAMPLE_RATIO: AtomicU64 = AtomicU64::new(1.0f64.to_bits());
+
+/// Sets the share of requests without a sampled caller that are traced.
+pub fn set_sample_ratio(ratio: f64) {
+    SAMPLE_RATIO.store(ratio.clamp(0.0, 1.0).to_bits(), Ordering::Relaxed);
+}
+
+/// Whether traces are on: the exporter's layer enables [`TARGET`]. With
+/// them off, a call site no subscriber wants: a load and a branch.
+fn tracing_on() -> bool {
+    tracing::enabled!(target: TARGET, Level::INFO)
+}
+
 /// The span of one request on `route`, in the trace its `traceparent`
-/// names (its caller's decision to sample included), else in a new one.
+/// names, else in a new one; none when the request is not sampled.
+///
+/// Sampling is decided here, before any span exists: a caller's sampled
+/// flag is followed both ways, and `sample_ratio` decides for requests
+/// without one. An unsampled request then costs a header lookup, not the
+/// spans the exporter would drop (they cost nearly as much to make as to
+/// keep), and its `traceparent` goes on to the upstream as it came.
 pub fn request_span<B>(route: &str, req: &Request<B>) -> Span {
+    if !tracing_on() {
+        return Span::none();
+    }
+    let caller = TraceContextPropagator::new().extract(&HeaderExtractor(req.headers()));
+    let caller_context = caller.span().span_context().clone();
+    let sampled = if caller_context.is_valid() {
+        caller_context.is_sampled()
+    } else {
+        let ratio = f64::from_bits(SAMPLE_RATIO.load(Ordering::Relaxed));
+        ratio > 0.0 && rand::random::<f64>() < ratio
+    };
+    if !sampled {
+        return Span::none();
+    }
     let span = tracing::info_span!(
         target: TARGET,
         "request",
@@ -54,9 +90,6 @@ pub fn request_span<B>(route: &str, req: &Request<B>) -> Span {
         http.response.status_code = Empty,
         idemproxy.request_id = Empty,
     );
-    if span.is_disabled() {
-        return span;
-    }
     if let Some(id) = req
         .headers()
         .get(X_REQUEST_ID)
@@ -64,13 +97,22 @@ pub fn request_span<B>(route: &str, req: &Request<B>) -> Span {
     {
         span.record("idemproxy.request_id", id);
     }
-    let caller = TraceContextPropagator::new().extract(&HeaderExtractor(req.headers()));
-    if caller.span().span_context().is_valid() {
-        // Before anything starts the span: its parent and its sampling
-        // decision are fixed when it starts.
+    if caller_context.is_valid() {
+        // Before anything starts the span: its parent is fixed when it
+        // starts.
         let _ = span.set_parent(caller);
     }
     span
+}
+
+/// Whether the current span is a traced request's (or one of its
+/// children's): store and upstream calls get spans only then, never as
+/// roots of their own.
+fn in_traced_request() -> bool {
+    tracing_on()
+        && Span::current()
+            .metadata()
+            .is_some_and(|span| span.target() == TARGET)
 }
 
 /// Boxes `fut` to run in `span`; with traces off, boxes it as it is: the
@@ -131,6 +173,9 @@ pub fn end_request(span: &Span, ending: &Ending<'_>) -> Option<TraceId> {
 
 /// The span of one store call, a child of the current span.
 pub fn store_span(op: &'static str) -> Span {
+    if !in_traced_request() {
+        return Span::none();
+    }
     tracing::info_span!(
         target: TARGET,
         "store",
@@ -150,6 +195,9 @@ pub fn store_failed(span: &Span, kind: &'static str) {
 
 /// The span of the call to the upstream, a child of the current span.
 pub fn upstream_span(method: &Method, url: &http::Uri) -> Span {
+    if !in_traced_request() {
+        return Span::none();
+    }
     tracing::info_span!(
         target: TARGET,
         "upstream",
@@ -178,8 +226,9 @@ pub fn upstream_failed(span: &Span, kind: &'static str) {
 
 /// Writes `span`'s trace context into the headers of the request it
 /// makes, so the next hop's spans are its children; what the caller sent
-/// is replaced. Nothing is touched while traces are off: the caller's
-/// `traceparent` then goes on as any other header.
+/// is replaced. Nothing is touched while traces are off, or for a request
+/// not sampled: the caller's `traceparent` then goes on as any other
+/// header.
 pub fn inject(span: &Span, headers: &mut HeaderMap) {
     if span.is_disabled() {
         return;
