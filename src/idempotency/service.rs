@@ -31,8 +31,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tower::util::Oneshot;
 use tower::{Service, ServiceExt};
-use tracing::instrument::Instrumented;
-use tracing::{Instrument, Span};
+use tracing::Span;
 
 use super::body::holding;
 use super::exchange::Exchange;
@@ -190,9 +189,10 @@ pin_project! {
     #[project = ResponseFutureProj]
     pub enum ResponseFuture<S: Service<Request<Body>>> {
         Passthrough {
-            // In the request's span, so the upstream call's is its child.
+            // Polled in the request's span (the log's), so the upstream
+            // call's span is its child.
             #[pin]
-            fut: Instrumented<Oneshot<S, Request<Body>>>,
+            fut: Oneshot<S, Request<Body>>,
             log: Option<RequestLog>,
             permit: Option<OwnedSemaphorePermit>,
             // `upstream.timeout` from arrival: the body's too.
@@ -228,7 +228,7 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
         outcome: RequestOutcome,
     ) -> Self {
         ResponseFuture::Passthrough {
-            fut: fut.instrument(log.span().clone()),
+            fut,
             deadline: log.started() + timeout,
             log: Some(log),
             permit: Some(permit),
@@ -274,7 +274,11 @@ where
                 deadline,
                 outcome,
             } => {
-                let response = match std::task::ready!(fut.poll(cx)) {
+                let polled = {
+                    let _in_span = log.as_ref().map(|log| log.span().enter());
+                    std::task::ready!(fut.poll(cx))
+                };
+                let response = match polled {
                     Ok(response) => response,
                     Err(e) => Rejection::PassthroughFailed {
                         timeout: e.into().is_timeout(),
