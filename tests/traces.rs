@@ -408,6 +408,21 @@ async fn a_request_without_traceparent_starts_a_trace() {
     assert_eq!(failed.attr("idemproxy.key_hash"), None, "no key, no hash");
     let [_, sent_trace, _, _] = parse_traceparent(&upstream_traceparent(&upstream, "/v1/broken"));
     assert_eq!(sent_trace, failed.trace_id());
+    // The upstream span's URL leaves the query out: callers put tokens there.
+    let spans = receiver
+        .wait_for("the upstream span for /v1/broken", ARRIVAL, |spans| {
+            !named(spans, &sent_trace, "upstream").is_empty()
+        })
+        .await;
+    let call = the_span(&spans, &sent_trace, "upstream");
+    assert_eq!(
+        call.str_attr("url.full"),
+        Some(format!("{}/v1/broken", upstream.url()).as_str()),
+        "{}",
+        call.describe()
+    );
+    assert_eq!(call.int_attr("http.response.status_code"), Some(500));
+    assert_eq!(call.status(), SpanStatus::Error, "{}", call.describe());
 
     stop(&mut proxy).await;
     assert_eq!(receiver.rejected(), Vec::<String>::new());

@@ -5,12 +5,12 @@
 //! background until the claim's lease ends.
 
 use std::time::Duration;
-use tracing::Instrument;
 
 use axum::body::Body;
 use http::{Request, Response};
 use tokio::time::Instant;
 use tower::Service;
+use tracing::Instrument;
 
 use super::exchange::{Claim, Exchange};
 use super::layer::Settings;

@@ -4,12 +4,12 @@
 
 use std::future::Future;
 use std::time::Duration;
-use tracing::Instrument;
 
 use futures_util::future::FusedFuture;
 use futures_util::future::{BoxFuture, Fuse};
 use futures_util::FutureExt;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::layer::Settings;
 use crate::core::{Begin, BeginOutcome, FencingToken, RecordKey};

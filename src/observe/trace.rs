@@ -4,9 +4,10 @@
 //!
 //! The spans are `tracing` spans at the [`TARGET`] target, which only the
 //! OpenTelemetry layer ([`super::otlp`]) enables: the log lines never see
-//! them. With traces off no layer enables the target, each span macro is a
-//! disabled callsite (one load and a branch), and nothing here allocates,
-//! formats or reads a header.
+//! them. With traces off no layer enables the target: each check here is
+//! a disabled call site (a load and a branch), and nothing allocates,
+//! formats or reads a header. With traces on, a request is sampled before
+//! its span is made, and an unsampled one gets no spans at all.
 //!
 //! Parentage follows the task: the request span is entered whenever its
 //! request's future is polled (the covered run is instrumented with it, in
@@ -193,7 +194,8 @@ pub fn store_failed(span: &Span, kind: &'static str) {
     span.record("error.type", kind);
 }
 
-/// The span of the call to the upstream, a child of the current span.
+/// The span of the call to the upstream, a child of the current span. Its
+/// `url.full` leaves the query out: callers put tokens there.
 pub fn upstream_span(method: &Method, url: &http::Uri) -> Span {
     if !in_traced_request() {
         return Span::none();
@@ -204,7 +206,12 @@ pub fn upstream_span(method: &Method, url: &http::Uri) -> Span {
         otel.kind = "client",
         otel.status_code = Empty,
         http.request.method = %method,
-        url.full = %url,
+        url.full = %format_args!(
+            "{}://{}{}",
+            url.scheme_str().unwrap_or("http"),
+            url.authority().map_or("", |a| a.as_str()),
+            url.path()
+        ),
         http.response.status_code = Empty,
         error.type = Empty,
     )
