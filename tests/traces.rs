@@ -139,6 +139,25 @@ fn server_span<'a>(spans: &'a [ReceivedSpan], path: &str) -> Option<&'a Received
         .find(|s| s.kind() == SpanKind::Server && s.str_attr("url.path") == Some(path))
 }
 
+/// Waits until the request span of `trace` for `path`, and spans named
+/// `children` in that trace, have arrived; returns every span received.
+async fn wait_for_request(
+    receiver: &OtlpReceiver,
+    trace: &str,
+    path: &str,
+    children: &[&str],
+) -> Vec<ReceivedSpan> {
+    let what = format!("the request span for {path} and {children:?} in trace {trace}");
+    receiver
+        .wait_for(&what, ARRIVAL, |spans| {
+            request_span(spans, trace, path).is_some()
+                && children
+                    .iter()
+                    .all(|name| !named(spans, trace, name).is_empty())
+        })
+        .await
+}
+
 /// Asserts `child` is a CLIENT span directly under `parent`, in its trace.
 fn assert_client_child(spans: &[ReceivedSpan], parent: &ReceivedSpan, child: &ReceivedSpan) {
     assert_eq!(
@@ -196,18 +215,13 @@ async fn a_request_is_one_hop_in_the_callers_trace() {
     assert_eq!(first.status, 201, "{first:?}");
     assert!(!first.replayed());
 
-    let spans = receiver
-        .wait_for(
-            "request, store.begin, store.complete and upstream spans in the caller's trace",
-            ARRIVAL,
-            |spans| {
-                request_span(spans, &trace, "/v1/payments").is_some()
-                    && ["store.begin", "store.complete", "upstream"]
-                        .iter()
-                        .all(|name| !named(spans, &trace, name).is_empty())
-            },
-        )
-        .await;
+    let spans = wait_for_request(
+        &receiver,
+        &trace,
+        "/v1/payments",
+        &["store.begin", "store.complete", "upstream"],
+    )
+    .await;
     let request = the_span(&spans, &trace, "POST payments");
     assert_eq!(request.kind(), SpanKind::Server, "{}", request.describe());
     assert_eq!(
@@ -290,16 +304,7 @@ async fn a_request_is_one_hop_in_the_callers_trace() {
     assert_eq!(retry.status, 201, "{retry:?}");
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(upstream.executions("/v1/payments"), 1);
-    receiver
-        .wait_for(
-            "the replay's request and store.begin spans",
-            ARRIVAL,
-            |spans| {
-                request_span(spans, &retry_trace, "/v1/payments").is_some()
-                    && !named(spans, &retry_trace, "store.begin").is_empty()
-            },
-        )
-        .await;
+    wait_for_request(&receiver, &retry_trace, "/v1/payments", &["store.begin"]).await;
 
     // Everything, flushed: the replay made no upstream call, and the first
     // request exactly one.
@@ -473,16 +478,7 @@ async fn sampling_follows_the_caller() {
         )
         .await;
     assert_eq!(reply.status, 201, "{reply:?}");
-    let spans = receiver
-        .wait_for(
-            "the sampled request's request and upstream spans",
-            ARRIVAL,
-            |spans| {
-                request_span(spans, &sampled, "/v1/sampled").is_some()
-                    && !named(spans, &sampled, "upstream").is_empty()
-            },
-        )
-        .await;
+    let spans = wait_for_request(&receiver, &sampled, "/v1/sampled", &["upstream"]).await;
     let call = the_span(&spans, &sampled, "upstream");
     assert_eq!(
         upstream_traceparent(&upstream, "/v1/sampled"),
