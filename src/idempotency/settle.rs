@@ -86,8 +86,7 @@ where
         let permit = self.permit.split(self.permit.num_permits());
         let counted = self.settings.metrics.settling();
         let (key, lease_ends) = (claim.key, claim.lease_ends);
-        self.settings.tasks.spawn(
-            async move {
+        let settle = async move {
             // The gauge goes down before the slot is free.
             let _held = (counted, permit);
             for attempt in INLINE_SETTLE_ATTEMPTS.. {
@@ -115,9 +114,9 @@ where
                     return;
                 }
             }
-            }
-            .in_current_span(),
-        );
+        };
+        // In the request's span: the store calls' spans are its children.
+        self.settings.tasks.spawn(settle.in_current_span());
     }
 }
 

@@ -58,24 +58,23 @@ pub(super) fn release_unanswered_claim(
         return;
     };
     let (store, key, token) = (settings.store.clone(), begin.key, begin.token);
-    settings.tasks.spawn(
-        async move {
-            let _slot = slot;
-            let mut stopped = StoppedRelease(Some(key));
-            // What the call still does says whether it claimed the key.
-            if !call.is_terminated() {
-                match tokio::time::timeout_at(lease_ends, call).await {
-                    Ok(Ok(BeginOutcome::Acquired { .. })) | Ok(Err(_)) | Err(_) => {}
-                    // The key was settled or held by another request: no claim
-                    // of this one's is there.
-                    Ok(Ok(_)) => return stopped.finished(),
-                }
+    let release = async move {
+        let _slot = slot;
+        let mut stopped = StoppedRelease(Some(key));
+        // What the call still does says whether it claimed the key.
+        if !call.is_terminated() {
+            match tokio::time::timeout_at(lease_ends, call).await {
+                Ok(Ok(BeginOutcome::Acquired { .. })) | Ok(Err(_)) | Err(_) => {}
+                // The key was settled or held by another request: no claim
+                // of this one's is there.
+                Ok(Ok(_)) => return stopped.finished(),
             }
-            release_by_token(store, key, token, lease_ends).await;
-            stopped.finished();
         }
-        .in_current_span(),
-    );
+        release_by_token(store, key, token, lease_ends).await;
+        stopped.finished();
+    };
+    // In the request's span: the store calls' spans are its children.
+    settings.tasks.spawn(release.in_current_span());
 }
 
 /// Says, when a release task is dropped before it finished (the drain
