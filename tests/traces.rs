@@ -5,6 +5,7 @@
 //! upstream call carrying the trace on); a replay is traced without an
 //! upstream call; a request without a `traceparent` starts a trace; the
 //! caller's sampling decision wins over `sample_ratio`, in both directions;
+//! spans still batched at SIGTERM are sent before the process exits;
 //! with telemetry off a `traceparent` is forwarded untouched; and
 //! `idemproxy check` names a bad `[telemetry]` field.
 //!
@@ -507,6 +508,35 @@ async fn sampling_follows_the_caller() {
         "only trace {sampled} was sampled (not {unsampled}, nor a new one):\n{}",
         describe_all(&spans)
     );
+    assert_eq!(receiver.rejected(), Vec::<String>::new());
+}
+
+/// Spans still batched when the proxy is told to stop leave before it
+/// exits: the batch schedule is set to ten minutes, so only the flush at
+/// shutdown can send them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_batched_at_shutdown_are_sent_before_exit() {
+    let upstream = TestUpstream::start().await;
+    let receiver = OtlpReceiver::start().await;
+    let mut proxy = ProxyProcess::start_with_env(
+        traced_config(&upstream, &receiver),
+        &[("OTEL_BSP_SCHEDULE_DELAY", "600000".into())],
+    )
+    .await;
+    let reply = TestClient::new()
+        .post_json(&proxy.url("/v1/flushed"), "trace-flush-1", "{}")
+        .await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(receiver.exports(), 0, "nothing leaves before the stop");
+
+    stop(&mut proxy).await;
+    let spans = receiver.spans();
+    let request = server_span(&spans, "/v1/flushed")
+        .unwrap_or_else(|| panic!("not sent at shutdown:\n{}", describe_all(&spans)));
+    let trace = request.trace_id();
+    for name in ["store.begin", "upstream", "store.complete"] {
+        assert_client_child(&spans, request, the_span(&spans, &trace, name));
+    }
     assert_eq!(receiver.rejected(), Vec::<String>::new());
 }
 
