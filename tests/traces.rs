@@ -5,7 +5,8 @@
 //! upstream call carrying the trace on); a replay is traced without an
 //! upstream call; a request without a `traceparent` starts a trace; the
 //! caller's sampling decision wins over `sample_ratio`, in both directions;
-//! spans still batched at SIGTERM are sent before the process exits;
+//! spans still batched at SIGTERM are sent before the process exits; a
+//! collector that is down costs spans and a log line, never a request;
 //! with telemetry off a `traceparent` is forwarded untouched; and
 //! `idemproxy check` names a bad `[telemetry]` field.
 //!
@@ -538,6 +539,37 @@ async fn spans_batched_at_shutdown_are_sent_before_exit() {
         assert_client_child(&spans, request, the_span(&spans, &trace, name));
     }
     assert_eq!(receiver.rejected(), Vec::<String>::new());
+}
+
+/// A collector that is not there costs the spans, never a request, and
+/// the operator reads why in the log (the SDK's own error, per batch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collector_that_is_down_costs_spans_never_a_request() {
+    let upstream = TestUpstream::start().await;
+    // A port nothing listens on any more.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port");
+    let mut c = config(&upstream.url());
+    c.telemetry.otlp_endpoint = Some(format!("http://{gone}"));
+    c.log.level = "warn".into();
+    let mut proxy = start_traced(c).await;
+    let client = TestClient::new();
+    for n in 0..5 {
+        let reply = client
+            .post_json(&proxy.url("/v1/untraced"), &format!("trace-gone-{n}"), "{}")
+            .await;
+        assert_eq!(reply.status, 201, "{reply:?}");
+    }
+    assert_eq!(upstream.executions("/v1/untraced"), 5);
+    let logs = proxy
+        .logs_when(|logs| logs.contains("BatchSpanProcessor.ExportError"))
+        .await;
+    assert!(
+        logs.contains("BatchSpanProcessor.ExportError"),
+        "no word of the failed export:\n{logs}"
+    );
+    stop(&mut proxy).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
