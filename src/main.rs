@@ -54,74 +54,7 @@ enum Command {
     /// Find, inspect and forget keys through a running proxy's admin API
     /// (its token from IDEMPROXY_ADMIN_TOKEN): docs/runbook.md.
     #[command(subcommand)]
-    Keys(KeysCommand),
-}
-
-#[derive(Subcommand)]
-enum KeysCommand {
-    /// List the keys in a state (a bounded walk of the store: Redis SCAN,
-    /// never KEYS).
-    List {
-        /// pending, outcome-unknown, completed or any.
-        #[arg(long, default_value = "outcome-unknown")]
-        state: String,
-        /// Only keys created at least this long ago (10m, 2h).
-        #[arg(long)]
-        older_than: Option<String>,
-        /// At most this many keys.
-        #[arg(long, default_value_t = 100)]
-        limit: usize,
-        #[command(flatten)]
-        admin: AdminFlags,
-    },
-    /// Show a key's record: by its hash (the request log's key_hash), or
-    /// by the raw key as a client sent it.
-    Show {
-        /// The key's hash: the request log's key_hash (64 hex digits).
-        #[arg(long, required_unless_present = "key", conflicts_with = "key")]
-        hash: Option<String>,
-        /// The raw Idempotency-Key value.
-        #[arg(long)]
-        key: Option<String>,
-        /// The route whose scope rules apply (default: default).
-        #[arg(long, requires = "key")]
-        route: Option<String>,
-        /// A scope header as the client sent it, `name: value`
-        /// (repeatable), e.g. --header 'authorization: Bearer sk_…'.
-        #[arg(long = "header", requires = "key")]
-        headers: Vec<String>,
-        #[command(flatten)]
-        admin: AdminFlags,
-    },
-    /// Forget a key so that its retry executes: only once its effect was
-    /// checked with the upstream. Asks first on a terminal.
-    Forget {
-        /// The key's hash, as `keys list` shows it.
-        #[arg(long)]
-        hash: String,
-        /// Also a claim whose lease runs (a request may be executing it).
-        #[arg(long)]
-        force: bool,
-        /// Do not ask for confirmation.
-        #[arg(long)]
-        yes: bool,
-        #[command(flatten)]
-        admin: AdminFlags,
-    },
-}
-
-#[derive(Args)]
-struct AdminFlags {
-    /// The proxy's admin listener.
-    #[arg(
-        long = "admin",
-        default_value = "http://127.0.0.1:9090",
-        env = "IDEMPROXY_ADMIN_URL"
-    )]
-    admin_url: String,
-    /// JSON for scripts instead of text.
-    #[arg(long)]
-    json: bool,
+    Keys(idemproxy::tools::keys::KeysCommand),
 }
 
 #[derive(Subcommand)]
@@ -186,7 +119,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Some(Command::Probe { url }) => return probe(url),
-        Some(Command::Keys(command)) => return block_on(keys(command)),
+        Some(Command::Keys(command)) => return block_on(idemproxy::tools::keys::run(command)),
         Some(Command::DemoApi) => {
             let listen = cli.flags.listen.unwrap_or(([127, 0, 0, 1], 3000).into());
             return block_on(async move {
@@ -313,88 +246,6 @@ fn probe(url: &str) -> ExitCode {
             Err(format!("{url} answered {}", response.status()).into())
         }
     })
-}
-
-async fn keys(command: &KeysCommand) -> Result<(), idemproxy::Error> {
-    use idemproxy::tools::keys::{render_list, render_record, AdminClient, ListFilter};
-    let admin = match command {
-        KeysCommand::List { admin, .. }
-        | KeysCommand::Show { admin, .. }
-        | KeysCommand::Forget { admin, .. } => admin,
-    };
-    let token = std::env::var(idemproxy::tools::keys::TOKEN_VARIABLE).ok();
-    let client = AdminClient::new(&admin.admin_url, token);
-    let print = |value: &serde_json::Value, text: String| {
-        if admin.json {
-            println!("{value}");
-        } else {
-            print!("{text}");
-        }
-    };
-    match command {
-        KeysCommand::List {
-            state,
-            older_than,
-            limit,
-            ..
-        } => {
-            let filter = ListFilter {
-                state: state.clone(),
-                older_than: older_than.clone(),
-                limit: (*limit).max(1),
-            };
-            let keys = client.list(&filter).await?;
-            print(&serde_json::Value::from(keys.clone()), render_list(&keys));
-        }
-        KeysCommand::Show {
-            hash,
-            key,
-            route,
-            headers,
-            ..
-        } => {
-            let record = match (hash, key) {
-                (Some(hash), _) => client.show(hash).await?,
-                (None, Some(key)) => {
-                    let headers = headers
-                        .iter()
-                        .map(|header| {
-                            header
-                                .split_once(':')
-                                .map(|(name, value)| {
-                                    (name.trim().to_owned(), value.trim().to_owned())
-                                })
-                                .ok_or_else(|| {
-                                    format!("--header {header:?}: expected `name: value`")
-                                })
-                        })
-                        .collect::<Result<Vec<_>, _>>()?;
-                    client.lookup(key, route.as_deref(), &headers).await?
-                }
-                (None, None) => return Err("give --hash or --key".into()),
-            };
-            print(&record, render_record(&record));
-        }
-        KeysCommand::Forget {
-            hash, force, yes, ..
-        } => {
-            let record = client.show(hash).await?;
-            if !yes && std::io::stdin().is_terminal() {
-                eprint!(
-                    "{}Forget this key? Its next retry will execute the request again. [y/N] ",
-                    render_record(&record)
-                );
-                let mut answer = String::new();
-                std::io::stdin().read_line(&mut answer)?;
-                if !matches!(answer.trim(), "y" | "Y" | "yes") {
-                    return Err("not forgotten".into());
-                }
-            }
-            let forgotten = client.forget(hash, *force).await?;
-            print(&forgotten, format!("forgot {hash}\n"));
-        }
-    }
-    Ok(())
 }
 
 async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {

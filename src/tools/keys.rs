@@ -9,9 +9,11 @@
 //! answers, and the store's own rules (a running claim is not deleted
 //! unless forced) hold for both.
 
+use std::io::IsTerminal;
 use std::time::Duration;
 
 use bytes::Bytes;
+use clap::{Args, Subcommand};
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -212,4 +214,155 @@ pub fn render_list(records: &[Value]) -> String {
     let plural = if records.len() == 1 { "" } else { "s" };
     out.push_str(&format!("{} key{plural}\n", records.len()));
     out
+}
+
+/// `idemproxy keys`: what an operator asks of the admin key API.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// List the keys in a state (a bounded walk of the store: Redis SCAN,
+    /// never KEYS).
+    List {
+        /// pending, outcome-unknown, completed or any.
+        #[arg(long, default_value = "outcome-unknown")]
+        state: String,
+        /// Only keys created at least this long ago (10m, 2h).
+        #[arg(long)]
+        older_than: Option<String>,
+        /// At most this many keys.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        #[command(flatten)]
+        admin: AdminFlags,
+    },
+    /// Show a key's record: by its hash (the request log's key_hash), or
+    /// by the raw key as a client sent it.
+    Show {
+        /// The key's hash: the request log's key_hash (64 hex digits).
+        #[arg(long, required_unless_present = "key", conflicts_with = "key")]
+        hash: Option<String>,
+        /// The raw Idempotency-Key value.
+        #[arg(long)]
+        key: Option<String>,
+        /// The route whose scope rules apply (default: default).
+        #[arg(long, requires = "key")]
+        route: Option<String>,
+        /// A scope header as the client sent it, `name: value`
+        /// (repeatable), e.g. --header 'authorization: Bearer sk_…'.
+        #[arg(long = "header", requires = "key")]
+        headers: Vec<String>,
+        #[command(flatten)]
+        admin: AdminFlags,
+    },
+    /// Forget a key so that its retry executes: only once its effect was
+    /// checked with the upstream. Asks first on a terminal.
+    Forget {
+        /// The key's hash, as `keys list` shows it.
+        #[arg(long)]
+        hash: String,
+        /// Also a claim whose lease runs (a request may be executing it).
+        #[arg(long)]
+        force: bool,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+        #[command(flatten)]
+        admin: AdminFlags,
+    },
+}
+
+/// Where the admin API is, and how to print its answers.
+#[derive(Debug, Args)]
+pub struct AdminFlags {
+    /// The proxy's admin listener.
+    #[arg(
+        long = "admin",
+        default_value = "http://127.0.0.1:9090",
+        env = "IDEMPROXY_ADMIN_URL"
+    )]
+    pub admin_url: String,
+    /// JSON for scripts instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs one `idemproxy keys` command against the admin API.
+pub async fn run(command: &KeysCommand) -> Result<(), Error> {
+    let admin = match command {
+        KeysCommand::List { admin, .. }
+        | KeysCommand::Show { admin, .. }
+        | KeysCommand::Forget { admin, .. } => admin,
+    };
+    let token = std::env::var(TOKEN_VARIABLE).ok();
+    let client = AdminClient::new(&admin.admin_url, token);
+    let print = |value: &serde_json::Value, text: String| {
+        if admin.json {
+            println!("{value}");
+        } else {
+            print!("{text}");
+        }
+    };
+    match command {
+        KeysCommand::List {
+            state,
+            older_than,
+            limit,
+            ..
+        } => {
+            let filter = ListFilter {
+                state: state.clone(),
+                older_than: older_than.clone(),
+                limit: (*limit).max(1),
+            };
+            let keys = client.list(&filter).await?;
+            print(&serde_json::Value::from(keys.clone()), render_list(&keys));
+        }
+        KeysCommand::Show {
+            hash,
+            key,
+            route,
+            headers,
+            ..
+        } => {
+            let record = match (hash, key) {
+                (Some(hash), _) => client.show(hash).await?,
+                (None, Some(key)) => {
+                    let headers = headers
+                        .iter()
+                        .map(|header| {
+                            header
+                                .split_once(':')
+                                .map(|(name, value)| {
+                                    (name.trim().to_owned(), value.trim().to_owned())
+                                })
+                                .ok_or_else(|| {
+                                    format!("--header {header:?}: expected `name: value`")
+                                })
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    client.lookup(key, route.as_deref(), &headers).await?
+                }
+                (None, None) => return Err("give --hash or --key".into()),
+            };
+            print(&record, render_record(&record));
+        }
+        KeysCommand::Forget {
+            hash, force, yes, ..
+        } => {
+            let record = client.show(hash).await?;
+            if !yes && std::io::stdin().is_terminal() {
+                eprint!(
+                    "{}Forget this key? Its next retry will execute the request again. [y/N] ",
+                    render_record(&record)
+                );
+                let mut answer = String::new();
+                std::io::stdin().read_line(&mut answer)?;
+                if !matches!(answer.trim(), "y" | "Y" | "yes") {
+                    return Err("not forgotten".into());
+                }
+            }
+            let forgotten = client.forget(hash, *force).await?;
+            print(&forgotten, format!("forgot {hash}\n"));
+        }
+    }
+    Ok(())
 }
