@@ -456,6 +456,11 @@ async fn the_binary_trains_a_dictionary_from_its_store_and_uses_it() {
     let mut c = config(&upstream.url());
     c.store.kind = StoreKind::Embedded;
     c.store.path = dir.path().join("data");
+    // Six hundred durable writes in a row: on a CI disk shared with other
+    // tests one fsync can pass the 250 ms default and answer 503, which is
+    // right for the proxy and not what this test is about. (One second is
+    // what the default lease margin allows.)
+    c.store.timeout = Duration::from_secs(1);
     let client = TestClient::new();
     let mut proxy = ProxyProcess::start(c.clone()).await;
     let mut first = Vec::new();
@@ -465,7 +470,8 @@ async fn the_binary_trains_a_dictionary_from_its_store_and_uses_it() {
         let url = proxy.url(&format!("/v1/train/{i}?body_bytes={}", 200 + i % 7));
         first.push(client.post_json(&url, &format!("train-{i}"), "{}").await);
     }
-    assert!(first.iter().all(|r| r.status == 201));
+    let refused: Vec<_> = first.iter().filter(|r| r.status != 201).collect();
+    assert!(refused.is_empty(), "{refused:?}");
     proxy.terminate();
     proxy.wait_exit(Duration::from_secs(10)).await;
 
