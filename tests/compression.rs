@@ -258,10 +258,12 @@ async fn the_configuration_decides_how_responses_are_written_not_how_they_read()
     drop(store);
     c.store.compression = Compression::Zstd;
     c.store.compression_dictionary = Some(dictionary.clone());
+    until_closed(&c.store.path).await;
     let store = idemproxy::open_store(&c).await.expect("open");
     store_response(&*store, packed, response(2)).await;
     drop(store);
 
+    until_closed(&c.store.path).await;
     let raw = EmbeddedStore::open(&c.store.path).expect("the file");
     let outcome = |record: Option<Record>| match record {
         Some(Record::Completed(c)) => c.outcome,
@@ -286,6 +288,24 @@ async fn the_configuration_decides_how_responses_are_written_not_how_they_read()
             outcome(store.get(&key).await.expect("get")),
             Outcome::Response(response(i))
         );
+    }
+}
+
+/// Waits until the embedded store in `dir`, just dropped, has let go of
+/// its file. The purge `open_store` starts at once may still be running on
+/// the blocking pool, holding the file, for a moment after the store is
+/// dropped; a second open meanwhile is refused as "already open".
+async fn until_closed(dir: &std::path::Path) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match EmbeddedStore::open(dir) {
+            Ok(_free) => return,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                assert!(e.to_string().contains("already open"), "{e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("the store still holds its file after 10 s: {e}"),
+        }
     }
 }
 

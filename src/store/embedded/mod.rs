@@ -98,7 +98,8 @@ pub struct EmbeddedStore {
     /// Every change goes through here. Dropping it closes the queue and
     /// joins the writer thread (which holds a clone of `db`), so the file
     /// is closed by the time the store is gone and a restart can open it
-    /// again at once.
+    /// again at once; unless a read or a purge is still running on the
+    /// blocking pool, with its own clone, which closes it when it ends.
     writer: Writer,
     /// Never sent on: dropping the store drops it, which ends the purger at
     /// once instead of at its next tick.
@@ -385,7 +386,10 @@ impl Store for EmbeddedStore {
                 (last, taken) = (Some(key), taken + 1);
                 match Record::decode(value.value()) {
                     Ok(record) if record.expires_at() > now => page.records.push((key, record)),
-                    _ => {}
+                    Ok(_expired) => {}
+                    // Its expiry is in what does not read: it stays until
+                    // removed, so it is shown.
+                    Err(e) => page.unreadable.push((key, e.to_string())),
                 }
             }
             // A short page is the last.
