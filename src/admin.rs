@@ -227,7 +227,19 @@ async fn read(state: &AdminState, key: RecordKey) -> Result<Json<Value>, AdminPr
     let record = tokio::time::timeout(state.store_timeout, state.store.get(&key))
         .await
         .map_err(|_| store_problem("no answer in time"))?
-        .map_err(store_problem)?;
+        .map_err(|e| match e {
+            // The store answered: what it holds is wrong, and asking again
+            // will not help (a 503 would say it might).
+            StoreError::Corrupt(why) => AdminProblem {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                slug: "record-unreadable",
+                detail: format!(
+                    "The store holds a record for this key that does not read ({why}). Requests with this key are refused with 503 and never executed. Check with the upstream whether the first request took effect, then delete the key (DELETE /v1/keys/{hex}, or idemproxy keys forget --hash {hex}) so that a retry executes.",
+                    hex = key.to_hex()
+                ),
+            },
+            e => store_problem(e),
+        })?;
     match record {
         Some(record) => Ok(Json(describe(&key, &record))),
         None => Err(AdminProblem {
@@ -402,7 +414,16 @@ async fn list_keys(
                 StoreError::InvalidCursor(_) => bad(format!("`cursor`: {e}")),
                 e => store_problem(e),
             })?;
-        examined += page.records.len();
+        examined += page.records.len() + page.unreadable.len();
+        // In every listing, whatever its filter: neither their state nor
+        // their age can be read, and each may be an outcome to reconcile.
+        keys.extend(page.unreadable.iter().map(|(key, why)| {
+            json!({
+                "key_hash": key.to_hex(),
+                "state": "unreadable",
+                "error": why,
+            })
+        }));
         keys.extend(
             page.records
                 .iter()

@@ -7,11 +7,13 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idemproxy::config::{Config, StoreKind};
 use serde_json::Value;
 use support::binary::{ProxyProcess, BIN};
+use support::keys::{json_post, record_key};
 use support::proxy::{config, TestClient};
 use support::redis_server::{shared, shared_cluster, unique_prefix};
 use support::upstream::TestUpstream;
@@ -198,4 +200,112 @@ async fn the_runbook_reconciles_an_unknown_outcome_on_every_store() {
         );
         drop(proxy);
     }
+}
+
+/// A record that does not read (corrupt bytes, or a hash an earlier build
+/// left under a key) is listed in every listing, whatever its filter, with
+/// why; `keys show` says it does not read (500 `record-unreadable`, not a
+/// store that is down); `keys forget` clears it, and the retry executes.
+/// Before, a walk passed over the first in silence and ended at the second
+/// with a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_record_is_listed_shown_and_forgotten() {
+    let upstream = TestUpstream::start().await;
+    let client = TestClient::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let c = tokio::task::block_in_place(|| proxy_config(&upstream, StoreKind::Redis, dir.path()));
+    let prefix = c.store.key_prefix.clone();
+    let proxy = ProxyProcess::start(c).await;
+    const TARGET: &str = "/v1/charges/unreadable";
+    let done = client.post_json(&proxy.url(TARGET), "fine", "{}").await;
+    assert_eq!(done.status, 201, "{done:?}");
+
+    let key_of = |key: &str| record_key(&json_post(TARGET), key);
+    let (garbled, old_layout) = (key_of("garbled"), key_of("old-layout"));
+    let name = |key| idemproxy::store::redis::redis_key(&prefix, &key);
+    shared().cli(&["SET", &name(garbled), "garbage"]);
+    shared().cli(&["HSET", &name(old_layout), "st", "x"]);
+    let mut both = vec![garbled.to_hex(), old_layout.to_hex()];
+    both.sort();
+
+    for filter in [
+        &["--state", "any"][..],
+        &["--state", "outcome-unknown"],
+        &["--state", "pending", "--older-than", "1h"],
+    ] {
+        let listed = keys(
+            &proxy,
+            Some(TOKEN),
+            &[&["list", "--json"][..], filter].concat(),
+        )
+        .await;
+        assert!(listed.ok, "{filter:?}: {}", listed.stderr);
+        let found = listed.json();
+        let unreadable: BTreeMap<String, String> = found
+            .as_array()
+            .expect("a list")
+            .iter()
+            .filter(|k| k["state"] == "unreadable")
+            .map(|k| {
+                (
+                    k["key_hash"].to_string().replace('"', ""),
+                    k["error"].to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            unreadable.keys().cloned().collect::<Vec<_>>(),
+            both,
+            "{filter:?}: {found}"
+        );
+        assert!(
+            unreadable[&old_layout.to_hex()].contains("WRONGTYPE"),
+            "{found}"
+        );
+    }
+    let text = keys(&proxy, Some(TOKEN), &["list"]).await;
+    let line = text
+        .stdout
+        .lines()
+        .find(|line| line.starts_with(&garbled.to_hex()))
+        .unwrap_or_else(|| panic!("{}", text.stdout));
+    assert!(
+        line.contains("unreadable") && line.contains("not a record"),
+        "{line}"
+    );
+
+    let shown = keys(&proxy, Some(TOKEN), &["show", "--hash", &garbled.to_hex()]).await;
+    assert!(
+        !shown.ok
+            && shown.stderr.contains("500")
+            && shown.stderr.contains("does not read")
+            && shown.stderr.contains("keys forget"),
+        "{}{}",
+        shown.stdout,
+        shown.stderr
+    );
+    // Requests with the key are refused, never executed.
+    let refused = client.post_json(&proxy.url(TARGET), "garbled", "{}").await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(upstream.executions(TARGET), 1);
+
+    for key in [garbled, old_layout] {
+        let forgot = keys(
+            &proxy,
+            Some(TOKEN),
+            &["forget", "--yes", "--hash", &key.to_hex()],
+        )
+        .await;
+        assert!(forgot.ok, "{}", forgot.stderr);
+    }
+    let listed = keys(&proxy, Some(TOKEN), &["list", "--state", "any", "--json"]).await;
+    assert_eq!(
+        listed.json().as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        listed.stdout
+    );
+    let retry = client.post_json(&proxy.url(TARGET), "garbled", "{}").await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_eq!(upstream.executions(TARGET), 2);
 }

@@ -25,7 +25,7 @@ mod redis_server;
 mod store_fixtures;
 
 use redis_server::{RedisCluster, RedisOptions, RedisServer, TlsFiles};
-use store_fixtures::{begin, new_key, TTL};
+use store_fixtures::{begin, new_key, walk, TTL};
 
 /// A completed record that lives the default TTL.
 fn completed(fingerprint: u8) -> CompletedRecord {
@@ -587,6 +587,26 @@ async fn corrupt_values_are_reported_not_fatal() {
         "complete of a hash",
         store.complete(&strange, token, &completed(1)).await,
     );
+
+    // A walk reads past them, and lists each apart with why: one bad value
+    // neither hides the others nor ends the walk.
+    let good = new_key();
+    let token = claim(&store, good, LEASE).await;
+    store
+        .complete(&good, token, &completed(1))
+        .await
+        .expect("complete");
+    let (read, listed) = walk(&store).await;
+    assert_eq!(read, [good].into(), "the record that reads");
+    let mut expected: Vec<_> = unreadable_keys
+        .iter()
+        .copied()
+        .chain([string, strange])
+        .collect();
+    expected.sort();
+    assert_eq!(listed.keys().copied().collect::<Vec<_>>(), expected);
+    assert!(listed[&strange].contains("WRONGTYPE"), "{listed:?}");
+    assert!(listed[&string].contains("not a record"), "{listed:?}");
 
     // Removing needs no decoding: it is how an operator clears them.
     for key in unreadable_keys.into_iter().chain([string, strange]) {

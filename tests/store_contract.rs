@@ -25,7 +25,7 @@ mod redis_server;
 #[path = "support/store_fixtures.rs"]
 mod store_fixtures;
 
-use store_fixtures::{begin, completed, new_key, TTL};
+use store_fixtures::{begin, completed, new_key, walk, TTL};
 
 /// A store under test, and whatever must outlive it (a temporary directory).
 pub struct Backend {
@@ -1004,6 +1004,30 @@ mod embedded_only {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(store.purge_expired().await.expect("purge"), 0);
         assert_eq!(store.record_count().await.expect("count"), 3);
+
+        // A walk reads past them and lists each apart, with why.
+        let good = new_key();
+        let token = acquired(
+            store
+                .begin(&begin(good, 1, LONG_LEASE, OnStale::Store))
+                .await
+                .expect("begin"),
+            false,
+        );
+        store
+            .complete(&good, token, &completed(1, TTL))
+            .await
+            .expect("complete");
+        let (read, listed) = walk(&*store).await;
+        assert_eq!(read, [good].into(), "the record that reads");
+        let mut expected = vec![garbled, empty, future];
+        expected.sort();
+        assert_eq!(listed.keys().copied().collect::<Vec<_>>(), expected);
+        assert!(listed.values().all(|why| !why.is_empty()), "{listed:?}");
+        store
+            .remove(&good, Removal::Any)
+            .await
+            .expect("remove the good one");
 
         // Removing needs no decoding: it is how an operator clears them.
         for key in [garbled, empty, future] {

@@ -236,14 +236,19 @@ impl Store for MemoryStore {
             .filter(|_| keys.len() > count)
             .map(|last| ScanCursor::new(last.to_hex()));
         keys.truncate(count);
-        let records = keys
-            .into_iter()
-            .filter_map(|key| match read(&self.shard(&key), &key, now) {
-                Ok(Some(record)) => Some((key, record)),
-                _ => None,
-            })
-            .collect();
-        Ok(ScanPage { records, next })
+        let mut page = ScanPage {
+            next,
+            ..ScanPage::default()
+        };
+        for key in keys {
+            match read(&self.shard(&key), &key, now) {
+                Ok(Some(record)) => page.records.push((key, record)),
+                // Expired or removed since the keys were taken.
+                Ok(None) => {}
+                Err(e) => page.unreadable.push((key, e.to_string())),
+            }
+        }
+        Ok(page)
     }
 
     async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {

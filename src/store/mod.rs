@@ -93,9 +93,10 @@ pub trait Store: Send + Sync + 'static {
     async fn ping(&self) -> Result<(), StoreError>;
 
     /// One page of a walk over the stored records, about `count` of them,
-    /// for operators' tools (training a compression dictionary): expired
-    /// records are left out, and records that do not decode too (a walk
-    /// reports what it can read). A page may hold fewer than `count`, or
+    /// for operators' tools (listing keys, training a compression
+    /// dictionary): expired records are left out, and records that do not
+    /// read are listed apart ([`ScanPage::unreadable`]), never passed over
+    /// in silence nor allowed to end the walk. A page may hold fewer than `count`, or
     /// none, before the walk ends (Redis `SCAN`), and a walk may meet a
     /// record twice; it meets every record present from its start to its
     /// end. The default walks nothing.
@@ -188,6 +189,12 @@ pub(crate) fn scan_after(cursor: &ScanCursor) -> Result<Option<RecordKey>, Store
 #[derive(Debug, Default)]
 pub struct ScanPage {
     pub records: Vec<(RecordKey, Record)>,
+    /// Keys whose stored value is not a record this build reads (corrupt
+    /// bytes, a value of another type under a Redis key), each with why.
+    /// An operator reconciling outcomes must see them: each may be an
+    /// outcome-unknown, and requests with its key are refused (503, never
+    /// executed) until it is removed.
+    pub unreadable: Vec<(RecordKey, String)>,
     pub next: Option<ScanCursor>,
 }
 

@@ -30,6 +30,23 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// The environment variable the token is read from.
 pub const TOKEN_VARIABLE: &str = "IDEMPROXY_ADMIN_TOKEN";
 
+/// An answer of the admin API other than a success: its status, its
+/// problem type's last segment (`record-unreadable`), and what it said.
+#[derive(Debug)]
+pub struct Refused {
+    pub status: StatusCode,
+    pub slug: String,
+    message: String,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Refused {}
+
 /// A client of one proxy's admin API.
 #[derive(Debug)]
 pub struct AdminClient {
@@ -165,7 +182,16 @@ impl AdminClient {
         } else {
             String::new()
         };
-        Err(format!("{status}: {detail}{hint}").into())
+        let slug = value["type"].as_str().unwrap_or_default();
+        Err(Box::new(Refused {
+            status,
+            slug: slug
+                .rsplit([':', '/'])
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+            message: format!("{status}: {detail}{hint}"),
+        }))
     }
 }
 
@@ -195,17 +221,18 @@ pub fn render_record(record: &Value) -> String {
 /// Records as `keys list` prints them: a header, then one line each.
 pub fn render_list(records: &[Value]) -> String {
     let mut out = format!(
-        "{:<64}  {:<9}  {:<24}  {}\n",
+        "{:<64}  {:<10}  {:<24}  {}\n",
         "KEY_HASH", "STATE", "CREATED_AT", "OUTCOME"
     );
     for record in records {
         let text = |field: &str| record[field].as_str().unwrap_or("-").to_owned();
         let outcome = match record["state"].as_str() {
             Some("pending") => format!("lease until {}", text("lease_expires_at")),
+            Some("unreadable") => text("error"),
             _ => format!("{} ({})", text("outcome"), record["status"]),
         };
         out.push_str(&format!(
-            "{:<64}  {:<9}  {:<24}  {outcome}\n",
+            "{:<64}  {:<10}  {:<24}  {outcome}\n",
             text("key_hash"),
             text("state"),
             text("created_at"),
@@ -348,11 +375,21 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
         KeysCommand::Forget {
             hash, force, yes, ..
         } => {
-            let record = client.show(hash).await?;
+            // Read first, so that a hash that names no record says so, and
+            // so that the question shows what would be forgotten. A record
+            // that does not read is forgotten like any other (it is how an
+            // operator clears one); the question then shows why.
+            let shown = match client.show(hash).await {
+                Ok(record) => render_record(&record),
+                Err(e) => match e.downcast::<Refused>() {
+                    Ok(refused) if refused.slug == "record-unreadable" => format!("{refused}\n"),
+                    Ok(refused) => return Err(refused),
+                    Err(e) => return Err(e),
+                },
+            };
             if !yes && std::io::stdin().is_terminal() {
                 eprint!(
-                    "{}Forget this key? Its next retry will execute the request again. [y/N] ",
-                    render_record(&record)
+                    "{shown}Forget this key? Its next retry will execute the request again. [y/N] "
                 );
                 let mut answer = String::new();
                 std::io::stdin().read_line(&mut answer)?;
@@ -365,4 +402,34 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreadable_record_is_printed_with_why() {
+        let hash = "ab".repeat(32);
+        let text = render_list(&[
+            serde_json::json!({"key_hash": hash, "state": "unreadable", "error": "the value is not a record"}),
+            serde_json::json!({"key_hash": "cd".repeat(32), "state": "completed", "created_at": "2026-12-03T15:00:00Z", "outcome": "outcome-unknown (timeout)", "status": 504}),
+        ]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert!(
+            lines[1].starts_with(&hash)
+                && lines[1].contains("unreadable")
+                && lines[1].ends_with("the value is not a record"),
+            "{text}"
+        );
+        assert!(
+            lines[2].ends_with("outcome-unknown (timeout) (504)"),
+            "{text}"
+        );
+        // The columns line up: every state is as wide as the header's.
+        let outcome_at = lines[0].find("OUTCOME").expect("header");
+        assert_eq!(lines[2].find("outcome-unknown"), Some(outcome_at), "{text}");
+        assert_eq!(lines[3], "2 keys");
+    }
 }

@@ -11,7 +11,7 @@ use idemproxy::core::{
     millis, now_millis, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey,
     StoredResponse,
 };
-use idemproxy::store::{Begin, OnStale};
+use idemproxy::store::{Begin, OnStale, ScanCursor, Store};
 
 pub const TTL: Duration = Duration::from_secs(3600);
 
@@ -50,4 +50,28 @@ pub fn completed(fingerprint: u8, ttl: Duration) -> CompletedRecord {
             body: Bytes::from_static(b"{\"id\":42}"),
         }),
     }
+}
+
+/// A whole walk over `store` ([`Store::scan`], pages of 100): the keys of
+/// the records it read, and of those it could not, each with why. A key met
+/// twice (Redis `SCAN` may) counts once.
+pub async fn walk(
+    store: &dyn Store,
+) -> (
+    std::collections::BTreeSet<RecordKey>,
+    std::collections::BTreeMap<RecordKey, String>,
+) {
+    let mut read = std::collections::BTreeSet::new();
+    let mut unreadable = std::collections::BTreeMap::new();
+    let mut cursor = ScanCursor::start();
+    for _ in 0..10_000 {
+        let page = store.scan(&cursor, 100).await.expect("scan");
+        read.extend(page.records.into_iter().map(|(key, _)| key));
+        unreadable.extend(page.unreadable);
+        match page.next {
+            Some(next) => cursor = next,
+            None => return (read, unreadable),
+        }
+    }
+    panic!("the walk did not end");
 }

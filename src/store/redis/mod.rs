@@ -657,6 +657,7 @@ impl Store for RedisStore {
         let now = self.clock.now_millis();
         let mut page = ScanPage {
             records: Vec::with_capacity(reply.len()),
+            unreadable: Vec::new(),
             next: next.map(ScanCursor::new),
         };
         let keys: Vec<(RecordKey, String)> = reply
@@ -683,12 +684,19 @@ impl Store for RedisStore {
         }))
         .await;
         for ((key, _), value) in keys.into_iter().zip(values) {
-            match value
-                .map_err(redis_error)?
-                .map(|value| read_stored(&Bytes::from(value)))
-            {
-                Some(Ok(record)) if record.expires_at() > now => page.records.push((key, record)),
-                _ => {}
+            // A key that does not read is listed apart, not fatal to the
+            // page: one bad value must not hide every other record.
+            let read = match value.map_err(redis_error) {
+                Ok(Some(value)) => read_stored(&Bytes::from(value)),
+                // Expired or removed since SCAN saw it.
+                Ok(None) => continue,
+                Err(e) => Err(e),
+            };
+            match read {
+                Ok(record) if record.expires_at() > now => page.records.push((key, record)),
+                Ok(_expired) => {}
+                Err(StoreError::Corrupt(why)) => page.unreadable.push((key, why)),
+                Err(e) => return Err(e),
             }
         }
         Ok(page)
