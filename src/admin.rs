@@ -412,6 +412,11 @@ async fn list_keys(
             .map_err(|_| store_problem("no answer in time"))?
             .map_err(|e| match e {
                 StoreError::InvalidCursor(_) => bad(format!("`cursor`: {e}")),
+                StoreError::WalkInterrupted(_) => AdminProblem {
+                    status: StatusCode::CONFLICT,
+                    slug: "walk-interrupted",
+                    detail: format!("{e}. Start the listing again, without `cursor`."),
+                },
                 e => store_problem(e),
             })?;
         examined += page.records.len() + page.unreadable.len();

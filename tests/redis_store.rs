@@ -16,7 +16,7 @@ use idemproxy::core::{
 };
 use idemproxy::store::redis::{open, redis_key};
 use idemproxy::store::{
-    BeginOutcome, CachedStore, OnStale, RedisStore, Removal, Removed, Store, StoreError,
+    BeginOutcome, CachedStore, OnStale, RedisStore, Removal, Removed, ScanCursor, Store, StoreError,
 };
 
 #[path = "support/redis_server.rs"]
@@ -1105,4 +1105,107 @@ fn each_current_thread_runtime_gets_its_own_connection() {
         "both workers reconnected their own"
     );
     drop(workers);
+}
+
+/// A cluster walk's cursor carries the set of primaries the walk began on.
+/// A master that joins and takes slots midway (a resharding; a failover
+/// changes the set the same way) ends the walk with `WalkInterrupted`,
+/// where going on by node number would move it to another node, or past
+/// one, in silence; a walk begun again meets every record. A master
+/// without slots holds no records and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_walk_ends_loudly_when_its_primaries_change() {
+    let cluster = tokio::task::block_in_place(|| RedisCluster::start(3));
+    let store_config = StoreConfig {
+        kind: StoreKind::RedisCluster,
+        urls: cluster.urls(),
+        key_prefix: redis_server::unique_prefix("walk"),
+        ..StoreConfig::default()
+    };
+    let store = open(&store_config).await.expect("open the cluster store");
+    let mut keys = std::collections::BTreeSet::new();
+    for _ in 0..60 {
+        let key = new_key();
+        let token = claim(&*store, key, LEASE).await;
+        store
+            .complete(&key, token, &completed(1))
+            .await
+            .expect("complete");
+        keys.insert(key);
+    }
+    let first = store
+        .scan(&ScanCursor::start(), 5)
+        .await
+        .expect("the first page");
+    let cursor = first
+        .next
+        .expect("60 records on 3 nodes take more than a page");
+
+    // A fourth master, without slots: the walk goes on.
+    let added = tokio::task::block_in_place(|| {
+        let added = RedisServer::start_with(RedisOptions {
+            cluster: true,
+            ..RedisOptions::default()
+        });
+        let seed = cluster.nodes[0].addr();
+        cluster.nodes[0].cli(&["--cluster", "add-node", &added.addr(), &seed]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // Until every node knows the fourth master, and the new one holds
+        // the cluster up (it refuses a migration until then).
+        for node in cluster.nodes.iter().chain([&added]) {
+            while node.cli(&["cluster", "nodes"]).matches("master").count() < 4
+                || !node.cli(&["cluster", "info"]).contains("cluster_state:ok")
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "{} never met the new master",
+                    node.addr()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        added
+    });
+    let page = store
+        .scan(&cursor, 5)
+        .await
+        .expect("a slotless master changes nothing");
+    let cursor = page.next.unwrap_or(cursor);
+
+    // It takes a quarter of the slots, with their records.
+    tokio::task::block_in_place(|| {
+        let id = added.cli(&["cluster", "myid"]);
+        cluster.nodes[0].cli(&[
+            "--cluster",
+            "reshard",
+            &cluster.nodes[0].addr(),
+            "--cluster-from",
+            "all",
+            "--cluster-to",
+            id.trim(),
+            "--cluster-slots",
+            "4096",
+            "--cluster-yes",
+        ]);
+        cluster.wait_ok();
+    });
+    match store.scan(&cursor, 5).await {
+        Err(StoreError::WalkInterrupted(why)) => {
+            assert!(
+                why.contains(&added.addr()),
+                "names the primaries now: {why}"
+            );
+        }
+        other => panic!("a walk across a layout change went on: {other:?}"),
+    }
+
+    // Every record still reads where it moved (the reads that meet a moved
+    // slot teach the connection the new map), and a walk begun again
+    // meets them all, on four nodes.
+    for key in &keys {
+        assert!(store.get(key).await.expect("get").is_some());
+    }
+    let (read, unreadable) = walk(&*store).await;
+    assert_eq!(read, keys, "a walk begun again meets every record");
+    assert!(unreadable.is_empty(), "{unreadable:?}");
 }

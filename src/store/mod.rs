@@ -45,6 +45,11 @@ pub enum StoreError {
     /// A walk's cursor ([`Store::scan`]) that this store did not hand out.
     #[error("{0:?} is not a cursor of this store's walk")]
     InvalidCursor(String),
+    /// A walk ([`Store::scan`]) that cannot go on where its cursor says:
+    /// the store's layout changed under it (a cluster failover), so going
+    /// on could pass over records. Start again.
+    #[error("the walk cannot go on: {0}")]
+    WalkInterrupted(String),
     /// The caller does not hold the key (its token was superseded or the
     /// record is gone).
     #[error("fencing token does not own the key")]
@@ -58,6 +63,7 @@ impl StoreError {
             StoreError::Unavailable(_) => "unavailable",
             StoreError::Corrupt(_) => "corrupt",
             StoreError::InvalidCursor(_) => "invalid_cursor",
+            StoreError::WalkInterrupted(_) => "walk_interrupted",
             StoreError::Fenced => "fenced",
         }
     }
@@ -96,10 +102,11 @@ pub trait Store: Send + Sync + 'static {
     /// for operators' tools (listing keys, training a compression
     /// dictionary): expired records are left out, and records that do not
     /// read are listed apart ([`ScanPage::unreadable`]), never passed over
-    /// in silence nor allowed to end the walk. A page may hold fewer than `count`, or
-    /// none, before the walk ends (Redis `SCAN`), and a walk may meet a
-    /// record twice; it meets every record present from its start to its
-    /// end. The default walks nothing.
+    /// in silence nor allowed to end the walk. A page may hold fewer than
+    /// `count`, or none, before the walk ends (Redis `SCAN`), and a walk
+    /// may meet a record twice; it meets every record present from its
+    /// start to its end, or ends with [`StoreError::WalkInterrupted`]. The
+    /// default walks nothing.
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
         let _ = (cursor, count);
         Err(StoreError::Unavailable(format!(

@@ -47,6 +47,13 @@ impl std::fmt::Display for Refused {
 
 impl std::error::Error for Refused {}
 
+/// Whether `error` is the admin API's answer of problem type `slug`.
+fn is_refused(error: &Error, slug: &str) -> bool {
+    error
+        .downcast_ref::<Refused>()
+        .is_some_and(|refused| refused.slug == slug)
+}
+
 /// A client of one proxy's admin API.
 #[derive(Debug)]
 pub struct AdminClient {
@@ -82,6 +89,10 @@ impl AdminClient {
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Value>, Error> {
         let mut keys = Vec::new();
         let mut cursor: Option<String> = None;
+        // A Redis Cluster's primaries changed under the walk (a failover):
+        // it cannot go on without passing over records, so it starts again,
+        // a few times at most.
+        let mut restarts = 0;
         loop {
             let mut query = form_urlencoded::Serializer::new(String::new());
             query.append_pair("state", &filter.state);
@@ -92,9 +103,17 @@ impl AdminClient {
             if let Some(cursor) = &cursor {
                 query.append_pair("cursor", cursor);
             }
-            let page = self
+            let page = match self
                 .call(Method::GET, &format!("/v1/keys?{}", query.finish()), None)
-                .await?;
+                .await
+            {
+                Err(e) if restarts < 3 && is_refused(&e, "walk-interrupted") => {
+                    restarts += 1;
+                    (keys, cursor) = (Vec::new(), None);
+                    continue;
+                }
+                page => page?,
+            };
             if let Some(found) = page["keys"].as_array() {
                 keys.extend(found.iter().cloned());
             }
@@ -381,11 +400,8 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
             // operator clears one); the question then shows why.
             let shown = match client.show(hash).await {
                 Ok(record) => render_record(&record),
-                Err(e) => match e.downcast::<Refused>() {
-                    Ok(refused) if refused.slug == "record-unreadable" => format!("{refused}\n"),
-                    Ok(refused) => return Err(refused),
-                    Err(e) => return Err(e),
-                },
+                Err(e) if is_refused(&e, "record-unreadable") => format!("{e}\n"),
+                Err(e) => return Err(e),
             };
             if !yes && std::io::stdin().is_terminal() {
                 eprint!(

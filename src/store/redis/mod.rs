@@ -607,17 +607,24 @@ impl Store for RedisStore {
     /// `SCAN` with the prefix as its pattern (never `KEYS`, which blocks
     /// Redis for the whole keyspace), then a `GET` per key found. On a
     /// cluster, every primary in turn (ordered by address): the cursor
-    /// names the node and its `SCAN` cursor.
+    /// names the node, its `SCAN` cursor, and the set of primaries the walk
+    /// began on. A failover or a node added or removed since then would
+    /// move the walk to another node or past one in silence; it ends the
+    /// walk with [`StoreError::WalkInterrupted`] instead.
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
         let bad_cursor = || StoreError::InvalidCursor(cursor.as_str().to_owned());
-        let (node, position) = match cursor.as_str().split_once(':') {
-            _ if cursor.as_str().is_empty() => (0, 0),
-            Some((node, position)) => (
+        let mut parts = cursor.as_str().splitn(3, ':');
+        let (node, position, layout) = match (parts.next(), parts.next(), parts.next()) {
+            (Some(""), None, None) => (0, "0", None),
+            (Some(position), None, None) => (0, position, None),
+            (Some(node), Some(position), layout) => (
                 node.parse::<usize>().map_err(|_| bad_cursor())?,
-                position.parse::<u64>().map_err(|_| bad_cursor())?,
+                position,
+                layout,
             ),
-            None => (0, cursor.as_str().parse::<u64>().map_err(|_| bad_cursor())?),
+            _ => return Err(bad_cursor()),
         };
+        let position = position.parse::<u64>().map_err(|_| bad_cursor())?;
         let mut scan = redis::cmd("SCAN");
         scan.arg(position)
             .arg("MATCH")
@@ -628,8 +635,19 @@ impl Store for RedisStore {
         let (reply, next) = match &mut conn {
             Conn::Cluster(cluster) => {
                 let primaries = cluster_primaries(cluster).await?;
-                let Some((host, port)) = primaries.get(node) else {
-                    return Ok(ScanPage::default());
+                let now_layout = primaries_layout(&primaries);
+                let Some((host, port)) = primaries
+                    .get(node)
+                    .filter(|_| layout.is_none_or(|began| began == now_layout))
+                else {
+                    return Err(StoreError::WalkInterrupted(format!(
+                        "the cluster's primaries changed since the walk began (a failover, or a node added or removed): now {}",
+                        primaries
+                            .iter()
+                            .map(|(host, port)| format!("{host}:{port}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
                 };
                 let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
                     host: host.clone(),
@@ -642,12 +660,13 @@ impl Store for RedisStore {
                 let (position, keys): (u64, Vec<String>) =
                     redis::from_redis_value(reply).map_err(|e| unexpected(&e.to_string()))?;
                 let next = match position {
-                    0 if node + 1 < primaries.len() => Some(format!("{}:0", node + 1)),
+                    0 if node + 1 < primaries.len() => Some(format!("{}:0:{now_layout}", node + 1)),
                     0 => None,
-                    position => Some(format!("{node}:{position}")),
+                    position => Some(format!("{node}:{position}:{now_layout}")),
                 };
                 (keys, next)
             }
+            _ if layout.is_some() => return Err(bad_cursor()),
             _ => {
                 let (position, keys): (u64, Vec<String>) =
                     scan.query_async(&mut conn).await.map_err(redis_error)?;
@@ -714,6 +733,21 @@ impl Store for RedisStore {
     }
 }
 
+/// A short name for a set of primaries (sorted by address), carried in a
+/// cluster walk's cursor: 16 hex digits of a SHA-256, the same in every
+/// process, so any replica can go on with a walk another began.
+fn primaries_layout(primaries: &[(String, u16)]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for (host, port) in primaries {
+        hash.update(format!("{host}:{port},"));
+    }
+    hash.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// `text` with the characters a `SCAN` pattern treats specially escaped.
 fn glob_escaped(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 4);
@@ -726,8 +760,10 @@ fn glob_escaped(text: &str) -> String {
     out
 }
 
-/// The cluster's primaries that are up, as `(host, port)` ordered by
-/// address, from `CLUSTER NODES` (any node answers for all).
+/// The cluster's primaries that are up and serve slots, as `(host, port)`
+/// ordered by address, from `CLUSTER NODES` (any node answers for all). A
+/// master without slots holds no records, and the connection may not know
+/// it yet (it learns nodes from the slot map): a walk passes it by.
 async fn cluster_primaries(
     cluster: &mut redis::cluster_async::ClusterConnection,
 ) -> Result<Vec<(String, u16)>, StoreError> {
@@ -745,8 +781,12 @@ async fn cluster_primaries(
             let mut fields = line.split_whitespace();
             let address = fields.nth(1)?;
             let flags = fields.next()?;
+            // Then master id, ping, pong, epoch, link state, and its
+            // slots, if any.
+            let serves = fields.nth(5).is_some();
             let up = flags.split(',').any(|f| f == "master")
-                && !flags.split(',').any(|f| f == "fail" || f == "noaddr");
+                && !flags.split(',').any(|f| f == "fail" || f == "noaddr")
+                && serves;
             let (host, port) = address.split(['@', ',']).next()?.rsplit_once(':')?;
             up.then(|| Some((host.to_owned(), port.parse().ok()?)))?
         })
