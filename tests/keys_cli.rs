@@ -15,7 +15,7 @@ use serde_json::Value;
 use support::binary::{ProxyProcess, BIN};
 use support::keys::{json_post, record_key};
 use support::proxy::{config, TestClient};
-use support::redis_server::{shared, shared_cluster, unique_prefix};
+use support::redis_server::{shared, shared_cluster, unique_prefix, RedisCluster};
 use support::upstream::TestUpstream;
 
 const TOKEN: &str = "runbook-admin-token-7d1e-4b9a2c58e0f3a6d1";
@@ -308,4 +308,76 @@ async fn an_unreadable_record_is_listed_shown_and_forgotten() {
     let retry = client.post_json(&proxy.url(TARGET), "garbled", "{}").await;
     assert_eq!(retry.status, 201, "{retry:?}");
     assert_eq!(upstream.executions(TARGET), 2);
+}
+
+/// A listing across a resharding, through the binary: the admin API
+/// answers a cursor from before the primaries changed with 409
+/// `walk-interrupted` rather than going on from another node, every key
+/// still replays from where its record moved, and `keys list` walks the
+/// new layout whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_across_a_resharding_starts_again_and_misses_nothing() {
+    let upstream = TestUpstream::start().await;
+    let client = TestClient::new();
+    let mut cluster = tokio::task::block_in_place(|| RedisCluster::start(3));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut c = proxy_config(&upstream, StoreKind::RedisCluster, dir.path());
+    c.store.urls = cluster.urls();
+    let proxy = ProxyProcess::start(c).await;
+    const TARGET: &str = "/v1/charges/reshard";
+    for i in 0..40 {
+        let done = client
+            .post_json(&proxy.url(TARGET), &format!("reshard-{i}"), "{}")
+            .await;
+        assert_eq!(done.status, 201, "{done:?}");
+    }
+    let admin = |path: String| {
+        let (client, url) = (client.clone(), proxy.admin_url(&path));
+        async move {
+            client
+                .send(
+                    http::Method::GET,
+                    &url,
+                    &[("authorization", &format!("Bearer {TOKEN}"))],
+                    String::new(),
+                )
+                .await
+        }
+    };
+    let first = admin("/v1/keys?limit=1".into()).await;
+    assert_eq!(first.status, 200, "{first:?}");
+    let cursor = first.json()["next_cursor"]
+        .as_str()
+        .expect("40 keys on 3 nodes take more than one page")
+        .to_owned();
+
+    tokio::task::block_in_place(|| {
+        let added = cluster.add_master();
+        cluster.reshard_to(added, 4096);
+    });
+    let interrupted = admin(format!("/v1/keys?cursor={cursor}")).await;
+    interrupted.assert_problem(409, "walk-interrupted");
+
+    for i in 0..40 {
+        let replay = client
+            .post_json(&proxy.url(TARGET), &format!("reshard-{i}"), "{}")
+            .await;
+        assert!(replay.replayed(), "{replay:?}");
+    }
+    assert_eq!(upstream.executions(TARGET), 40);
+    let listed = keys(
+        &proxy,
+        Some(TOKEN),
+        &["list", "--state", "any", "--limit", "1000", "--json"],
+    )
+    .await;
+    assert!(listed.ok, "{}", listed.stderr);
+    let hashes: std::collections::BTreeSet<String> = listed
+        .json()
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|k| k["key_hash"].as_str().expect("a hash").to_owned())
+        .collect();
+    assert_eq!(hashes.len(), 40, "{}", listed.stdout);
 }

@@ -414,6 +414,56 @@ impl RedisCluster {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
+    /// Adds a master without slots (`redis-cli --cluster add-node`) and
+    /// waits until every node knows it and the cluster is up on it; its
+    /// index in `nodes` is returned.
+    pub fn add_master(&mut self) -> usize {
+        let added = RedisServer::start_with(RedisOptions {
+            cluster: true,
+            ..RedisOptions::default()
+        });
+        let seed = self.nodes[0].addr();
+        self.nodes[0].cli(&["--cluster", "add-node", &added.addr(), &seed]);
+        self.nodes.push(added);
+        let masters = self.nodes.len();
+        let deadline = Instant::now() + CLUSTER_TIMEOUT;
+        for node in &self.nodes {
+            // A migration to a node that does not see the cluster up yet
+            // fails with CLUSTERDOWN.
+            while node.cli(&["cluster", "nodes"]).matches("master").count() < masters
+                || !node.cli(&["cluster", "info"]).contains("cluster_state:ok")
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "{} never met the new master",
+                    node.addr()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        masters - 1
+    }
+
+    /// Moves `slots` slots, with their keys, from the other masters to
+    /// `nodes[to]` (`redis-cli --cluster reshard`).
+    pub fn reshard_to(&self, to: usize, slots: usize) {
+        let id = self.nodes[to].cli(&["cluster", "myid"]);
+        let (seed, slots) = (self.nodes[0].addr(), slots.to_string());
+        self.nodes[0].cli(&[
+            "--cluster",
+            "reshard",
+            &seed,
+            "--cluster-from",
+            "all",
+            "--cluster-to",
+            id.trim(),
+            "--cluster-slots",
+            &slots,
+            "--cluster-yes",
+        ]);
+        self.wait_ok();
+    }
+
     /// The slot of `key`, as the cluster computes it.
     pub fn keyslot(&self, key: &str) -> u16 {
         self.nodes[0]
