@@ -30,11 +30,10 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// The environment variable the token is read from.
 pub const TOKEN_VARIABLE: &str = "IDEMPROXY_ADMIN_TOKEN";
 
-/// An answer of the admin API other than a success: its status, its
-/// problem type's last segment (`record-unreadable`), and what it said.
+/// An answer of the admin API other than a success: its problem type's
+/// last segment (`record-unreadable`), and what it said (status first).
 #[derive(Debug)]
 pub struct Refused {
-    pub status: StatusCode,
     pub slug: String,
     message: String,
 }
@@ -203,7 +202,6 @@ impl AdminClient {
         };
         let slug = value["type"].as_str().unwrap_or_default();
         Err(Box::new(Refused {
-            status,
             slug: slug
                 .rsplit([':', '/'])
                 .next()

@@ -705,11 +705,11 @@ impl Store for RedisStore {
         for ((key, _), value) in keys.into_iter().zip(values) {
             // A key that does not read is listed apart, not fatal to the
             // page: one bad value must not hide every other record.
-            let read = match value.map_err(redis_error) {
+            let read = match value {
                 Ok(Some(value)) => read_stored(&Bytes::from(value)),
                 // Expired or removed since SCAN saw it.
                 Ok(None) => continue,
-                Err(e) => Err(e),
+                Err(e) => Err(redis_error(e)),
             };
             match read {
                 Ok(record) if record.expires_at() > now => page.records.push((key, record)),
@@ -742,10 +742,7 @@ fn primaries_layout(primaries: &[(String, u16)]) -> String {
     for (host, port) in primaries {
         hash.update(format!("{host}:{port},"));
     }
-    hash.finalize()[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex::encode(&hash.finalize()[..8])
 }
 
 /// `text` with the characters a `SCAN` pattern treats specially escaped.
