@@ -20,6 +20,7 @@ use tower::{Service, ServiceExt};
 use super::body::{holding, read_request_body};
 use super::detach::DetachOnDrop;
 use super::key::IdempotencyKey;
+use super::key_source::KeyRefusal;
 use super::layer::Settings;
 use super::mcp_call::McpCall;
 use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policy};
@@ -134,8 +135,11 @@ where
             .or_else(|| self.policy.keys.from_request(&parts, &body).transpose())
         {
             Some(Ok(key)) => key,
-            Some(Err(invalid)) => {
+            Some(Err(KeyRefusal::Invalid(invalid))) => {
                 return self.reject(RequestOutcome::InvalidKey, Rejection::InvalidKey(invalid))
+            }
+            Some(Err(KeyRefusal::UnreadableBody { at })) => {
+                return self.reject(RequestOutcome::BadBody, Rejection::InvalidBody { at })
             }
             None if self.policy.require_key => {
                 return self.reject(RequestOutcome::MissingKey, Rejection::MissingKey)

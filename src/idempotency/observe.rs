@@ -27,6 +27,7 @@ use tower::Service;
 use super::body::{read_or_keep, ReadOrKeep};
 use super::exchange::{Claim, Exchange, Responder};
 use super::key::IdempotencyKey;
+use super::key_source::KeyRefusal;
 use super::rejection::Rejection;
 use crate::core::{BeginOutcome, Fingerprint, RecordKey, UpstreamFailure};
 use crate::http::headers::content_length;
@@ -159,10 +160,14 @@ where
             Some(key) => Some(key),
             None => match self.policy.keys.from_request(&parts, &body) {
                 Ok(key) => key,
-                Err(_) => {
+                Err(refusal) => {
+                    let outcome = match refusal {
+                        KeyRefusal::Invalid(_) => RequestOutcome::InvalidKey,
+                        KeyRefusal::UnreadableBody { .. } => RequestOutcome::BadBody,
+                    };
                     return self
-                        .forward_untouched(parts, Body::from(body), RequestOutcome::InvalidKey)
-                        .await
+                        .forward_untouched(parts, Body::from(body), outcome)
+                        .await;
                 }
             },
         };
