@@ -382,3 +382,41 @@ async fn a_header_keyed_route_fingerprints_an_unparseable_body_as_its_bytes() {
         .assert_problem(409, "key-reused");
     assert_eq!(upstream.executions(PATH), 1);
 }
+
+/// Two routes deriving their keys from the same ids: the same run and step
+/// on each are two actions, not one key reused.
+#[tokio::test]
+async fn the_same_derived_ids_on_two_routes_are_two_keys() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.derive_key = strings(&["header:x-run-id", "json:/tool_call_id"]);
+    c.routes = ["email", "sms"]
+        .into_iter()
+        .map(|name| idemproxy::config::RouteConfig {
+            name: name.into(),
+            path: format!("/v1/{name}"),
+            ..Default::default()
+        })
+        .collect();
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let run = [("x-run-id", "run-1")];
+    let send = |path: &'static str, body: String| {
+        let (client, url) = (&client, proxy.url(path));
+        async move { client.post_json_with(&url, &run, &body).await }
+    };
+    let email = send("/v1/email", tool_call("step-1", "ada@example.com")).await;
+    assert_eq!(email.status, 201, "{email:?}");
+    let sms = send("/v1/sms", tool_call("step-1", "+15550100")).await;
+    assert_eq!(sms.status, 201, "another route, another action: {sms:?}");
+    assert!(!sms.replayed());
+    // Each still replays its own.
+    assert!(send("/v1/email", tool_call("step-1", "ada@example.com"))
+        .await
+        .replayed());
+    assert!(send("/v1/sms", tool_call("step-1", "+15550100"))
+        .await
+        .replayed());
+    assert_eq!(upstream.executions("/v1/email"), 1);
+    assert_eq!(upstream.executions("/v1/sms"), 1);
+}

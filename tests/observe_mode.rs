@@ -194,3 +194,78 @@ async fn a_store_outage_in_observe_mode_costs_no_request() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// An observe route and an enforce route on one store: the records the
+/// observe route keeps are its own, so a key it saw first is still new to
+/// the enforce route (and the other way round), and no observed record is
+/// ever replayed by enforcement.
+#[tokio::test]
+async fn observed_records_live_apart_from_enforced_ones() {
+    use idemproxy::config::RouteConfig;
+    use support::proxy::{config, TestProxy};
+
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.routes = vec![
+        RouteConfig {
+            name: "observed".into(),
+            path: "/v1/observed".into(),
+            mode: Some(Mode::Observe),
+            ..Default::default()
+        },
+        RouteConfig {
+            name: "enforced".into(),
+            path: "/v1/enforced".into(),
+            ..Default::default()
+        },
+    ];
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let send = |path: &'static str, key: &'static str| {
+        let (client, url) = (&client, proxy.url(path));
+        async move { client.post_json(&url, key, r#"{"amount": 1}"#).await }
+    };
+    assert_plain(&send("/v1/observed", "shared-1").await);
+    let enforced = send("/v1/enforced", "shared-1").await;
+    assert_eq!(
+        enforced.status, 201,
+        "a key new to enforcement: {enforced:?}"
+    );
+    assert!(!enforced.replayed());
+    assert!(send("/v1/enforced", "shared-1").await.replayed());
+
+    assert_eq!(send("/v1/enforced", "shared-2").await.status, 201);
+    assert_plain(&send("/v1/observed", "shared-2").await);
+    let metrics = proxy.admin_url("/metrics");
+    let series = |outcome: &str| {
+        format!(r#"idemproxy_requests_total{{route="observed",outcome="{outcome}"}}"#)
+    };
+    assert_eq!(client.metric(&metrics, &series("executed")).await, 2.0);
+    assert_eq!(
+        client.metric(&metrics, &series("observed_mismatch")).await,
+        0.0,
+        "an enforced key is no mismatch to the observe route"
+    );
+    assert_eq!(upstream.executions("/v1/observed"), 2);
+    assert_eq!(upstream.executions("/v1/enforced"), 2);
+}
+
+/// A body a `json:` key source cannot parse is forwarded in observe mode
+/// (nothing is refused), and counted as enforcement would have refused it.
+#[tokio::test]
+async fn an_unparseable_body_is_forwarded_when_observed_and_counted_as_bad_body() {
+    use support::proxy::{config, TestProxy};
+
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.mode = Mode::Observe;
+    c.idempotency.key_from = vec!["json:/key".into()];
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let url = proxy.url(PATH);
+    let body = r#"{"key": "k-1", "amount": NaN}"#;
+    assert_plain(&client.post_json_with(&url, &[], body).await);
+    assert_eq!(upstream.executions(PATH), 1);
+    let metrics = proxy.admin_url("/metrics");
+    assert_eq!(client.metric(&metrics, &outcome("bad_body")).await, 1.0);
+}

@@ -540,6 +540,13 @@ mod tests {
         let ab_c = key(&two, &parts("/", &[("x-a", "ab"), ("x-b", "c")]), "");
         let a_bc = key(&two, &parts("/", &[("x-a", "a"), ("x-b", "bc")]), "");
         assert_ne!(ab_c, a_bc);
+        // The same ids on two routes are two actions.
+        let on = |route: &str| {
+            let rules = rules(&[], &["header:x-run-id"]).for_route(route);
+            key(&rules, &run("r1"), "")
+        };
+        assert_ne!(on("email"), on("sms"));
+        assert_eq!(on("email"), on("email"));
         // A string and a number are different values.
         let typed = rules(&[], &["json:/id"]);
         assert_ne!(

@@ -84,6 +84,18 @@ impl ObserveRoute {
         RecordKey::from_bytes(h.finalize().into())
     }
 
+    /// The namespace an observe route's keyed records live in, apart from
+    /// enforced ones for the same caller: a key an observe route saw first
+    /// must be new to an enforce route (never a 409 there, never a replay
+    /// of a record enforcement did not make), including the same route
+    /// after it is switched to enforce.
+    pub fn records_scope(scope: &[u8; 32]) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(b"idemproxy.observe.records.v1\0");
+        h.update(scope);
+        h.finalize().into()
+    }
+
     /// Notes a request of `identity` with `request_id`, and says whether
     /// one was seen within the window (the first one stays first).
     pub fn sight(&self, identity: RecordKey, request_id: Option<&str>) -> Sighting {
@@ -192,7 +204,9 @@ where
                 .await;
         };
         let request = Request::from_parts(parts, Body::from(body));
-        self.claim_and_run(&scope, &key, fingerprint, request).await
+        let records = ObserveRoute::records_scope(&scope);
+        self.claim_and_run(&records, &key, fingerprint, request)
+            .await
     }
 
     /// Forwards a keyed request that enforcement would have answered from
