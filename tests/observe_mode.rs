@@ -250,6 +250,47 @@ async fn observed_records_live_apart_from_enforced_ones() {
     assert_eq!(upstream.executions("/v1/enforced"), 2);
 }
 
+/// Observe mode changes nothing of the request: the upstream sees the
+/// client's own `Accept-Encoding`, on the keyed request the proxy records
+/// as on every other, and a coded answer is recorded as it came (it is
+/// only counted against, never replayed).
+#[tokio::test]
+async fn an_observed_request_reaches_the_upstream_with_the_clients_headers() {
+    use support::proxy::{config, TestProxy};
+
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.mode = Mode::Observe;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let url = proxy.url(&format!("{PATH}?header=content-encoding%3Agzip"));
+    for _ in 0..2 {
+        let reply = client
+            .post_json_with(
+                &url,
+                &[("idempotency-key", "enc-1"), ("accept-encoding", "gzip")],
+                r#"{"amount": 1}"#,
+            )
+            .await;
+        assert_plain(&reply);
+        assert_eq!(reply.header("content-encoding"), Some("gzip"), "{reply:?}");
+        let seen = upstream
+            .last_headers(PATH)
+            .expect("the upstream was called");
+        assert_eq!(
+            seen.get("accept-encoding").and_then(|v| v.to_str().ok()),
+            Some("gzip"),
+            "{seen:?}"
+        );
+    }
+    let metrics = proxy.admin_url("/metrics");
+    assert_eq!(client.metric(&metrics, &outcome("executed")).await, 1.0);
+    assert_eq!(
+        client.metric(&metrics, &outcome("observed_replay")).await,
+        1.0
+    );
+}
+
 /// A body a `json:` key source cannot parse is forwarded in observe mode
 /// (nothing is refused), and counted as enforcement would have refused it.
 #[tokio::test]

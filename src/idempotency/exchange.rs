@@ -511,7 +511,13 @@ where
         let deadline = Instant::now() + self.settings.upstream_timeout;
         let started = Instant::now();
         self.log.set_unsettled(true);
-        let result = self.inner.clone().oneshot(uncompressed(request)).await;
+        // Observe mode changes nothing of the request: its records are
+        // never replayed, so a coded body stored as it came costs nothing.
+        let request = match self.policy.observe {
+            Some(_) => request,
+            None => uncompressed(request),
+        };
+        let result = self.inner.clone().oneshot(request).await;
         self.upstream_done(started);
         let response = match result.map_err(Into::into) {
             Ok(response) => response,
