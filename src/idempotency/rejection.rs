@@ -179,8 +179,9 @@ impl Rejection {
             }
             Rejection::InvalidBody { at } => format!(
                 "This route reads the request's key from its JSON body (`{at}`), and the body does \
-                 not parse as standard JSON (RFC 8259: no NaN or Infinity, no lone surrogate \
-                 escapes, numbers within the double range); nothing was claimed or forwarded."
+                 not parse as standard JSON (RFC 8259 in UTF-8: no NaN or Infinity, no lone \
+                 surrogate escapes, numbers within the double range, at most 128 levels deep); \
+                 nothing was claimed or forwarded."
             ),
             Rejection::BodyTimeout { timeout } => format!(
                 "The request body did not arrive within {}; nothing was executed. Retrying is safe.",
