@@ -311,7 +311,7 @@ fn policy(
         max_response_bytes: c.max_response_bytes,
         fingerprint: FingerprintRules::new(headers, ignore),
         scope,
-        keys: KeyRules::new(key_from, derive_key),
+        keys: KeyRules::new(key_from, derive_key).for_route(route),
         observe: (c.mode == config::Mode::Observe).then(|| ObserveRoute::new(c.observe_window)),
         replay_body_field: (!c.replay_body_field.is_empty())
             .then(|| Arc::from(c.replay_body_field.as_str())),

@@ -259,3 +259,164 @@ async fn only_a_replayed_json_object_gains_the_replay_member() {
     assert_eq!(replayed.body, original.body);
     assert_eq!(replayed.header("content-length"), Some("100"));
 }
+
+/// What Python's `json` reads and the proxy's JSON parser does not: the
+/// upstream could find a key in these bodies that the proxy cannot.
+const PYTHON_ONLY_BODIES: [&str; 6] = [
+    r#"{"key": "k-1", "amount": NaN}"#,
+    r#"{"key": "k-1", "amount": Infinity}"#,
+    r#"{"key": "k-1", "amount": -Infinity}"#,
+    r#"{"key": "k-1", "note": "\ud800"}"#,
+    r#"{"key": "k-1", "note": "\udc00"}"#,
+    r#"{"key": "k-1", "amount": 1e400}"#,
+];
+
+#[tokio::test]
+async fn a_body_a_json_key_source_cannot_parse_is_refused_never_forwarded_keyless() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.key_from = strings(&["json:/key"]);
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    for body in PYTHON_ONLY_BODIES {
+        for _ in 0..2 {
+            let reply = post(&client, &proxy, &[], body).await;
+            reply.assert_problem(400, "invalid-body");
+            assert_eq!(reply.header("x-should-retry"), Some("false"), "{body}");
+            let detail = reply.json()["detail"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            assert!(detail.contains("`json:/key`"), "{body}: {detail}");
+        }
+    }
+    // Not JSON at all, whatever the content type says: the key source
+    // cannot tell whether the caller sent a key.
+    let form = client
+        .send(
+            Method::POST,
+            &proxy.url(PATH),
+            &[("content-type", "application/x-www-form-urlencoded")],
+            "key=k-1&amount=5",
+        )
+        .await;
+    form.assert_problem(400, "invalid-body");
+    assert_eq!(upstream.executions(PATH), 0, "nothing was forwarded");
+    let metrics = client
+        .send(Method::GET, &proxy.admin_url("/metrics"), &[], "")
+        .await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    let line = r#"idemproxy_requests_total{route="default",outcome="bad_body"} 13"#;
+    assert!(text.lines().any(|l| l == line), "{text}");
+
+    // An empty body holds no key for anyone: keyless, as before.
+    let empty = client.send(Method::POST, &proxy.url(PATH), &[], "").await;
+    assert_eq!(empty.status, 201, "{empty:?}");
+    // A header listed first still decides before the body is read.
+    let mut c = config(&upstream.url());
+    c.idempotency.key_from = strings(&["header:idempotency-key", "json:/key"]);
+    let headed = TestProxy::start(c).await;
+    let nan = PYTHON_ONLY_BODIES[0];
+    let sent = post(&client, &headed, &[("idempotency-key", "h-1")], nan).await;
+    assert_eq!(sent.status, 201, "{sent:?}");
+    assert!(post(&client, &headed, &[("idempotency-key", "h-1")], nan)
+        .await
+        .replayed());
+    post(&client, &headed, &[], nan)
+        .await
+        .assert_problem(400, "invalid-body");
+}
+
+#[tokio::test]
+async fn a_body_a_json_key_attribute_cannot_parse_is_refused() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.derive_key = strings(&["header:x-run-id", "json:/tool_call_id"]);
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let run = [("x-run-id", "run-1")];
+    for body in [
+        r#"{"tool_call_id": "call_1", "arguments": {"n": NaN}}"#,
+        r#"{"tool_call_id": "call_1", "arguments": {"s": "\udbff"}}"#,
+    ] {
+        post(&client, &proxy, &run, body)
+            .await
+            .assert_problem(400, "invalid-body");
+    }
+    assert_eq!(upstream.executions(PATH), 0);
+    // Without the run id the derived key is absent whatever the body
+    // holds: the head alone decides, as before.
+    let keyless = post(&client, &proxy, &[], r#"{"n": NaN}"#).await;
+    assert_eq!(keyless.status, 201, "{keyless:?}");
+}
+
+/// A key from a header needs no body: a body the proxy cannot parse is
+/// fingerprinted as its bytes, so the same bytes replay and other bytes
+/// are a mismatch, ignore pointers or not.
+#[tokio::test]
+async fn a_header_keyed_route_fingerprints_an_unparseable_body_as_its_bytes() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.fingerprint_ignore = strings(&["/sent_at"]);
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let key = [("idempotency-key", "raw-1")];
+    let body = r#"{"amount": NaN, "sent_at": 1}"#;
+    assert_eq!(post(&client, &proxy, &key, body).await.status, 201);
+    assert!(post(&client, &proxy, &key, body).await.replayed());
+    // Only the ignored member differs, but the proxy cannot tell: raw bytes.
+    post(&client, &proxy, &key, r#"{"amount": NaN, "sent_at": 2}"#)
+        .await
+        .assert_problem(409, "key-reused");
+    post(
+        &client,
+        &proxy,
+        &key,
+        r#"{"amount": Infinity, "sent_at": 1}"#,
+    )
+    .await
+    .assert_problem(409, "key-reused");
+    // Re-serialized, it would be the same JSON; as bytes it is not.
+    post(&client, &proxy, &key, r#"{"amount":NaN,"sent_at":1}"#)
+        .await
+        .assert_problem(409, "key-reused");
+    assert_eq!(upstream.executions(PATH), 1);
+}
+
+/// Two routes deriving their keys from the same ids: the same run and step
+/// on each are two actions, not one key reused.
+#[tokio::test]
+async fn the_same_derived_ids_on_two_routes_are_two_keys() {
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.derive_key = strings(&["header:x-run-id", "json:/tool_call_id"]);
+    c.routes = ["email", "sms"]
+        .into_iter()
+        .map(|name| idemproxy::config::RouteConfig {
+            name: name.into(),
+            path: format!("/v1/{name}"),
+            ..Default::default()
+        })
+        .collect();
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let run = [("x-run-id", "run-1")];
+    let send = |path: &'static str, body: String| {
+        let (client, url) = (&client, proxy.url(path));
+        async move { client.post_json_with(&url, &run, &body).await }
+    };
+    let email = send("/v1/email", tool_call("step-1", "ada@example.com")).await;
+    assert_eq!(email.status, 201, "{email:?}");
+    let sms = send("/v1/sms", tool_call("step-1", "+15550100")).await;
+    assert_eq!(sms.status, 201, "another route, another action: {sms:?}");
+    assert!(!sms.replayed());
+    // Each still replays its own.
+    assert!(send("/v1/email", tool_call("step-1", "ada@example.com"))
+        .await
+        .replayed());
+    assert!(send("/v1/sms", tool_call("step-1", "+15550100"))
+        .await
+        .replayed());
+    assert_eq!(upstream.executions("/v1/email"), 1);
+    assert_eq!(upstream.executions("/v1/sms"), 1);
+}

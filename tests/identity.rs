@@ -299,3 +299,174 @@ async fn the_admin_lookup_is_scoped_by_the_verified_caller() {
         "{forged:?}"
     );
 }
+
+/// The proxy in front of a counting upstream, scoping `/v1/shared` by
+/// `jwt:sub` and `/v1/tenant` by `jwt:tenant`, with the shared anonymous
+/// scope (the default).
+async fn proxy_sharing_anonymous(signer: &Signer) -> (TestUpstream, TestProxy, tempfile::TempDir) {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jwks_file = dir.path().join("jwks.json");
+    std::fs::write(&jwks_file, jwks(&[signer])).expect("write the key set");
+    let mut c = config(&upstream.url());
+    c.identity.jwks_file = Some(jwks_file);
+    c.identity.issuer = Some(ISSUER.into());
+    c.identity.audience = Some(AUDIENCE.into());
+    c.routes = vec![
+        RouteConfig {
+            name: "shared".into(),
+            path: "/v1/shared".into(),
+            scope: Some(vec!["jwt:sub".into()]),
+            ..Default::default()
+        },
+        RouteConfig {
+            name: "tenant".into(),
+            path: "/v1/tenant".into(),
+            scope: Some(vec!["jwt:tenant".into()]),
+            ..Default::default()
+        },
+    ];
+    let proxy = TestProxy::start(c).await;
+    (upstream, proxy, dir)
+}
+
+async fn post_as(
+    client: &TestClient,
+    url: &str,
+    token: Option<String>,
+    key: &str,
+) -> support::proxy::Reply {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let mut headers = vec![("idempotency-key", key), JSON];
+    if let Some(auth) = &auth {
+        headers.push(("authorization", auth));
+    }
+    client.send(Method::POST, url, &headers, "{}").await
+}
+
+/// A verified token that lacks the claim the scope is made of names no
+/// caller: put in the anonymous scope, its stored answer would replay to
+/// any request that sends no token at all.
+#[tokio::test]
+async fn a_verified_token_without_the_scope_claim_is_refused_not_made_anonymous() {
+    let signer = Signer::es256("k1");
+    let (upstream, proxy, _dir) = proxy_sharing_anonymous(&signer).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/shared");
+
+    let mut no_sub = claims("alice", 1);
+    no_sub.as_object_mut().expect("object").remove("sub");
+    let refused = post_as(&client, &url, Some(signer.token(no_sub)), "k").await;
+    refused.assert_problem(401, "invalid-token");
+    let detail = refused.json()["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(detail.contains("token has no `sub`"), "{detail}");
+    // Nothing was stored for the anonymous caller to find.
+    let anonymous = post_as(&client, &url, None, "k").await;
+    assert_eq!(anonymous.status, 201, "{anonymous:?}");
+    assert!(!anonymous.replayed(), "{anonymous:?}");
+    assert_eq!(upstream.executions("/v1/shared"), 1);
+
+    // A claim that cannot name a caller is no better than none. (For
+    // `sub`, jsonwebtoken already refuses a non-string; a claim of the
+    // token's own, such as `tenant`, is the proxy's to refuse.)
+    let tenant_url = proxy.url("/v1/tenant");
+    for (i, bad) in [json!({"id": 1}), json!(null), json!(["acme"]), json!(true)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut c = claims("alice", 10 + i as u32);
+        c["sub"] = bad.clone();
+        let reply = post_as(&client, &url, Some(signer.token(c.clone())), "k").await;
+        reply.assert_problem(401, "invalid-token");
+        c["sub"] = json!("alice");
+        c["tenant"] = bad.clone();
+        let reply = post_as(&client, &tenant_url, Some(signer.token(c)), "k").await;
+        reply.assert_problem(401, "invalid-token");
+        let detail = reply.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(detail.contains("`tenant`"), "{bad}: {detail}");
+    }
+    let mut no_tenant = claims("alice", 19);
+    no_tenant.as_object_mut().expect("object").remove("tenant");
+    post_as(&client, &tenant_url, Some(signer.token(no_tenant)), "k")
+        .await
+        .assert_problem(401, "invalid-token");
+    assert_eq!(upstream.executions("/v1/shared"), 1);
+    assert_eq!(upstream.executions("/v1/tenant"), 0);
+    // A number names a caller as well as a string does.
+    let mut numbered = claims("alice", 20);
+    numbered["sub"] = json!(42);
+    let first = post_as(&client, &url, Some(signer.token(numbered.clone())), "n").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    numbered["jti"] = json!(21);
+    assert!(post_as(&client, &url, Some(signer.token(numbered)), "n")
+        .await
+        .replayed());
+}
+
+/// A configured issuer or audience is required in the token: jsonwebtoken
+/// checks only a claim that is there and parses, so an absent or odd
+/// `iss`/`aud` passed.
+#[tokio::test]
+async fn a_configured_issuer_and_audience_are_required_as_strings() {
+    let signer = Signer::es256("k1");
+    let (upstream, proxy, _dir) = proxy_with_identity(&[&signer]).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/payments");
+    let with = |jti: u32, claim: &str, value: Option<serde_json::Value>| {
+        let mut c = claims("alice", jti);
+        match value {
+            Some(v) => c[claim] = v,
+            None => {
+                c.as_object_mut().expect("object").remove(claim);
+            }
+        }
+        signer.token(c)
+    };
+    let cases = [
+        ("absent iss", with(1, "iss", None), false),
+        ("numeric iss", with(2, "iss", Some(json!(5))), false),
+        (
+            "iss as an array",
+            with(3, "iss", Some(json!([ISSUER]))),
+            false,
+        ),
+        ("absent aud", with(4, "aud", None), false),
+        ("numeric aud", with(5, "aud", Some(json!(5))), false),
+        (
+            "aud array without the audience",
+            with(6, "aud", Some(json!(["mail", "billing"]))),
+            false,
+        ),
+        (
+            "aud array with a non-string",
+            with(7, "aud", Some(json!([AUDIENCE, 5]))),
+            false,
+        ),
+        ("null aud", with(8, "aud", Some(json!(null))), false),
+        (
+            "aud array holding the audience",
+            with(9, "aud", Some(json!(["mail", AUDIENCE]))),
+            true,
+        ),
+        ("aud string", with(10, "aud", Some(json!(AUDIENCE))), true),
+    ];
+    let mut accepted = 0;
+    for (i, (what, token, ok)) in cases.into_iter().enumerate() {
+        let key = format!("iss-aud-{i}");
+        let reply = post_as(&client, &url, Some(token), &key).await;
+        if ok {
+            assert_eq!(reply.status, 201, "{what}: {reply:?}");
+            accepted += 1;
+        } else {
+            assert_eq!(reply.status, 401, "{what}: {reply:?}");
+            assert_eq!(reply.problem(), "invalid-token", "{what}");
+        }
+        assert_eq!(upstream.executions("/v1/payments"), accepted, "{what}");
+    }
+}

@@ -194,3 +194,119 @@ async fn a_store_outage_in_observe_mode_costs_no_request() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// An observe route and an enforce route on one store: the records the
+/// observe route keeps are its own, so a key it saw first is still new to
+/// the enforce route (and the other way round), and no observed record is
+/// ever replayed by enforcement.
+#[tokio::test]
+async fn observed_records_live_apart_from_enforced_ones() {
+    use idemproxy::config::RouteConfig;
+    use support::proxy::{config, TestProxy};
+
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.routes = vec![
+        RouteConfig {
+            name: "observed".into(),
+            path: "/v1/observed".into(),
+            mode: Some(Mode::Observe),
+            ..Default::default()
+        },
+        RouteConfig {
+            name: "enforced".into(),
+            path: "/v1/enforced".into(),
+            ..Default::default()
+        },
+    ];
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let send = |path: &'static str, key: &'static str| {
+        let (client, url) = (&client, proxy.url(path));
+        async move { client.post_json(&url, key, r#"{"amount": 1}"#).await }
+    };
+    assert_plain(&send("/v1/observed", "shared-1").await);
+    let enforced = send("/v1/enforced", "shared-1").await;
+    assert_eq!(
+        enforced.status, 201,
+        "a key new to enforcement: {enforced:?}"
+    );
+    assert!(!enforced.replayed());
+    assert!(send("/v1/enforced", "shared-1").await.replayed());
+
+    assert_eq!(send("/v1/enforced", "shared-2").await.status, 201);
+    assert_plain(&send("/v1/observed", "shared-2").await);
+    let metrics = proxy.admin_url("/metrics");
+    let series = |outcome: &str| {
+        format!(r#"idemproxy_requests_total{{route="observed",outcome="{outcome}"}}"#)
+    };
+    assert_eq!(client.metric(&metrics, &series("executed")).await, 2.0);
+    assert_eq!(
+        client.metric(&metrics, &series("observed_mismatch")).await,
+        0.0,
+        "an enforced key is no mismatch to the observe route"
+    );
+    assert_eq!(upstream.executions("/v1/observed"), 2);
+    assert_eq!(upstream.executions("/v1/enforced"), 2);
+}
+
+/// Observe mode changes nothing of the request: the upstream sees the
+/// client's own `Accept-Encoding`, on the keyed request the proxy records
+/// as on every other, and a coded answer is recorded as it came (it is
+/// only counted against, never replayed).
+#[tokio::test]
+async fn an_observed_request_reaches_the_upstream_with_the_clients_headers() {
+    use support::proxy::{config, TestProxy};
+
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.mode = Mode::Observe;
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let url = proxy.url(&format!("{PATH}?header=content-encoding%3Agzip"));
+    for _ in 0..2 {
+        let reply = client
+            .post_json_with(
+                &url,
+                &[("idempotency-key", "enc-1"), ("accept-encoding", "gzip")],
+                r#"{"amount": 1}"#,
+            )
+            .await;
+        assert_plain(&reply);
+        assert_eq!(reply.header("content-encoding"), Some("gzip"), "{reply:?}");
+        let seen = upstream
+            .last_headers(PATH)
+            .expect("the upstream was called");
+        assert_eq!(
+            seen.get("accept-encoding").and_then(|v| v.to_str().ok()),
+            Some("gzip"),
+            "{seen:?}"
+        );
+    }
+    let metrics = proxy.admin_url("/metrics");
+    assert_eq!(client.metric(&metrics, &outcome("executed")).await, 1.0);
+    assert_eq!(
+        client.metric(&metrics, &outcome("observed_replay")).await,
+        1.0
+    );
+}
+
+/// A body a `json:` key source cannot parse is forwarded in observe mode
+/// (nothing is refused), and counted as enforcement would have refused it.
+#[tokio::test]
+async fn an_unparseable_body_is_forwarded_when_observed_and_counted_as_bad_body() {
+    use support::proxy::{config, TestProxy};
+
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.idempotency.mode = Mode::Observe;
+    c.idempotency.key_from = vec!["json:/key".into()];
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let url = proxy.url(PATH);
+    let body = r#"{"key": "k-1", "amount": NaN}"#;
+    assert_plain(&client.post_json_with(&url, &[], body).await);
+    assert_eq!(upstream.executions(PATH), 1);
+    let metrics = proxy.admin_url("/metrics");
+    assert_eq!(client.metric(&metrics, &outcome("bad_body")).await, 1.0);
+}

@@ -20,6 +20,7 @@ use tower::{Service, ServiceExt};
 use super::body::{holding, read_request_body};
 use super::detach::DetachOnDrop;
 use super::key::IdempotencyKey;
+use super::key_source::KeyRefusal;
 use super::layer::Settings;
 use super::mcp_call::McpCall;
 use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policy};
@@ -134,8 +135,11 @@ where
             .or_else(|| self.policy.keys.from_request(&parts, &body).transpose())
         {
             Some(Ok(key)) => key,
-            Some(Err(invalid)) => {
+            Some(Err(KeyRefusal::Invalid(invalid))) => {
                 return self.reject(RequestOutcome::InvalidKey, Rejection::InvalidKey(invalid))
+            }
+            Some(Err(KeyRefusal::UnreadableBody { at })) => {
+                return self.reject(RequestOutcome::BadBody, Rejection::InvalidBody { at })
             }
             None if self.policy.require_key => {
                 return self.reject(RequestOutcome::MissingKey, Rejection::MissingKey)
@@ -507,7 +511,13 @@ where
         let deadline = Instant::now() + self.settings.upstream_timeout;
         let started = Instant::now();
         self.log.set_unsettled(true);
-        let result = self.inner.clone().oneshot(uncompressed(request)).await;
+        // Observe mode changes nothing of the request: its records are
+        // never replayed, so a coded body stored as it came costs nothing.
+        let request = match self.policy.observe {
+            Some(_) => request,
+            None => uncompressed(request),
+        };
+        let result = self.inner.clone().oneshot(request).await;
         self.upstream_done(started);
         let response = match result.map_err(Into::into) {
             Ok(response) => response,

@@ -38,6 +38,8 @@ pub struct IdentitySettings {
 #[derive(Clone)]
 pub struct TokenVerifier {
     keys: Arc<[VerifyingKey]>,
+    issuer: Option<Arc<str>>,
+    audience: Option<Arc<str>>,
 }
 
 struct VerifyingKey {
@@ -72,7 +74,11 @@ impl TokenVerifier {
         if keys.is_empty() {
             return Err("the key set holds no key".into());
         }
-        Ok(Self { keys: keys.into() })
+        Ok(Self {
+            keys: keys.into(),
+            issuer: settings.issuer.as_deref().map(Arc::from),
+            audience: settings.audience.as_deref().map(Arc::from),
+        })
     }
 
     /// The claims of `token` once its signature, algorithm, expiry and the
@@ -88,9 +94,43 @@ impl TokenVerifier {
             .filter(|k| k.algorithm == header.alg)
             .find(|k| header.kid.is_none() || k.kid == header.kid)
             .ok_or("no key of the key set matches the token's kid and algorithm")?;
-        jsonwebtoken::decode::<Map<String, Value>>(token, &key.key, &key.validation)
+        let claims = jsonwebtoken::decode::<Map<String, Value>>(token, &key.key, &key.validation)
             .map(|data| data.claims)
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        self.check_issuer_and_audience(&claims)?;
+        Ok(claims)
+    }
+
+    /// jsonwebtoken checks `iss` and `aud` only when they parse as it
+    /// expects (and takes an array for `iss`): an `iss` of `5` or an `aud`
+    /// of `["payments", 5]` would pass unchecked. A configured issuer must
+    /// be the token's `iss` string; a configured audience its `aud` string
+    /// or one of an array of strings.
+    fn check_issuer_and_audience(&self, claims: &Map<String, Value>) -> Result<(), String> {
+        if let Some(issuer) = &self.issuer {
+            match claims.get("iss") {
+                Some(Value::String(iss)) if iss == issuer.as_ref() => {}
+                Some(Value::String(_)) => return Err("the token's `iss` is another issuer".into()),
+                None => return Err("token has no `iss`".into()),
+                Some(_) => return Err("the token's `iss` is not a string".into()),
+            }
+        }
+        if let Some(audience) = &self.audience {
+            let names_audience = match claims.get("aud") {
+                None => return Err("token has no `aud`".into()),
+                Some(Value::String(aud)) => aud == audience.as_ref(),
+                Some(Value::Array(auds)) if auds.iter().all(Value::is_string) => {
+                    auds.iter().any(|aud| aud.as_str() == Some(audience))
+                }
+                Some(_) => {
+                    return Err("the token's `aud` is not a string or an array of strings".into())
+                }
+            };
+            if !names_audience {
+                return Err("the token's `aud` does not name this audience".into());
+            }
+        }
+        Ok(())
     }
 }
 
@@ -134,6 +174,10 @@ fn validation(algorithm: Algorithm, settings: &IdentitySettings) -> Validation {
     let mut validation = Validation::new(algorithm);
     validation.leeway = settings.leeway.as_secs();
     validation.validate_nbf = true;
+    let mut required = vec!["exp"];
+    required.extend(settings.issuer.as_ref().map(|_| "iss"));
+    required.extend(settings.audience.as_ref().map(|_| "aud"));
+    validation.set_required_spec_claims(&required);
     match &settings.audience {
         Some(audience) => validation.set_audience(&[audience]),
         None => validation.validate_aud = false,

@@ -18,8 +18,15 @@
 //!   of the header, in order. Every attribute is required: a request that
 //!   lacks one has no key (`require_key` then applies), since a key made of
 //!   fewer attributes would merge calls the operator meant to keep apart.
-//! - A derived key is `derived:` and the hex SHA-256 of the attributes,
-//!   each framed by a tag and a length, so two lists never collide.
+//! - A derived key is `derived:` and the hex SHA-256 of the route's name
+//!   and the attributes, each framed by a tag and a length, so two lists
+//!   never collide, and neither do two routes that derive alike.
+//! - A body that a JSON source or attribute must read and that does not
+//!   parse refuses the request ([`KeyRefusal::UnreadableBody`]): the
+//!   upstream's parser may well read a key in it (Python's `json` takes
+//!   `NaN` and lone surrogate escapes), so calling it keyless would run it
+//!   unprotected. Only an empty body is read as holding no member: no
+//!   parser finds a key in nothing.
 
 use std::fmt;
 use std::str::FromStr;
@@ -34,8 +41,8 @@ use super::key::{parse_key, IdempotencyKey, InvalidKey};
 use crate::http::headers::IDEMPOTENCY_KEY;
 
 /// Bumping this moves every derived key (retries of calls made before
-/// would execute again).
-const DERIVE_DOMAIN: &[u8] = b"idemproxy.derived-key.v1\0";
+/// would execute again). v2 hashes the route's name in.
+const DERIVE_DOMAIN: &[u8] = b"idemproxy.derived-key.v2\0";
 
 /// A `key_from` entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,11 +73,25 @@ pub enum HeadKey {
     NeedsBody,
 }
 
+/// Why a covered request's key cannot be had from its body.
+#[derive(Debug, PartialEq, Eq)]
+pub enum KeyRefusal {
+    Invalid(InvalidKey),
+    /// `at` (a `json:` source or attribute) needed the body, and the body
+    /// is not JSON the proxy can read.
+    UnreadableBody {
+        at: String,
+    },
+}
+
 /// A route's `key_from` and `derive_key`.
 #[derive(Clone, Debug)]
 pub struct KeyRules {
     from: Vec<KeySource>,
     derive: Vec<KeyAttribute>,
+    /// Hashed into every derived key: the same ids on another route name
+    /// another action.
+    route: String,
 }
 
 impl Default for KeyRules {
@@ -82,12 +103,23 @@ impl Default for KeyRules {
 
 impl KeyRules {
     pub fn new(from: Vec<KeySource>, derive: Vec<KeyAttribute>) -> Self {
-        Self { from, derive }
+        Self {
+            from,
+            derive,
+            route: String::new(),
+        }
+    }
+
+    /// The rules of the route named `route`, whose derived keys are its own.
+    pub fn for_route(mut self, route: &str) -> Self {
+        route.clone_into(&mut self.route);
+        self
     }
 
     /// The key as far as the head decides it, without reading the body.
     pub fn from_head(&self, parts: &Parts) -> HeadKey {
-        self.lookup(parts, None)
+        // Without a body, no member is read, so none is found unreadable.
+        self.lookup(parts, None).unwrap_or(HeadKey::NeedsBody)
     }
 
     /// The key of a request whose body was read.
@@ -95,22 +127,38 @@ impl KeyRules {
         &self,
         parts: &Parts,
         body: &[u8],
-    ) -> Result<Option<IdempotencyKey>, InvalidKey> {
+    ) -> Result<Option<IdempotencyKey>, KeyRefusal> {
         match self.lookup(parts, Some(body)) {
-            HeadKey::Key(key) => Ok(Some(key)),
-            HeadKey::Invalid(invalid) => Err(invalid),
-            HeadKey::Keyless | HeadKey::NeedsBody => Ok(None),
+            Ok(HeadKey::Key(key)) => Ok(Some(key)),
+            Ok(HeadKey::Invalid(invalid)) => Err(KeyRefusal::Invalid(invalid)),
+            Ok(HeadKey::Keyless | HeadKey::NeedsBody) => Ok(None),
+            Err(NotJson) => Err(KeyRefusal::UnreadableBody {
+                at: self.first_body_reader(),
+            }),
         }
     }
 
-    fn lookup(&self, parts: &Parts, body: Option<&[u8]>) -> HeadKey {
+    /// The `json:` source or attribute that read the body first.
+    fn first_body_reader(&self) -> String {
+        let source = self.from.iter().find(|s| matches!(s, KeySource::Json(_)));
+        let attribute = self
+            .derive
+            .iter()
+            .find(|a| matches!(a, KeyAttribute::Json(_)));
+        source
+            .map(ToString::to_string)
+            .or_else(|| attribute.map(ToString::to_string))
+            .unwrap_or_default()
+    }
+
+    fn lookup(&self, parts: &Parts, body: Option<&[u8]>) -> Result<HeadKey, NotJson> {
         let mut json = LazyJson::new(body);
         for source in &self.from {
             let found = match source {
                 KeySource::Header(name) => header_key(parts, name),
                 KeySource::Query(name) => query_value(parts, name).map(|v| text_key(&v)),
-                KeySource::Json(pointer) => match json.member(pointer) {
-                    Err(NeedsBody) => return HeadKey::NeedsBody,
+                KeySource::Json(pointer) => match json.member(pointer)? {
+                    Err(NeedsBody) => return Ok(HeadKey::NeedsBody),
                     Ok(None) => None,
                     Ok(Some(Value::String(s))) => Some(text_key(s)),
                     Ok(Some(Value::Number(n))) if n.is_i64() || n.is_u64() => {
@@ -120,7 +168,7 @@ impl KeyRules {
                 },
             };
             let Some(found) = found else { continue };
-            return match found {
+            return Ok(match found {
                 Ok(key) => HeadKey::Key(key),
                 // The header the default names keeps its own messages.
                 Err(why) if *source == KeySource::Header(IDEMPOTENCY_KEY) => HeadKey::Invalid(why),
@@ -128,13 +176,14 @@ impl KeyRules {
                     at: source.to_string(),
                     why: Box::new(why),
                 }),
-            };
+            });
         }
         if self.derive.is_empty() {
-            return HeadKey::Keyless;
+            return Ok(HeadKey::Keyless);
         }
         let mut h = Sha256::new();
         h.update(DERIVE_DOMAIN);
+        put_hashed_field(&mut h, self.route.as_bytes());
         for attribute in &self.derive {
             let value: Vec<u8> = match attribute {
                 KeyAttribute::Method => parts.method.as_str().as_bytes().to_vec(),
@@ -142,7 +191,7 @@ impl KeyRules {
                 KeyAttribute::Header(name) => {
                     let values: Vec<&HeaderValue> = parts.headers.get_all(name).iter().collect();
                     if values.is_empty() {
-                        return HeadKey::Keyless;
+                        return Ok(HeadKey::Keyless);
                     }
                     let mut joined = Vec::new();
                     for v in values {
@@ -150,9 +199,9 @@ impl KeyRules {
                     }
                     joined
                 }
-                KeyAttribute::Json(pointer) => match json.member(pointer) {
-                    Err(NeedsBody) => return HeadKey::NeedsBody,
-                    Ok(None) => return HeadKey::Keyless,
+                KeyAttribute::Json(pointer) => match json.member(pointer)? {
+                    Err(NeedsBody) => return Ok(HeadKey::NeedsBody),
+                    Ok(None) => return Ok(HeadKey::Keyless),
                     Ok(Some(value)) => {
                         let raw = serde_json::to_vec(value).unwrap_or_default();
                         canonical_json(&raw, &[]).unwrap_or(raw)
@@ -164,11 +213,19 @@ impl KeyRules {
             put_field(&mut field, &value);
             h.update(&field);
         }
-        match format!("derived:{}", hex::encode(h.finalize())).parse() {
-            Ok(key) => HeadKey::Key(key),
-            Err(why) => HeadKey::Invalid(why),
-        }
+        Ok(
+            match format!("derived:{}", hex::encode(h.finalize())).parse() {
+                Ok(key) => HeadKey::Key(key),
+                Err(why) => HeadKey::Invalid(why),
+            },
+        )
     }
+}
+
+fn put_hashed_field(h: &mut Sha256, bytes: &[u8]) {
+    let mut field = Vec::with_capacity(bytes.len() + 8);
+    put_field(&mut field, bytes);
+    h.update(&field);
 }
 
 /// `bytes`, prefixed by their length: fields framed so, one after the
@@ -203,10 +260,14 @@ fn query_value(parts: &Parts, name: &str) -> Option<String> {
 /// The body asked for before it was read.
 struct NeedsBody;
 
+/// The body was read and is not JSON the proxy can parse.
+struct NotJson;
+
 /// A body parsed as JSON once, on the first member asked for.
 struct LazyJson<'a> {
     body: Option<&'a [u8]>,
-    parsed: Option<Option<Value>>,
+    /// `None` for an empty body: no document, so no member.
+    parsed: Option<Result<Option<Value>, NotJson>>,
 }
 
 impl<'a> LazyJson<'a> {
@@ -214,17 +275,26 @@ impl<'a> LazyJson<'a> {
         Self { body, parsed: None }
     }
 
-    /// The member at `pointer`; `None` when the body is not JSON or has
-    /// no such member (or it is `null`).
-    fn member(&mut self, pointer: &str) -> Result<Option<&Value>, NeedsBody> {
-        let body = self.body.ok_or(NeedsBody)?;
-        let doc = self
-            .parsed
-            .get_or_insert_with(|| serde_json::from_slice(body).ok());
-        Ok(doc
-            .as_ref()
-            .and_then(|doc| doc.pointer(pointer))
-            .filter(|v| !v.is_null()))
+    /// The member at `pointer`; `None` when the body is empty or has no
+    /// such member (or it is `null`); the outer error when the body does
+    /// not parse.
+    fn member(&mut self, pointer: &str) -> Result<Result<Option<&Value>, NeedsBody>, NotJson> {
+        let Some(body) = self.body else {
+            return Ok(Err(NeedsBody));
+        };
+        let doc = self.parsed.get_or_insert_with(|| {
+            if body.is_empty() {
+                return Ok(None);
+            }
+            serde_json::from_slice(body).map(Some).map_err(|_| NotJson)
+        });
+        match doc {
+            Err(NotJson) => Err(NotJson),
+            Ok(doc) => Ok(Ok(doc
+                .as_ref()
+                .and_then(|doc| doc.pointer(pointer))
+                .filter(|v| !v.is_null()))),
+        }
     }
 }
 
@@ -362,7 +432,40 @@ mod tests {
             key(&r, &parts("/t", &[]), r#"{"tool_call_id": null}"#),
             None
         );
-        assert_eq!(key(&r, &parts("/t", &[]), "not json"), None);
+        assert_eq!(
+            key(&r, &parts("/t", &[]), ""),
+            None,
+            "an empty body holds no key"
+        );
+    }
+
+    #[test]
+    fn a_body_a_json_source_cannot_parse_refuses_the_request() {
+        let r = rules(&["header:x-key", "json:/id", "query:k"], &[]);
+        for body in [
+            "not json",
+            r#"{"id": "a", "n": NaN}"#,
+            r#"{"id": "\ud800"}"#,
+        ] {
+            assert_eq!(
+                r.from_request(&parts("/t?k=q", &[]), body.as_bytes()),
+                Err(KeyRefusal::UnreadableBody {
+                    at: "json:/id".into()
+                }),
+                "{body}"
+            );
+            // A source before it that has the key never reads the body.
+            assert!(r
+                .from_request(&parts("/t", &[("x-key", "h")]), body.as_bytes())
+                .is_ok_and(|k| k.is_some()));
+        }
+        let derived = rules(&[], &["method", "json:/run/id"]);
+        assert_eq!(
+            derived.from_request(&parts("/t", &[]), b"{\"run\": {\"id\": Infinity}}"),
+            Err(KeyRefusal::UnreadableBody {
+                at: "json:/run/id".into()
+            })
+        );
     }
 
     #[test]
@@ -394,9 +497,11 @@ mod tests {
             r#"{"tool_call_id": true}"#,
             r#"{"tool_call_id": ""}"#,
         ] {
-            let invalid = r
-                .from_request(&parts("/t", &[("x-key", "h")]), body.as_bytes())
-                .expect_err(body);
+            let Err(KeyRefusal::Invalid(invalid)) =
+                r.from_request(&parts("/t", &[("x-key", "h")]), body.as_bytes())
+            else {
+                panic!("{body}: not an invalid key")
+            };
             assert!(
                 invalid.to_string().contains("`json:/tool_call_id`"),
                 "{body}: {invalid}"
@@ -408,7 +513,7 @@ mod tests {
         let twice = parts("/t", &[("idempotency-key", "a"), ("idempotency-key", "b")]);
         assert_eq!(
             KeyRules::default().from_request(&twice, b""),
-            Err(InvalidKey::Repeated)
+            Err(KeyRefusal::Invalid(InvalidKey::Repeated))
         );
     }
 
@@ -435,6 +540,13 @@ mod tests {
         let ab_c = key(&two, &parts("/", &[("x-a", "ab"), ("x-b", "c")]), "");
         let a_bc = key(&two, &parts("/", &[("x-a", "a"), ("x-b", "bc")]), "");
         assert_ne!(ab_c, a_bc);
+        // The same ids on two routes are two actions.
+        let on = |route: &str| {
+            let rules = rules(&[], &["header:x-run-id"]).for_route(route);
+            key(&rules, &run("r1"), "")
+        };
+        assert_ne!(on("email"), on("sms"));
+        assert_eq!(on("email"), on("email"));
         // A string and a number are different values.
         let typed = rules(&[], &["json:/id"]);
         assert_ne!(

@@ -27,6 +27,7 @@ use tower::Service;
 use super::body::{read_or_keep, ReadOrKeep};
 use super::exchange::{Claim, Exchange, Responder};
 use super::key::IdempotencyKey;
+use super::key_source::KeyRefusal;
 use super::rejection::Rejection;
 use crate::core::{BeginOutcome, Fingerprint, RecordKey, UpstreamFailure};
 use crate::http::headers::content_length;
@@ -81,6 +82,18 @@ impl ObserveRoute {
         h.update(scope);
         h.update(fingerprint.0);
         RecordKey::from_bytes(h.finalize().into())
+    }
+
+    /// The namespace an observe route's keyed records live in, apart from
+    /// enforced ones for the same caller: a key an observe route saw first
+    /// must be new to an enforce route (never a 409 there, never a replay
+    /// of a record enforcement did not make), including the same route
+    /// after it is switched to enforce.
+    pub fn records_scope(scope: &[u8; 32]) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(b"idemproxy.observe.records.v1\0");
+        h.update(scope);
+        h.finalize().into()
     }
 
     /// Notes a request of `identity` with `request_id`, and says whether
@@ -159,10 +172,14 @@ where
             Some(key) => Some(key),
             None => match self.policy.keys.from_request(&parts, &body) {
                 Ok(key) => key,
-                Err(_) => {
+                Err(refusal) => {
+                    let outcome = match refusal {
+                        KeyRefusal::Invalid(_) => RequestOutcome::InvalidKey,
+                        KeyRefusal::UnreadableBody { .. } => RequestOutcome::BadBody,
+                    };
                     return self
-                        .forward_untouched(parts, Body::from(body), RequestOutcome::InvalidKey)
-                        .await
+                        .forward_untouched(parts, Body::from(body), outcome)
+                        .await;
                 }
             },
         };
@@ -187,7 +204,9 @@ where
                 .await;
         };
         let request = Request::from_parts(parts, Body::from(body));
-        self.claim_and_run(&scope, &key, fingerprint, request).await
+        let records = ObserveRoute::records_scope(&scope);
+        self.claim_and_run(&records, &key, fingerprint, request)
+            .await
     }
 
     /// Forwards a keyed request that enforcement would have answered from

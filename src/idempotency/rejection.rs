@@ -29,6 +29,11 @@ pub enum Rejection {
     },
     /// The request body could not be read (the client went away mid-body).
     BodyUnreadable,
+    /// The key is read from the body (`at`, a `json:` source or
+    /// attribute) and the body is not JSON the proxy can parse.
+    InvalidBody {
+        at: String,
+    },
     /// The request body did not arrive whole within `request_body_timeout`.
     BodyTimeout {
         timeout: Duration,
@@ -89,6 +94,7 @@ impl Rejection {
             Rejection::InvalidKey(_) => "invalid-key",
             Rejection::BodyTooLarge { .. } => "body-too-large",
             Rejection::BodyUnreadable => "body-unreadable",
+            Rejection::InvalidBody { .. } => "invalid-body",
             Rejection::BodyTimeout { .. } => "body-timeout",
             Rejection::KeyReused { .. } => "key-reused",
             Rejection::InFlight { .. } => "in-flight",
@@ -109,7 +115,8 @@ impl Rejection {
         match (self, profile) {
             (Rejection::MissingKey, _)
             | (Rejection::InvalidKey(_), _)
-            | (Rejection::BodyUnreadable, _) => StatusCode::BAD_REQUEST,
+            | (Rejection::BodyUnreadable, _)
+            | (Rejection::InvalidBody { .. }, _) => StatusCode::BAD_REQUEST,
             (Rejection::BodyTooLarge { .. }, _) => StatusCode::PAYLOAD_TOO_LARGE,
             (Rejection::BodyTimeout { .. }, _) => StatusCode::REQUEST_TIMEOUT,
             (Rejection::KeyReused { .. }, Profile::Default) => StatusCode::CONFLICT,
@@ -139,6 +146,7 @@ impl Rejection {
             Rejection::InvalidKey(_) => "Invalid Idempotency-Key",
             Rejection::BodyTooLarge { .. } => "Request body too large",
             Rejection::BodyUnreadable => "Request body could not be read",
+            Rejection::InvalidBody { .. } => "Request body is not JSON the proxy can read",
             Rejection::BodyTimeout { .. } => "Request body too slow",
             Rejection::KeyReused { .. } => "Idempotency-Key reused with a different request",
             Rejection::InFlight { .. } => "A request with this Idempotency-Key is in progress",
@@ -169,6 +177,12 @@ impl Rejection {
             Rejection::BodyUnreadable => {
                 "The request body ended before it was complete; nothing was executed.".into()
             }
+            Rejection::InvalidBody { at } => format!(
+                "This route reads the request's key from its JSON body (`{at}`), and the body does \
+                 not parse as standard JSON (RFC 8259 in UTF-8: no NaN or Infinity, no lone \
+                 surrogate escapes, numbers within the double range, at most 128 levels deep); \
+                 nothing was claimed or forwarded."
+            ),
             Rejection::BodyTimeout { timeout } => format!(
                 "The request body did not arrive within {}; nothing was executed. Retrying is safe.",
                 humantime::format_duration(*timeout)
@@ -253,6 +267,7 @@ impl Rejection {
             | Rejection::ResponseNotStored { .. }
             | Rejection::MissingKey
             | Rejection::InvalidKey(_)
+            | Rejection::InvalidBody { .. }
             | Rejection::InvalidToken { .. }
             | Rejection::MissingIdentity
             | Rejection::BodyTooLarge { .. } => Some(false),

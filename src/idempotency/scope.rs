@@ -226,13 +226,28 @@ impl ScopeRules {
                     if claims.is_none() {
                         claims = Some(self.verified_claims(parts)?);
                     }
-                    let value = claims.as_ref().and_then(|c| c.as_ref()?.get(claim));
-                    if let Some(value) = value.filter(|v| !v.is_null()) {
+                    // A request without a token names no caller by it; one
+                    // with a verified token must name one, or its stored
+                    // answers would sit in the anonymous scope for anyone.
+                    if let Some(Some(verified)) = &claims {
                         any_present = true;
                         h.update([1]);
-                        match value {
-                            serde_json::Value::String(s) => put_field(&mut h, s.as_bytes()),
-                            other => put_field(&mut h, other.to_string().as_bytes()),
+                        match verified.get(claim) {
+                            Some(serde_json::Value::String(s)) => put_field(&mut h, s.as_bytes()),
+                            Some(n @ serde_json::Value::Number(_)) => {
+                                put_field(&mut h, n.to_string().as_bytes())
+                            }
+                            None | Some(serde_json::Value::Null) => {
+                                return Err(ScopeError::InvalidToken(format!(
+                                    "token has no `{claim}`"
+                                )))
+                            }
+                            Some(_) => {
+                                return Err(ScopeError::InvalidToken(format!(
+                                    "the token's `{claim}` is not a string or a number, so it \
+                                     names no caller"
+                                )))
+                            }
                         }
                     }
                     h.update([0]);
