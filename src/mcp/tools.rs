@@ -129,6 +129,29 @@ impl ToolRules {
         changed
     }
 
+    /// The protected tools of a `tools/list` result whose `inputSchema`
+    /// already has a property named as the key argument: the proxy would
+    /// take the server's own argument for the key and strip it.
+    pub fn shadowed_tools(&self, result: &Value) -> Vec<String> {
+        let tools = result.get("tools").and_then(Value::as_array);
+        tools
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_object)
+            .filter(|tool| {
+                tool.get("inputSchema")
+                    .and_then(|schema| schema.get("properties"))
+                    .and_then(|properties| properties.get(&self.key_argument))
+                    .is_some()
+            })
+            .filter_map(|tool| {
+                let name = tool.get("name").and_then(Value::as_str)?;
+                let protection = self.protection(name, Some(Hints::of(tool)));
+                (protection != Protection::None).then(|| name.to_owned())
+            })
+            .collect()
+    }
+
     fn add_key_argument(&self, tool: &mut Map<String, Value>, required: bool) -> bool {
         let schema = tool
             .entry("inputSchema")
@@ -280,6 +303,18 @@ mod tests {
         let once = result.clone();
         rules.rewrite_listing(&mut result, &catalog);
         assert_eq!(result, once);
+    }
+
+    #[test]
+    fn protected_tools_that_declare_the_key_argument_are_named() {
+        let result = json!({"tools": [
+            {"name": "send", "inputSchema": {"properties": {"idempotency_key": {"type": "string"}}}},
+            {"name": "read", "annotations": {"readOnlyHint": true},
+                "inputSchema": {"properties": {"idempotency_key": {"type": "string"}}}},
+            {"name": "plain", "inputSchema": {"properties": {"to": {"type": "string"}}}},
+        ]});
+        let rules = rules(Protect::Auto, &[], &[]);
+        assert_eq!(rules.shadowed_tools(&result), ["send"]);
     }
 
     #[test]
