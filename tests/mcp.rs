@@ -871,3 +871,54 @@ async fn a_listing_and_a_protected_call_ask_the_server_for_no_content_coding() {
         );
     }
 }
+
+/// A listing seen by one proxy teaches every proxy on the same store: a
+/// second proxy (a replica, or the first one restarted) lets a read-only
+/// tool through without a key though no listing ever passed through it.
+#[tokio::test]
+async fn a_listing_learned_by_one_proxy_lets_read_only_tools_through_another() {
+    let server = McpServer::start(&["--json-response"]).await;
+    let store: idemproxy::store::SharedStore =
+        std::sync::Arc::new(idemproxy::store::MemoryStore::new());
+    let learner = TestProxy::start_with_store(mcp_config(&server), store.clone()).await;
+    let listed = run_client(
+        &learner.url("/mcp"),
+        HANDSHAKE,
+        &json!([{"op": "list_tools"}]),
+    )
+    .await;
+    assert!(
+        listed[0]["tools"].as_array().is_some_and(|t| !t.is_empty()),
+        "{}",
+        listed[0]
+    );
+    // The listing is shared in a task of its own: wait until it is there.
+    let key = idemproxy::idempotency::mcp_catalog::shared_catalog_key("mcp");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while store.get(&key).await.ok().flatten().is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the catalog was never shared"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+
+    let other = TestProxy::start_with_store(mcp_config(&server), store).await;
+    let weather = call("get_weather", json!({"city": "Oslo"}));
+    let steps = run_client(&other.url("/mcp"), HANDSHAKE, &json!([weather, weather])).await;
+    for i in [0, 1] {
+        let answer = result(&steps, i);
+        assert!(!is_error(answer) && !replayed(answer), "{answer}");
+        assert_eq!(answer["structuredContent"]["city"], "Oslo");
+    }
+    assert_eq!(server.executions("get_weather"), 2);
+    // A side-effecting tool of the listing is still protected there.
+    let unlisted = run_client(
+        &other.url("/mcp"),
+        HANDSHAKE,
+        &json!([call(SEND, json!({"to": "a", "subject": "s", "body": "b"}))]),
+    )
+    .await;
+    assert!(is_error(result(&unlisted, 0)), "{}", unlisted[0]);
+    assert_eq!(server.executions(SEND), 0);
+}

@@ -13,11 +13,12 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
@@ -27,6 +28,7 @@ use super::body::{channel_body, holding, BodySender};
 use super::exchange::{uncompressed, Claim, Exchange, Responder};
 use super::fingerprint::canonical_json;
 use super::key::{parse_key, IdempotencyKey, InvalidKey};
+use super::mcp_catalog::{consult_shared_catalog, share_catalog_after};
 use super::policy::McpRoute;
 use super::rejection::Rejection;
 use crate::core::{
@@ -315,6 +317,7 @@ where
                 return self.refuse(&Value::Null, PARSE_ERROR, &message);
             }
             McpRequest::MalformedCall { id, name, why } => {
+                consult_shared_catalog(&self.settings, &route, name.as_deref()).await;
                 // A read-only tool's odd call is the server's to answer;
                 // any other would pass unprotected.
                 let protected = name
@@ -343,6 +346,11 @@ where
                     .await;
             }
             McpRequest::Batch(items) => {
+                for item in &items {
+                    if let BatchItem::Call { name } = item {
+                        consult_shared_catalog(&self.settings, &route, name.as_deref()).await;
+                    }
+                }
                 if let Some(why) = batch_refusal(&items, &route, session_of(&parts.headers)) {
                     return self.refuse(&Value::Null, INVALID_REQUEST, &why);
                 }
@@ -358,6 +366,7 @@ where
                     .await
             }
         };
+        consult_shared_catalog(&self.settings, &route, Some(&call.name)).await;
         self.log
             .set_tool(&call.name, route.catalog.knows(&call.name));
         if let Some(why) = header_mismatch(&parts.headers, "tools/call", Some(&call.name)) {
@@ -508,6 +517,7 @@ where
         let rewrite = {
             let route = route.clone();
             let route_name = self.policy.route.clone();
+            let settings = self.settings.clone();
             move |data: &str| -> Option<String> {
                 let mut message: Value = serde_json::from_str(data).ok()?;
                 if message.get("id") != Some(&id) {
@@ -524,20 +534,20 @@ where
                          argument; rename [mcp] key_argument"
                     );
                 }
-                route
-                    .rules
-                    .rewrite_listing(result, &route.catalog)
-                    .then(|| message.to_string())
+                let before = route.catalog.revision();
+                let rewritten = route.rules.rewrite_listing(result, &route.catalog);
+                share_catalog_after(&settings, &route, before);
+                rewritten.then(|| message.to_string())
             }
         };
         let body = if is_event_stream(&head.headers) {
             head.headers.remove(CONTENT_LENGTH);
             rewrite_events(body, self.policy.max_response_bytes, rewrite)
         } else if head.status.is_success() {
-            let limit = self.policy.max_response_bytes;
-            match tokio::time::timeout_at(deadline, Limited::new(body, limit).collect()).await {
-                Ok(Ok(collected)) => {
-                    let bytes = collected.to_bytes();
+            let mut body = body;
+            match read_up_to(&mut body, self.policy.max_response_bytes, deadline).await {
+                Ok((read, false)) => {
+                    let bytes = Bytes::from(read.concat());
                     let text = std::str::from_utf8(&bytes).ok();
                     match text.and_then(rewrite) {
                         Some(rewritten) => {
@@ -548,9 +558,22 @@ where
                         None => Body::from(bytes),
                     }
                 }
-                _ => {
-                    let response = Rejection::PassthroughFailed { timeout: false }
-                        .into_response(self.policy.profile);
+                // Too large to rewrite: the model does not learn the key
+                // argument here, and a call without it is told which to add.
+                Ok((read, true)) => {
+                    tracing::warn!(
+                        route = %self.policy.route,
+                        "a tools/list answer over max_response_bytes passes unrewritten"
+                    );
+                    let read =
+                        futures_util::stream::iter(read.into_iter().map(Ok::<_, axum::Error>));
+                    Body::from_stream(read.chain(body.into_data_stream()))
+                }
+                Err(cause) => {
+                    let response = Rejection::PassthroughFailed {
+                        timeout: cause == UnknownCause::Timeout,
+                    }
+                    .into_response(self.policy.profile);
                     self.log.finish(RequestOutcome::Passthrough, &response);
                     return response;
                 }
@@ -598,25 +621,9 @@ where
         }
         let (head, mut body) = response.into_parts();
         let limit = self.policy.max_response_bytes;
-        let mut read = Vec::new();
-        let mut read_len = 0;
-        let over = loop {
-            let cause = match tokio::time::timeout_at(deadline, body.frame()).await {
-                Ok(None) => break false,
-                Ok(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data() {
-                        read_len += data.len();
-                        read.push(data);
-                    }
-                    if read_len > limit {
-                        break true;
-                    }
-                    continue;
-                }
-                Ok(Some(Err(_))) => UnknownCause::Reset,
-                Err(_) => UnknownCause::Timeout,
-            };
-            return self.ambiguous(claim, token, cause, respond).await;
+        let (read, over) = match read_up_to(&mut body, limit, deadline).await {
+            Ok(read) => read,
+            Err(cause) => return self.ambiguous(claim, token, cause, respond).await,
         };
         if over {
             // The answer reaches its caller whole, as it comes; only the
@@ -843,6 +850,34 @@ where
             .as_ref()
             .map(|call| call.id.clone())
             .unwrap_or(Value::Null)
+    }
+}
+
+/// Reads `body` until it ends or holds more than `limit` bytes: what was
+/// read, and whether the limit was passed (the rest is still in `body`);
+/// or how the body failed before.
+async fn read_up_to(
+    body: &mut Body,
+    limit: usize,
+    deadline: Instant,
+) -> Result<(Vec<Bytes>, bool), UnknownCause> {
+    let mut read = Vec::new();
+    let mut len = 0;
+    loop {
+        match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(None) => return Ok((read, false)),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    len += data.len();
+                    read.push(data);
+                }
+                if len > limit {
+                    return Ok((read, true));
+                }
+            }
+            Ok(Some(Err(_))) => return Err(UnknownCause::Reset),
+            Err(_) => return Err(UnknownCause::Timeout),
+        }
     }
 }
 
