@@ -207,7 +207,7 @@ impl McpCall {
 /// server's result. Its query counts as well: servers behind one endpoint
 /// are often told apart by it (`/mcp?server=github`), and a client that
 /// changes it between retries gets a loud mismatch, never a silent replay.
-/// Arguments that are not I-JSON (a number no double holds, a member name
+/// Arguments that are not I-JSON (an integer past 2^53, a member name
 /// given twice) are hashed as written, so calls the server tells apart
 /// stay apart. The JSON-RPC id, `_meta`, the session and the protocol
 /// headers are left out: a new client restarts ids at 1, and a retry comes
