@@ -929,3 +929,31 @@ async fn a_listing_learned_by_one_proxy_lets_read_only_tools_through_another() {
     assert!(is_error(result(&unlisted, 0)), "{}", unlisted[0]);
     assert_eq!(server.executions(SEND), 0);
 }
+
+/// A protected tool that declares the key argument itself would lose it
+/// to the proxy: every listing that shows one says so in the log, once
+/// per tool; a read-only tool's own argument is left alone.
+#[tokio::test]
+async fn a_protected_tool_with_its_own_key_argument_is_warned_about_per_listing() {
+    let upstream = TestUpstream::start().await;
+    let proxy = ProxyProcess::start(mcp_routes(&upstream, None)).await;
+    let client = TestClient::new();
+    let url = proxy.url("/mcp?jsonrpc=listing");
+    for id in [1, 2] {
+        let listing = json!({"jsonrpc": "2.0", "id": id, "method": "tools/list"});
+        let reply = client
+            .send(http::Method::POST, &url, &MCP_HEADERS, listing.to_string())
+            .await;
+        assert_eq!(reply.status, 200, "{reply:?}");
+    }
+    const WARNING: &str = "declares the key argument itself";
+    let logs = proxy.logs_when(|l| l.matches(WARNING).count() >= 2).await;
+    let warnings: Vec<&str> = logs.lines().filter(|l| l.contains(WARNING)).collect();
+    assert_eq!(warnings.len(), 2, "one per listing:\n{logs}");
+    assert!(
+        warnings
+            .iter()
+            .all(|l| l.contains("send_email") && !l.contains("get_weather")),
+        "{warnings:?}"
+    );
+}

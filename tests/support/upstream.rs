@@ -20,6 +20,7 @@
 //! | `hold_tail=NAME` | with `body_bytes`: send all but the last chunk at once, the last once the test calls [`TestUpstream::release`] with NAME |
 //! | `header=name:value` | add a response header (repeatable, percent-decoded) |
 //! | `jsonrpc=result` | answer as an MCP server does: `200`, a JSON-RPC response to the request's `id` whose result's one text item is `<path> execution <n>` |
+//! | `jsonrpc=listing` | `200`, a `tools/list` result: `send_email` (no annotations) whose `inputSchema` declares its own `idempotency_key`, and `get_weather` (`readOnlyHint`) that declares one too |
 //! | `jsonrpc=null_id_error` | `200`, a JSON-RPC parse error with `"id": null` (a server that could not read the request) |
 //! | `result_bytes=N` | with `jsonrpc=result`: the text item is N bytes of [`expected_body`] instead |
 //! | `sse=1` | with `jsonrpc`: the message as one `text/event-stream` event |
@@ -467,7 +468,15 @@ async fn handle(
     }
 
     let body = if let Some(mode) = &controls.jsonrpc {
-        let message = if mode == "null_id_error" {
+        let own_key = serde_json::json!({"type": "object",
+            "properties": {"idempotency_key": {"type": "string"}}});
+        let message = if mode == "listing" {
+            serde_json::json!({"jsonrpc": "2.0", "id": request_id, "result": {"tools": [
+                {"name": "send_email", "inputSchema": own_key},
+                {"name": "get_weather", "annotations": {"readOnlyHint": true},
+                    "inputSchema": own_key},
+            ]}})
+        } else if mode == "null_id_error" {
             serde_json::json!({"jsonrpc": "2.0", "id": null,
                 "error": {"code": -32700, "message": "Parse error"}})
         } else {
