@@ -957,3 +957,41 @@ async fn a_protected_tool_with_its_own_key_argument_is_warned_about_per_listing(
         "{warnings:?}"
     );
 }
+
+/// The same across a restart, with two real processes one after the
+/// other on one embedded store: the second never saw a listing, and lets
+/// the read-only tool through without a key.
+#[tokio::test]
+async fn a_restarted_proxy_remembers_what_a_listing_taught() {
+    let server = McpServer::start(&["--json-response"]).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut c = mcp_config(&server);
+    c.store.kind = idemproxy::config::StoreKind::Embedded;
+    c.store.path = dir.path().join("data");
+    let mut first = ProxyProcess::start(c.clone()).await;
+    let listed = run_client(
+        &first.url("/mcp"),
+        HANDSHAKE,
+        &json!([{"op": "list_tools"}]),
+    )
+    .await;
+    assert!(
+        listed[0]["tools"].as_array().is_some_and(|t| !t.is_empty()),
+        "{}",
+        listed[0]
+    );
+    // A graceful stop drains the task that shares the listing.
+    first.terminate();
+    assert!(first
+        .wait_exit(std::time::Duration::from_secs(10))
+        .await
+        .success());
+
+    let second = ProxyProcess::start(c).await;
+    let weather = call("get_weather", json!({"city": "Oslo"}));
+    let steps = run_client(&second.url("/mcp"), HANDSHAKE, &json!([weather])).await;
+    let answer = result(&steps, 0);
+    assert!(!is_error(answer), "{answer}");
+    assert_eq!(answer["structuredContent"]["city"], "Oslo");
+    assert_eq!(server.executions("get_weather"), 1);
+}
