@@ -15,6 +15,7 @@ use crate::forward::{UpstreamSettings, UpstreamUrl};
 use crate::idempotency::fingerprint::{parse_header, validate_pointer, FingerprintRules};
 use crate::idempotency::identity::{IdentitySettings, TokenVerifier};
 use crate::idempotency::key_source::{KeyAttribute, KeyRules, KeySource};
+use crate::idempotency::mcp_catalog::SharedCatalog;
 use crate::idempotency::observe::ObserveRoute;
 use crate::idempotency::policy::{McpRoute, OnAmbiguous, OnInFlight, OnStoreError, Profile};
 use crate::idempotency::scope::{Anonymous, ScopeAttribute, ScopeRules};
@@ -186,7 +187,7 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
                          (its tool calls are keyed by argument); use enforce"
                     ));
                 }
-                if let Some(mcp) = mcp_route(&config.mcp, &mut problems) {
+                if let Some(mcp) = mcp_route(&route.name, &config.mcp, &mut problems) {
                     policy.on_in_flight = on_in_flight(config.mcp.on_in_flight);
                     policy.mcp = Some(Arc::new(mcp));
                 }
@@ -320,7 +321,7 @@ fn policy(
 }
 
 /// `[mcp]` as the MCP routes use it, or `None` with its problems added.
-fn mcp_route(c: &config::McpConfig, problems: &mut Vec<String>) -> Option<McpRoute> {
+fn mcp_route(name: &str, c: &config::McpConfig, problems: &mut Vec<String>) -> Option<McpRoute> {
     let key = &c.key_argument;
     if key.is_empty()
         || !key
@@ -344,6 +345,7 @@ fn mcp_route(c: &config::McpConfig, problems: &mut Vec<String>) -> Option<McpRou
             strip_key_argument: c.strip_key_argument,
             replay_note: c.replay_note,
             sessions: Default::default(),
+            shared: SharedCatalog::new(name),
         }),
         Err(why) => {
             problems.push(format!("mcp.{why}"));

@@ -7,11 +7,13 @@
 //!   one byte at a time, and at cut points taken from the input. And no
 //!   byte is lost or added: the events' raw bytes, then `rest()`, are the
 //!   stream.
-//! - `McpRequest::parse`: a `Call` is a `tools/call` with a string or
-//!   number id; its key comes from the key argument, else
-//!   `params.idempotencyKey`; its forwarded body is JSON without
-//!   `params.idempotencyKey` (and without the key argument when stripped).
-//! - `answer_to`: an answer is an object with that very id and no method.
+//! - `McpRequest::parse`: a `Call` is a JSON-RPC 2.0 `tools/call` with a
+//!   string or number id; its key comes from the key argument, else
+//!   `params.idempotencyKey`; its forwarded body is the JSON it came as,
+//!   without `params.idempotencyKey` (and without the key argument when
+//!   stripped); whatever serde_json refuses is `Unparsable`.
+//! - `answer_to`: an answer is an object with that very id (or an error
+//!   with a null id) and no method.
 //!
 //! The input is read as a request body, as an SSE stream, and each event's
 //! data as a message, as the proxy reads a server's stream.
@@ -19,6 +21,7 @@
 #![no_main]
 
 use idemproxy::mcp::message::{answer_to, Answer, KeySource};
+use bytes::Bytes;
 use idemproxy::mcp::{Event, EventParser, McpRequest};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
@@ -108,6 +111,7 @@ fn request(body: &[u8]) -> Option<Value> {
         McpRequest::Call(call) => {
             let message: Value = serde_json::from_slice(body).expect("a call is JSON");
             assert_eq!(message["method"], "tools/call");
+            assert_eq!(message["jsonrpc"], "2.0");
             assert!(call.id.is_string() || call.id.is_number(), "id {}", call.id);
             assert_eq!(message["id"], call.id);
             assert_eq!(message["params"]["name"].as_str(), Some(call.name.as_str()));
@@ -129,8 +133,9 @@ fn request(body: &[u8]) -> Option<Value> {
                 .arguments_without(KEY_ARGUMENT)
                 .contains_key(KEY_ARGUMENT));
             for strip in [true, false] {
+                let whole = Bytes::copy_from_slice(body);
                 let forwarded: Value =
-                    serde_json::from_slice(&call.forwarded_body(KEY_ARGUMENT, strip))
+                    serde_json::from_slice(&call.forwarded_body(&whole, KEY_ARGUMENT, strip))
                         .expect("the forwarded body is JSON");
                 assert_eq!(forwarded["id"], call.id);
                 assert_eq!(forwarded["method"], "tools/call");
@@ -157,9 +162,18 @@ fn request(body: &[u8]) -> Option<Value> {
             assert!(request_id.is_string() || request_id.is_number());
             Some(request_id)
         }
-        McpRequest::Batch => {
+        McpRequest::Batch(items) => {
             let message: Value = serde_json::from_slice(body).expect("a batch is JSON");
-            assert!(message.is_array());
+            assert_eq!(message.as_array().map(Vec::len), Some(items.len()));
+            None
+        }
+        McpRequest::MalformedCall { .. } => {
+            let message: Value = serde_json::from_slice(body).expect("a malformed call is JSON");
+            assert_eq!(message["method"], "tools/call");
+            None
+        }
+        McpRequest::Unparsable(_) => {
+            assert!(serde_json::from_slice::<Value>(body).is_err());
             None
         }
         McpRequest::Other => None,
@@ -172,7 +186,8 @@ fn check_answer(message: &[u8], id: &Value) {
     };
     let message: Value = serde_json::from_slice(message).expect("an answer is JSON");
     let object = message.as_object().expect("an answer is an object");
-    assert_eq!(object.get("id"), Some(id));
+    let unread = object.get("id") == Some(&Value::Null) && object.contains_key("error");
+    assert!(object.get("id") == Some(id) || unread);
     assert!(!object.contains_key("method"));
     match answer {
         Answer::Error => assert!(object.contains_key("error")),

@@ -607,7 +607,7 @@ where
 /// (gzip to one client, plain to the next): a replay must never hand a
 /// client a `Content-Encoding` it did not ask for. Between a sidecar and
 /// its upstream, on one host, compression saves nothing worth that.
-fn uncompressed(mut request: Request<Body>) -> Request<Body> {
+pub(super) fn uncompressed(mut request: Request<Body>) -> Request<Body> {
     request.headers_mut().insert(
         http::header::ACCEPT_ENCODING,
         http::HeaderValue::from_static("identity"),

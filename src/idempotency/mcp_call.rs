@@ -13,20 +13,22 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
 
-use super::body::{channel_body, holding};
-use super::exchange::{Claim, Exchange, Responder};
+use super::body::{channel_body, holding, BodySender};
+use super::exchange::{uncompressed, Claim, Exchange, Responder};
 use super::fingerprint::canonical_json;
 use super::key::{parse_key, IdempotencyKey, InvalidKey};
+use super::mcp_catalog::{consult_shared_catalog, share_catalog_after};
 use super::policy::McpRoute;
 use super::rejection::Rejection;
 use crate::core::{
@@ -36,13 +38,20 @@ use crate::core::{
 use crate::http::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_ORIGINAL_DATE, IDEMPOTENT_REPLAYED};
 use crate::mcp::message::{answer_to, KeySource};
 use crate::mcp::{
-    encode, render, tool_error, Answer, EventParser, Framing, McpRequest, Protection, RunningCall,
+    encode, render, tool_error, Answer, BatchItem, EventParser, Framing, McpRequest, Protection,
+    RunningCall,
 };
 use crate::observe::RequestOutcome;
 
 /// Bumping this moves every MCP key to a new fingerprint (retries of
-/// calls made before would be refused as reused keys).
-const FINGERPRINT_DOMAIN: &[u8] = b"idemproxy.mcp.call.v1\0";
+/// calls made before would be refused as reused keys). v2: the request
+/// target is hashed too, and arguments that are not I-JSON as written.
+const FINGERPRINT_DOMAIN: &[u8] = b"idemproxy.mcp.call.v2\0";
+
+/// JSON-RPC: the body is not JSON.
+const PARSE_ERROR: i64 = -32700;
+/// JSON-RPC: the JSON is not a valid request.
+const INVALID_REQUEST: i64 = -32600;
 
 /// The first protocol version without sessions, whose results carry
 /// `resultType`.
@@ -191,23 +200,73 @@ impl McpCall {
     }
 }
 
-/// The fingerprint of a call: its tool and its arguments (RFC 8785
-/// canonical, without the key argument). The JSON-RPC id, `_meta`, the
-/// session and the protocol headers are left out: a new client restarts
-/// ids at 1, and a retry comes with a new id.
-fn call_fingerprint(tool: &str, arguments: &serde_json::Map<String, Value>) -> Fingerprint {
+/// The fingerprint of a call: the request target it was sent to, its
+/// tool and its arguments as written (without the key argument), in
+/// RFC 8785 canonical form. The target keeps one key on two servers (two
+/// routes, or one prefix in front of several) a mismatch, never the other
+/// server's result. Its query counts as well: servers behind one endpoint
+/// are often told apart by it (`/mcp?server=github`), and a client that
+/// changes it between retries gets a loud mismatch, never a silent replay.
+/// Arguments that are not I-JSON (an integer past 2^53, a member name
+/// given twice) are hashed as written, so calls the server tells apart
+/// stay apart. The JSON-RPC id, `_meta`, the session and the protocol
+/// headers are left out: a new client restarts ids at 1, and a retry comes
+/// with a new id.
+fn call_fingerprint(target: &str, tool: &str, arguments: &[u8]) -> Fingerprint {
     let mut h = Sha256::new();
     h.update(FINGERPRINT_DOMAIN);
-    h.update((tool.len() as u64).to_be_bytes());
-    h.update(tool.as_bytes());
-    let raw = serde_json::to_vec(arguments).unwrap_or_default();
-    match canonical_json(&raw, &[]) {
-        Some(canonical) => h.update(&canonical),
-        // Arguments serde_json wrote always canonicalize; were they not
-        // to, their bytes as written still tell calls apart.
-        None => h.update(&raw),
+    for part in [target, tool] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    match canonical_json(arguments, &[]) {
+        Some(canonical) => {
+            h.update(b"canonical\0");
+            h.update(&canonical);
+        }
+        None => {
+            h.update(b"as written\0");
+            h.update(arguments);
+        }
     }
     Fingerprint(h.finalize().into())
+}
+
+/// The request target as sent: path and query.
+fn request_target(parts: &Parts) -> &str {
+    parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path(), |target| target.as_str())
+}
+
+/// How calls of `name` are protected on `route`.
+fn protection_of(route: &McpRoute, name: &str) -> Protection {
+    route.rules.protection(name, route.catalog.hints(name))
+}
+
+/// Why a batch may not pass: it carries a `tools/call` the proxy would
+/// have to protect (it cannot, inside a batch, and forwarding it would run
+/// it unprotected), or a cancel of a protected call still running.
+fn batch_refusal(items: &[BatchItem], route: &McpRoute, session: Option<&str>) -> Option<String> {
+    items.iter().find_map(|item| match item {
+        BatchItem::Call { name } => {
+            let protected = name
+                .as_deref()
+                .is_none_or(|name| protection_of(route, name) != Protection::None);
+            protected.then(|| {
+                "batches may not carry protected tool calls; send each call alone".to_owned()
+            })
+        }
+        BatchItem::Cancel { request_id } => session
+            .is_some_and(|s| route.sessions.is_running(s, request_id))
+            .then(|| {
+                "batches may not carry a cancel of a protected call that is running; \
+                 send it alone"
+                    .to_owned()
+            }),
+        BatchItem::Other => None,
+    })
 }
 
 /// The key a call carries: in its body first, else the header.
@@ -249,9 +308,31 @@ where
         };
         let call = match McpRequest::parse(&body) {
             McpRequest::Call(call) => call,
+            McpRequest::Unparsable(why) => {
+                let message = format!(
+                    "the body is not JSON, so the proxy cannot tell whether it calls a protected \
+                     tool (NaN, Infinity and lone surrogate escapes such as \"\\ud800\" are not \
+                     JSON, though some parsers take them): {why}"
+                );
+                return self.refuse(&Value::Null, PARSE_ERROR, &message);
+            }
+            McpRequest::MalformedCall { id, name, why } => {
+                consult_shared_catalog(&self.settings, &route, name.as_deref()).await;
+                // A read-only tool's odd call is the server's to answer;
+                // any other would pass unprotected.
+                let protected = name
+                    .as_deref()
+                    .is_none_or(|name| protection_of(&route, name) != Protection::None);
+                if protected {
+                    return self.refuse(&id, INVALID_REQUEST, &why);
+                }
+                return self
+                    .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
+                    .await;
+            }
             McpRequest::List { id } => {
                 if let Some(why) = header_mismatch(&parts.headers, "tools/list", None) {
-                    return self.refuse_mismatch(&id, &why);
+                    return self.refuse(&id, INVALID_REQUEST, &why);
                 }
                 return self.list_tools(parts, body, id, &route).await;
             }
@@ -264,8 +345,16 @@ where
                     .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
                     .await;
             }
-            McpRequest::Batch => {
-                tracing::debug!(route = %self.policy.route, "a JSON-RPC batch passes unprotected");
+            McpRequest::Batch(items) => {
+                for item in &items {
+                    if let BatchItem::Call { name } = item {
+                        consult_shared_catalog(&self.settings, &route, name.as_deref()).await;
+                    }
+                }
+                if let Some(why) = batch_refusal(&items, &route, session_of(&parts.headers)) {
+                    return self.refuse(&Value::Null, INVALID_REQUEST, &why);
+                }
+                tracing::debug!(route = %self.policy.route, "a JSON-RPC batch of unprotected messages passes");
                 self.log.metrics().unprotected_batch();
                 return self
                     .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
@@ -277,14 +366,13 @@ where
                     .await
             }
         };
+        consult_shared_catalog(&self.settings, &route, Some(&call.name)).await;
         self.log
             .set_tool(&call.name, route.catalog.knows(&call.name));
         if let Some(why) = header_mismatch(&parts.headers, "tools/call", Some(&call.name)) {
-            return self.refuse_mismatch(&call.id, &why);
+            return self.refuse(&call.id, INVALID_REQUEST, &why);
         }
-        let protection = route
-            .rules
-            .protection(&call.name, route.catalog.hints(&call.name));
+        let protection = protection_of(&route, &call.name);
         if protection == Protection::None {
             return self
                 .forward_untouched(parts, body.into(), RequestOutcome::Passthrough)
@@ -325,8 +413,12 @@ where
             Ok(scope) => scope,
             Err((outcome, rejection)) => return self.reject(outcome, rejection),
         };
-        let fingerprint = call_fingerprint(&call.name, &call.arguments_without(key_argument));
-        let forwarded = Bytes::from(call.forwarded_body(key_argument, route.strip_key_argument));
+        let fingerprint = call_fingerprint(
+            request_target(&parts),
+            &call.name,
+            &call.arguments_text(&body, key_argument),
+        );
+        let forwarded = call.forwarded_body(&body, key_argument, route.strip_key_argument);
         if route.strip_key_argument {
             // A 2026-07-28 client may mirror arguments in headers.
             let mirrored = format!("mcp-param-{key_argument}");
@@ -340,14 +432,16 @@ where
         self.claim_and_run(&scope, &key, fingerprint, request).await
     }
 
-    /// 400 with a JSON-RPC error: the `Mcp-Method`/`Mcp-Name` headers
-    /// (2026-07-28) name another call than the body. Whatever routes or
-    /// authorizes by the headers would see a different call than the
-    /// server runs, so neither is trusted and nothing is forwarded.
-    fn refuse_mismatch(self, id: &Value, why: &str) -> Response<Body> {
+    /// 400 with a JSON-RPC error, nothing forwarded: a body the proxy
+    /// cannot read (`-32700`), or a request it cannot protect as sent
+    /// (`-32600`): a malformed protected call, a batch carrying one, or
+    /// `Mcp-Method`/`Mcp-Name` headers (2026-07-28) that name another call
+    /// than the body (whatever routes or authorizes by the headers would
+    /// see a different call than the server runs).
+    fn refuse(self, id: &Value, code: i64, why: &str) -> Response<Body> {
         let message = serde_json::json!({
             "jsonrpc": "2.0", "id": id,
-            "error": {"code": -32600, "message": why},
+            "error": {"code": code, "message": why},
         });
         let mut response = Response::new(Body::from(message.to_string()));
         *response.status_mut() = StatusCode::BAD_REQUEST;
@@ -405,7 +499,9 @@ where
         route: &Arc<McpRoute>,
     ) -> Response<Body> {
         let deadline = Instant::now() + self.settings.upstream_timeout;
-        let request = Request::from_parts(parts, Body::from(body));
+        // A listing in a content coding could be neither rewritten nor
+        // learned from: the model would not see the key argument.
+        let request = uncompressed(Request::from_parts(parts, Body::from(body)));
         let response = match self.inner.clone().oneshot(request).await {
             Ok(response) => response,
             Err(e) => {
@@ -420,26 +516,38 @@ where
         let (mut head, body) = response.into_parts();
         let rewrite = {
             let route = route.clone();
+            let route_name = self.policy.route.clone();
+            let settings = self.settings.clone();
             move |data: &str| -> Option<String> {
                 let mut message: Value = serde_json::from_str(data).ok()?;
                 if message.get("id") != Some(&id) {
                     return None;
                 }
                 let result = message.get_mut("result")?;
-                route
-                    .rules
-                    .rewrite_listing(result, &route.catalog)
-                    .then(|| message.to_string())
+                for tool in route.rules.shadowed_tools(result) {
+                    tracing::warn!(
+                        route = %route_name,
+                        tool = %tool,
+                        argument = %route.rules.key_argument,
+                        "a protected tool declares the key argument itself: the proxy takes it \
+                         as the idempotency key and strips it, so the server never sees its own \
+                         argument; rename [mcp] key_argument"
+                    );
+                }
+                let before = route.catalog.revision();
+                let rewritten = route.rules.rewrite_listing(result, &route.catalog);
+                share_catalog_after(&settings, &route, before);
+                rewritten.then(|| message.to_string())
             }
         };
         let body = if is_event_stream(&head.headers) {
             head.headers.remove(CONTENT_LENGTH);
-            rewrite_events(body, rewrite)
+            rewrite_events(body, self.policy.max_response_bytes, rewrite)
         } else if head.status.is_success() {
-            let limit = self.policy.max_response_bytes;
-            match tokio::time::timeout_at(deadline, Limited::new(body, limit).collect()).await {
-                Ok(Ok(collected)) => {
-                    let bytes = collected.to_bytes();
+            let mut body = body;
+            match read_up_to(&mut body, self.policy.max_response_bytes, deadline).await {
+                Ok((read, false)) => {
+                    let bytes = Bytes::from(read.concat());
                     let text = std::str::from_utf8(&bytes).ok();
                     match text.and_then(rewrite) {
                         Some(rewritten) => {
@@ -450,9 +558,22 @@ where
                         None => Body::from(bytes),
                     }
                 }
-                _ => {
-                    let response = Rejection::PassthroughFailed { timeout: false }
-                        .into_response(self.policy.profile);
+                // Too large to rewrite: the model does not learn the key
+                // argument here, and a call without it is told which to add.
+                Ok((read, true)) => {
+                    tracing::warn!(
+                        route = %self.policy.route,
+                        "a tools/list answer over max_response_bytes passes unrewritten"
+                    );
+                    let read =
+                        futures_util::stream::iter(read.into_iter().map(Ok::<_, axum::Error>));
+                    Body::from_stream(read.chain(body.into_data_stream()))
+                }
+                Err(cause) => {
+                    let response = Rejection::PassthroughFailed {
+                        timeout: cause == UnknownCause::Timeout,
+                    }
+                    .into_response(self.policy.profile);
                     self.log.finish(RequestOutcome::Passthrough, &response);
                     return response;
                 }
@@ -498,34 +619,105 @@ where
                 .relay_events(claim, token, response, deadline, respond)
                 .await;
         }
-        let (head, body) = response.into_parts();
+        let (head, mut body) = response.into_parts();
         let limit = self.policy.max_response_bytes;
-        let read = tokio::time::timeout_at(deadline, Limited::new(body, limit).collect()).await;
-        let bytes = match read {
-            Ok(Ok(collected)) => collected.to_bytes(),
-            Ok(Err(e))
-                if e.downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some() =>
-            {
-                self.complete(&claim, token, Outcome::NotStored { status: 200 })
-                    .await;
-                let rejection = Rejection::ResponseNotStored { status: 200 };
-                return self.answer_rejection(respond, RequestOutcome::Executed, rejection);
-            }
-            Ok(Err(_)) | Err(_) => {
-                let cause = if read.is_err() {
-                    UnknownCause::Timeout
-                } else {
-                    UnknownCause::Reset
-                };
-                return self.ambiguous(claim, token, cause, respond).await;
-            }
+        let (read, over) = match read_up_to(&mut body, limit, deadline).await {
+            Ok(read) => read,
+            Err(cause) => return self.ambiguous(claim, token, cause, respond).await,
         };
+        if over {
+            // The answer reaches its caller whole, as it comes; only the
+            // record goes without it.
+            let status = head.status.as_u16();
+            self.log.set_status(status);
+            let (tx, client_body) = channel_body(16);
+            let _ = respond.send(Response::from_parts(head, client_body));
+            let outcome = self
+                .relay_unstored(
+                    &claim,
+                    token,
+                    Some(tx),
+                    read,
+                    &mut body,
+                    deadline,
+                    Some(status),
+                )
+                .await;
+            return self
+                .log
+                .finish_streamed(outcome.unwrap_or(RequestOutcome::Executed));
+        }
+        let bytes = Bytes::from(read.concat());
         let outcome = self
             .settle_answer(&claim, token, answer_to(&bytes, &self.call_id()))
             .await;
         let response = Response::from_parts(head, Body::from(bytes));
         self.answer(respond, outcome, response);
+    }
+
+    /// Relays the rest of an answer that is over `max_response_bytes`:
+    /// `read` (what was read of it), then the upstream's frames as they
+    /// come, unchanged and unread. With a `status` to settle (the call was
+    /// not settled yet), its key settles as ran with that status, not
+    /// stored (outcome unknown if the stream breaks), before the client
+    /// sees the last frame, so a retry sent on receipt finds the record.
+    #[allow(clippy::too_many_arguments)]
+    async fn relay_unstored(
+        &mut self,
+        claim: &Claim,
+        token: FencingToken,
+        mut client: Option<BodySender>,
+        read: Vec<Bytes>,
+        upstream: &mut Body,
+        deadline: Instant,
+        status: Option<u16>,
+    ) -> Option<RequestOutcome> {
+        let mut pending: VecDeque<Frame<Bytes>> = read
+            .into_iter()
+            .filter(|data| !data.is_empty())
+            .map(Frame::data)
+            .collect();
+        let broke = loop {
+            let frame = match tokio::time::timeout_at(deadline, upstream.frame()).await {
+                Ok(Some(Ok(frame))) => frame,
+                Ok(None) => break None,
+                Ok(Some(Err(_))) => break Some(UnknownCause::Reset),
+                Err(_) => break Some(UnknownCause::Timeout),
+            };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            // All but the newest frame go on; the newest may be the last.
+            if let Some(tx) = &client {
+                if !tx.send_all(&mut pending, deadline).await {
+                    client = None;
+                }
+            }
+            pending.clear();
+            pending.push_back(Frame::data(data));
+        };
+        let outcome = match (status, broke) {
+            (None, _) => None,
+            (Some(status), None) => {
+                self.complete(claim, token, Outcome::NotStored { status })
+                    .await;
+                Some(RequestOutcome::Executed)
+            }
+            (Some(_), Some(cause)) => {
+                self.complete(claim, token, Outcome::Unknown { cause })
+                    .await;
+                Some(RequestOutcome::OutcomeUnknown)
+            }
+        };
+        if let Some(tx) = client {
+            if broke.is_some() {
+                let _ = tx.send_all(&mut pending, deadline).await;
+                let _ = tx.try_send(Err("upstream event stream broke off".into()));
+            } else if tx.send_all(&mut pending, deadline).await {
+                tx.finish();
+            }
+        }
+        outcome
     }
 
     /// Relays an event stream live (progress before the answer), holding
@@ -542,12 +734,15 @@ where
     ) {
         let (mut head, mut upstream) = response.into_parts();
         head.headers.remove(CONTENT_LENGTH);
-        self.log.set_status(head.status.as_u16());
+        let status = head.status.as_u16();
+        self.log.set_status(status);
         let (tx, client_body) = channel_body(16);
         let _ = respond.send(Response::from_parts(head, client_body));
         let mut client = Some(tx);
         let id = self.call_id();
-        let mut parser = EventParser::default();
+        // An event over the cap could be stored but never replayed (the
+        // key would be stuck), and would grow the parser without bound.
+        let mut parser = EventParser::with_limit(self.policy.max_response_bytes);
         let mut settled: Option<RequestOutcome> = None;
         let ended = loop {
             let frame = match tokio::time::timeout_at(deadline, upstream.frame()).await {
@@ -571,6 +766,23 @@ where
                         client = None;
                     }
                 }
+            }
+            if parser.overflowed() {
+                let read = vec![parser.take_rest()];
+                let unsettled = settled.is_none().then_some(status);
+                let outcome = self
+                    .relay_unstored(
+                        &claim,
+                        token,
+                        client,
+                        read,
+                        &mut upstream,
+                        deadline,
+                        unsettled,
+                    )
+                    .await;
+                let outcome = settled.or(outcome).unwrap_or(RequestOutcome::Executed);
+                return self.log.finish_streamed(outcome);
             }
         };
         let outcome = match (settled, ended) {
@@ -641,6 +853,34 @@ where
     }
 }
 
+/// Reads `body` until it ends or holds more than `limit` bytes: what was
+/// read, and whether the limit was passed (the rest is still in `body`);
+/// or how the body failed before.
+async fn read_up_to(
+    body: &mut Body,
+    limit: usize,
+    deadline: Instant,
+) -> Result<(Vec<Bytes>, bool), UnknownCause> {
+    let mut read = Vec::new();
+    let mut len = 0;
+    loop {
+        match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(None) => return Ok((read, false)),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    len += data.len();
+                    read.push(data);
+                }
+                if len > limit {
+                    return Ok((read, true));
+                }
+            }
+            Ok(Some(Err(_))) => return Err(UnknownCause::Reset),
+            Err(_) => return Err(UnknownCause::Timeout),
+        }
+    }
+}
+
 /// The `Mcp-Session-Id` a request belongs to (2025 era), if any.
 fn session_of(headers: &http::HeaderMap) -> Option<&str> {
     headers
@@ -681,9 +921,14 @@ fn is_event_stream(headers: &http::HeaderMap) -> bool {
 
 /// `body`, an event stream, with each event whose data `rewrite` changes
 /// replaced by a `message` event of the new data (its `id` kept); other
-/// events pass as they came.
-fn rewrite_events(body: Body, rewrite: impl Fn(&str) -> Option<String> + Send + 'static) -> Body {
-    let parser = EventParser::default();
+/// events pass as they came. From an event over `limit` bytes on, the
+/// stream passes as it comes, unread: the parser holds no more than that.
+fn rewrite_events(
+    body: Body,
+    limit: usize,
+    rewrite: impl Fn(&str) -> Option<String> + Send + 'static,
+) -> Body {
+    let parser = EventParser::with_limit(limit);
     let stream = futures_util::stream::unfold(
         (body, parser, rewrite, false),
         |(mut body, mut parser, rewrite, done)| async move {
@@ -696,6 +941,10 @@ fn rewrite_events(body: Body, rewrite: impl Fn(&str) -> Option<String> + Send + 
                         let Some(data) = frame.data_ref() else {
                             continue;
                         };
+                        if parser.overflowed() {
+                            let chunk: Result<Bytes, axum::Error> = Ok(data.clone());
+                            return Some((chunk, (body, parser, rewrite, false)));
+                        }
                         let mut out = Vec::new();
                         for event in parser.feed(data) {
                             match rewrite(&event.data) {
@@ -706,6 +955,9 @@ fn rewrite_events(body: Body, rewrite: impl Fn(&str) -> Option<String> + Send + 
                                 None => out.extend_from_slice(&event.raw),
                             }
                         }
+                        if parser.overflowed() {
+                            out.extend_from_slice(&parser.take_rest());
+                        }
                         if out.is_empty() {
                             continue;
                         }
@@ -714,11 +966,11 @@ fn rewrite_events(body: Body, rewrite: impl Fn(&str) -> Option<String> + Send + 
                     }
                     Some(Err(e)) => return Some((Err(e), (body, parser, rewrite, true))),
                     None => {
-                        let rest = Bytes::copy_from_slice(parser.rest());
+                        let rest = parser.take_rest();
                         if rest.is_empty() {
                             return None;
                         }
-                        return Some((Ok(rest), (body, EventParser::default(), rewrite, true)));
+                        return Some((Ok(rest), (body, parser, rewrite, true)));
                     }
                 }
             }
@@ -733,19 +985,40 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn the_fingerprint_is_the_tool_and_its_canonical_arguments() {
-        let args = |v: Value| v.as_object().cloned().unwrap_or_default();
-        let a = call_fingerprint("send", &args(json!({"to": "a", "n": 1.0})));
-        let b = call_fingerprint("send", &args(json!({"n": 1, "to": "a"})));
-        assert_eq!(a, b, "reordered and renumbered arguments are the same call");
+    fn the_fingerprint_is_the_target_the_tool_and_its_canonical_arguments() {
+        let fp = |target: &str, tool: &str, arguments: &str| {
+            call_fingerprint(target, tool, arguments.as_bytes())
+        };
+        let a = fp("/mcp", "send", r#"{"to": "a", "n": 1.0}"#);
+        assert_eq!(
+            a,
+            fp("/mcp", "send", r#"{"n":1,"to":"a"}"#),
+            "reordered and renumbered arguments are the same call"
+        );
+        assert_ne!(a, fp("/mcp", "send", r#"{"to":"b","n":1}"#));
+        assert_ne!(a, fp("/mcp", "mail", r#"{"to":"a","n":1}"#));
         assert_ne!(
             a,
-            call_fingerprint("send", &args(json!({"to": "b", "n": 1})))
+            fp("/mcp/other", "send", r#"{"to":"a","n":1}"#),
+            "another server"
         );
         assert_ne!(
             a,
-            call_fingerprint("mail", &args(json!({"to": "a", "n": 1})))
+            fp("/mcp?server=b", "send", r#"{"to":"a","n":1}"#),
+            "another query"
         );
+        // Not I-JSON: hashed as written, so what a server may read
+        // differently stays apart.
+        assert_ne!(
+            fp("/mcp", "send", r#"{"n":{"a":1,"a":2}}"#),
+            fp("/mcp", "send", r#"{"n":{"a":2}}"#)
+        );
+        assert_ne!(
+            fp("/mcp", "send", r#"{"n":9007199254740993}"#),
+            fp("/mcp", "send", r#"{"n":9007199254740992}"#)
+        );
+        // The parts cannot slide into each other.
+        assert_ne!(fp("/mcpa", "b", "{}"), fp("/mcp", "ab", "{}"));
     }
 
     #[test]

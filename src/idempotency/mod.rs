@@ -33,6 +33,7 @@ pub mod key;
 pub mod key_source;
 mod layer;
 mod mcp_call;
+pub mod mcp_catalog;
 pub mod observe;
 pub mod policy;
 mod rejection;

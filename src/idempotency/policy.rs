@@ -10,6 +10,7 @@ use http::Method;
 
 use super::fingerprint::FingerprintRules;
 use super::key_source::KeyRules;
+use super::mcp_catalog::SharedCatalog;
 use super::observe::ObserveRoute;
 use super::scope::ScopeRules;
 use crate::core::OnStale;
@@ -98,6 +99,8 @@ pub struct McpRoute {
     /// The protected calls each session runs: its cancels and its DELETE
     /// wait for them (DESIGN §5.8).
     pub sessions: Arc<SessionCalls>,
+    /// Where `catalog` is shared with other processes on the store.
+    pub shared: SharedCatalog,
 }
 
 impl Policy {

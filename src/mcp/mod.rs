@@ -19,7 +19,7 @@ pub mod sse;
 pub mod tools;
 
 pub use in_flight::{RunningCall, SessionCalls};
-pub use message::{Answer, McpRequest, ToolCall};
+pub use message::{Answer, BatchItem, McpRequest, ToolCall};
 pub use render::{encode, replay, tool_error, Framing};
 pub use sse::{Event, EventParser};
 pub use tools::{Protection, ToolCatalog, ToolRules};

@@ -28,9 +28,16 @@ impl Event {
     }
 }
 
-/// Splits a stream of chunks into events.
-#[derive(Debug, Default)]
+/// Splits a stream of chunks into events, holding no event longer than
+/// its limit: past it, it is [overflowed](EventParser::overflowed) and
+/// gives no more events; the caller takes what it holds
+/// ([`EventParser::take_rest`]) and passes the rest of the stream on
+/// unread.
+#[derive(Debug)]
 pub struct EventParser {
+    /// The most bytes one event may take.
+    limit: usize,
+    overflowed: bool,
     /// Bytes of the event being read.
     pending: BytesMut,
     /// How far `pending` was scanned for line ends.
@@ -43,11 +50,39 @@ pub struct EventParser {
     id: Option<String>,
 }
 
+impl Default for EventParser {
+    fn default() -> Self {
+        Self::with_limit(usize::MAX)
+    }
+}
+
 impl EventParser {
+    /// A parser whose events may take up to `limit` bytes each.
+    pub fn with_limit(limit: usize) -> Self {
+        Self {
+            limit,
+            overflowed: false,
+            pending: BytesMut::new(),
+            scanned: 0,
+            line_start: 0,
+            data: None,
+            id: None,
+        }
+    }
+
+    /// Whether an event was longer than the limit: from it on, the bytes
+    /// fed are held unread, for [`EventParser::take_rest`].
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
+    }
+
     /// Takes `chunk` and returns the events it completed.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<Event> {
         self.pending.extend_from_slice(chunk);
         let mut events = Vec::new();
+        if self.overflowed {
+            return events;
+        }
         while let Some(offset) = self.pending[self.scanned..]
             .iter()
             .position(|&b| b == b'\n')
@@ -59,6 +94,10 @@ impl EventParser {
                 line = stripped;
             }
             if line.is_empty() {
+                if self.scanned > self.limit {
+                    self.overflowed = true;
+                    return events;
+                }
                 let raw = self.pending.split_to(self.scanned).freeze();
                 self.scanned = 0;
                 self.line_start = 0;
@@ -83,12 +122,25 @@ impl EventParser {
             }
             self.line_start = self.scanned;
         }
+        if self.pending.len() > self.limit {
+            self.overflowed = true;
+        }
         events
     }
 
-    /// The bytes of an event the stream ended without finishing.
+    /// The bytes of an event the stream ended without finishing (or, once
+    /// overflowed, every byte fed from the event that overflowed on).
     pub fn rest(&self) -> &[u8] {
         &self.pending
+    }
+
+    /// [`EventParser::rest`], taken out of the parser.
+    pub fn take_rest(&mut self) -> Bytes {
+        self.scanned = 0;
+        self.line_start = 0;
+        self.data = None;
+        self.id = None;
+        self.pending.split().freeze()
     }
 }
 
@@ -141,6 +193,30 @@ mod tests {
         }
         let bytes: Vec<&[u8]> = stream.chunks(1).collect();
         assert_eq!(all(&bytes), whole);
+    }
+
+    #[test]
+    fn an_event_over_the_limit_stops_the_parser_with_every_byte_kept() {
+        let stream: &[u8] = b"data: small\n\ndata: 0123456789abcdef\n\ndata: after\n\n";
+        for split in 0..stream.len() {
+            let (a, b) = stream.split_at(split);
+            let mut parser = EventParser::with_limit(16);
+            let mut events = parser.feed(a);
+            events.extend(parser.feed(b));
+            assert!(parser.overflowed(), "split at {split}");
+            assert_eq!(events.len(), 1, "split at {split}");
+            assert_eq!(events[0].data, "small");
+            let rest = parser.take_rest();
+            assert_eq!(
+                &rest[..],
+                &stream[events[0].raw.len()..],
+                "split at {split}"
+            );
+            assert!(parser.rest().is_empty());
+        }
+        let mut unbounded = EventParser::default();
+        assert_eq!(unbounded.feed(stream).len(), 3);
+        assert!(!unbounded.overflowed());
     }
 
     #[test]

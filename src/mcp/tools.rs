@@ -1,10 +1,12 @@
 //! Which tools are protected, what the listing tells the model about the
 //! key, and what the proxy remembers of the listings it has seen.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use globset::{Glob, GlobSet, GlobSetBuilder};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 /// Tools remembered per route: a server lists tens, and a bound keeps a
@@ -129,6 +131,29 @@ impl ToolRules {
         changed
     }
 
+    /// The protected tools of a `tools/list` result whose `inputSchema`
+    /// already has a property named as the key argument: the proxy would
+    /// take the server's own argument for the key and strip it.
+    pub fn shadowed_tools(&self, result: &Value) -> Vec<String> {
+        let tools = result.get("tools").and_then(Value::as_array);
+        tools
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_object)
+            .filter(|tool| {
+                tool.get("inputSchema")
+                    .and_then(|schema| schema.get("properties"))
+                    .and_then(|properties| properties.get(&self.key_argument))
+                    .is_some()
+            })
+            .filter_map(|tool| {
+                let name = tool.get("name").and_then(Value::as_str)?;
+                let protection = self.protection(name, Some(Hints::of(tool)));
+                (protection != Protection::None).then(|| name.to_owned())
+            })
+            .collect()
+    }
+
     fn add_key_argument(&self, tool: &mut Map<String, Value>, required: bool) -> bool {
         let schema = tool
             .entry("inputSchema")
@@ -175,6 +200,18 @@ fn globs(field: &str, patterns: &[String]) -> Result<GlobSet, String> {
 #[derive(Debug, Default)]
 pub struct ToolCatalog {
     tools: Mutex<HashMap<String, Hints>>,
+    /// Bumped whenever what the catalog says changes, so that what a
+    /// listing taught is shared only when it taught something.
+    revision: AtomicU64,
+}
+
+/// One tool's hints as the shared catalog record holds them.
+#[derive(Debug, Serialize, Deserialize)]
+struct SharedHints {
+    #[serde(rename = "readOnlyHint")]
+    read_only: bool,
+    #[serde(rename = "idempotentHint")]
+    idempotent: bool,
 }
 
 impl ToolCatalog {
@@ -182,9 +219,63 @@ impl ToolCatalog {
         let Ok(mut tools) = self.tools.lock() else {
             return;
         };
-        if tools.len() < MAX_REMEMBERED_TOOLS || tools.contains_key(name) {
-            tools.insert(name.to_owned(), hints);
+        let room = tools.len() < MAX_REMEMBERED_TOOLS || tools.contains_key(name);
+        if room && tools.insert(name.to_owned(), hints) != Some(hints) {
+            self.revision.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Changes whenever what the catalog says does.
+    pub fn revision(&self) -> u64 {
+        self.revision.load(Ordering::Relaxed)
+    }
+
+    /// The catalog as the shared record holds it: JSON, names sorted, so
+    /// the same catalog is the same bytes on every replica.
+    pub fn to_shared(&self) -> Vec<u8> {
+        let Ok(tools) = self.tools.lock() else {
+            return b"{}".to_vec();
+        };
+        let sorted: BTreeMap<&str, SharedHints> = tools
+            .iter()
+            .map(|(name, hints)| {
+                let hints = SharedHints {
+                    read_only: hints.read_only,
+                    idempotent: hints.idempotent,
+                };
+                (name.as_str(), hints)
+            })
+            .collect();
+        serde_json::to_vec(&sorted).unwrap_or_else(|_| b"{}".to_vec())
+    }
+
+    /// Learns the tools of a shared record (another replica's listings)
+    /// that this catalog does not know: what a listing showed here is
+    /// newer or as new. Whether anything was learned.
+    pub fn learn_shared(&self, record: &[u8]) -> bool {
+        let Ok(shared) = serde_json::from_slice::<BTreeMap<String, SharedHints>>(record) else {
+            return false;
+        };
+        let Ok(mut tools) = self.tools.lock() else {
+            return false;
+        };
+        let mut learned = false;
+        for (name, hints) in shared {
+            if tools.len() >= MAX_REMEMBERED_TOOLS {
+                break;
+            }
+            if let std::collections::hash_map::Entry::Vacant(entry) = tools.entry(name) {
+                entry.insert(Hints {
+                    read_only: hints.read_only,
+                    idempotent: hints.idempotent,
+                });
+                learned = true;
+            }
+        }
+        if learned {
+            self.revision.fetch_add(1, Ordering::Relaxed);
+        }
+        learned
     }
 
     pub fn hints(&self, name: &str) -> Option<Hints> {
@@ -280,6 +371,44 @@ mod tests {
         let once = result.clone();
         rules.rewrite_listing(&mut result, &catalog);
         assert_eq!(result, once);
+    }
+
+    #[test]
+    fn protected_tools_that_declare_the_key_argument_are_named() {
+        let result = json!({"tools": [
+            {"name": "send", "inputSchema": {"properties": {"idempotency_key": {"type": "string"}}}},
+            {"name": "read", "annotations": {"readOnlyHint": true},
+                "inputSchema": {"properties": {"idempotency_key": {"type": "string"}}}},
+            {"name": "plain", "inputSchema": {"properties": {"to": {"type": "string"}}}},
+        ]});
+        let rules = rules(Protect::Auto, &[], &[]);
+        assert_eq!(rules.shadowed_tools(&result), ["send"]);
+    }
+
+    #[test]
+    fn a_shared_catalog_fills_in_what_this_one_does_not_know() {
+        let here = ToolCatalog::default();
+        let read_only = Hints {
+            read_only: true,
+            idempotent: false,
+        };
+        here.remember("get", read_only);
+        here.remember("send", Hints::default());
+        let revision = here.revision();
+        here.remember("get", read_only);
+        assert_eq!(here.revision(), revision, "nothing new");
+        let shared = here.to_shared();
+        assert_eq!(
+            String::from_utf8_lossy(&shared),
+            r#"{"get":{"readOnlyHint":true,"idempotentHint":false},"send":{"readOnlyHint":false,"idempotentHint":false}}"#
+        );
+        let there = ToolCatalog::default();
+        there.remember("send", read_only);
+        assert!(there.learn_shared(&shared));
+        assert_eq!(there.hints("get"), Some(read_only));
+        assert_eq!(there.hints("send"), Some(read_only), "its own listing wins");
+        assert!(!there.learn_shared(&shared), "nothing new the second time");
+        assert!(!there.learn_shared(b"not json"));
     }
 
     #[test]

@@ -19,6 +19,11 @@
 //! | `abort_body=1` | send the head and part of the body, then break the connection |
 //! | `hold_tail=NAME` | with `body_bytes`: send all but the last chunk at once, the last once the test calls [`TestUpstream::release`] with NAME |
 //! | `header=name:value` | add a response header (repeatable, percent-decoded) |
+//! | `jsonrpc=result` | answer as an MCP server does: `200`, a JSON-RPC response to the request's `id` whose result's one text item is `<path> execution <n>` |
+//! | `jsonrpc=listing` | `200`, a `tools/list` result: `send_email` (no annotations) whose `inputSchema` declares its own `idempotency_key`, and `get_weather` (`readOnlyHint`) that declares one too |
+//! | `jsonrpc=null_id_error` | `200`, a JSON-RPC parse error with `"id": null` (a server that could not read the request) |
+//! | `result_bytes=N` | with `jsonrpc=result`: the text item is N bytes of [`expected_body`] instead |
+//! | `sse=1` | with `jsonrpc`: the message as one `text/event-stream` event |
 //!
 //! Every request is counted per path (without the query) as soon as it has
 //! fully arrived, before any delay: the side effect is considered done the
@@ -331,6 +336,9 @@ struct Controls {
     abort_body: bool,
     chunked: bool,
     headers: Vec<(String, String)>,
+    jsonrpc: Option<String>,
+    result_bytes: Option<usize>,
+    sse: bool,
 }
 
 impl Controls {
@@ -350,6 +358,9 @@ impl Controls {
                 "stream_delay_ms" => c.stream_delay = v.parse().ok().map(Duration::from_millis),
                 "abort_body" => c.abort_body = flag,
                 "chunked" => c.chunked = flag,
+                "jsonrpc" => c.jsonrpc = Some(v),
+                "result_bytes" => c.result_bytes = v.parse().ok(),
+                "sse" => c.sse = flag,
                 "header" => {
                     if let Some((name, value)) = v.split_once(':') {
                         c.headers
@@ -410,6 +421,10 @@ async fn handle(
     let path = parts.uri.path().to_owned();
     let controls = Controls::parse(parts.uri.query());
     let body_len = body.len();
+    let request_id = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|message| message.get("id").cloned())
+        .unwrap_or_default();
     let execution = state.record(
         &path,
         RecordedRequest {
@@ -435,6 +450,7 @@ async fn handle(
     }
 
     let status = match controls.status.map(StatusCode::from_u16) {
+        None if controls.jsonrpc.is_some() => StatusCode::OK,
         None => StatusCode::CREATED,
         Some(Ok(s)) => s,
         Some(Err(_)) => StatusCode::BAD_REQUEST,
@@ -451,7 +467,41 @@ async fn handle(
         }
     }
 
-    let body = if controls.body_bytes.is_some() || controls.abort_body {
+    let body = if let Some(mode) = &controls.jsonrpc {
+        let own_key = serde_json::json!({"type": "object",
+            "properties": {"idempotency_key": {"type": "string"}}});
+        let message = if mode == "listing" {
+            serde_json::json!({"jsonrpc": "2.0", "id": request_id, "result": {"tools": [
+                {"name": "send_email", "inputSchema": own_key},
+                {"name": "get_weather", "annotations": {"readOnlyHint": true},
+                    "inputSchema": own_key},
+            ]}})
+        } else if mode == "null_id_error" {
+            serde_json::json!({"jsonrpc": "2.0", "id": null,
+                "error": {"code": -32700, "message": "Parse error"}})
+        } else {
+            let text = match controls.result_bytes {
+                Some(n) => String::from_utf8(expected_body(n)).unwrap_or_default(),
+                None => format!("{path} execution {execution}"),
+            };
+            serde_json::json!({"jsonrpc": "2.0", "id": request_id,
+                "result": {"content": [{"type": "text", "text": text}], "isError": false}})
+        };
+        let mut text = message.to_string();
+        if controls.sse {
+            text = format!("event: message\ndata: {text}\n\n");
+            builder = builder.header("content-type", "text/event-stream");
+        } else {
+            builder = builder.header("content-type", "application/json");
+            builder = builder.header("content-length", text.len().to_string());
+        }
+        let chunks: Vec<Result<Frame<Bytes>, std::io::Error>> = text
+            .into_bytes()
+            .chunks(CHUNK)
+            .map(|chunk| Ok(Frame::data(Bytes::copy_from_slice(chunk))))
+            .collect();
+        StreamBody::new(futures_util::stream::iter(chunks)).boxed_unsync()
+    } else if controls.body_bytes.is_some() || controls.abort_body {
         let total = controls
             .body_bytes
             .unwrap_or(DEFAULT_ABORT_BODY_BYTES)
