@@ -234,7 +234,7 @@ async fn read(state: &AdminState, key: RecordKey) -> Result<Json<Value>, AdminPr
                 status: StatusCode::INTERNAL_SERVER_ERROR,
                 slug: "record-unreadable",
                 detail: format!(
-                    "The store holds a record for this key that does not read ({why}). Requests with this key are refused with 503 and never executed. Check with the upstream whether the first request took effect, then delete the key (DELETE /v1/keys/{hex}, or idemproxy keys forget --hash {hex}) so that a retry executes.",
+                    "The store holds a record for this key that does not read ({why}). Requests with this key are refused with 500 `record-unreadable` and never executed. Check with the upstream whether the first request took effect, then delete the key (DELETE /v1/keys/{hex}, or idemproxy keys forget --hash {hex}) so that a retry executes.",
                     hex = key.to_hex()
                 ),
             },

@@ -216,11 +216,11 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
         }
     };
     // Sealed below the cache: the cache keeps opened responses, in this
-    // process's memory only.
-    let store: SharedStore = match settings::keyring(&config.store)? {
-        Some(keys) => Arc::new(store::sealed::SealedStore::new(store, keys)),
-        None => store,
-    };
+    // process's memory only. Always in place, keys or not: a response
+    // sealed before encryption was turned off must read as unreadable
+    // (500 `record-unreadable`), not reach a replay still sealed.
+    let keys = settings::keyring(&config.store)?.unwrap_or_else(store::sealed::Keyring::none);
+    let store: SharedStore = Arc::new(store::sealed::SealedStore::new(store, keys));
     // Packed above the seal (what is sealed is the packed response) and
     // below the cache (which keeps unpacked ones, so a cached replay costs
     // no decompression). Always in place, whatever `compression` says:

@@ -163,7 +163,7 @@ async fn replays_survive_a_rotation_and_a_removed_key_fails_closed() {
         "sealed by key 2"
     );
     let unreadable = post(&client, &removed, "rotate-1").await;
-    unreadable.assert_problem(503, "store-unavailable");
+    unreadable.assert_record_unreadable();
     assert_eq!(
         upstream.executions(&format!("/v1/{MARKER}")),
         2,
@@ -252,4 +252,49 @@ async fn a_redis_cluster_holds_no_plaintext_of_a_sealed_response() {
             sealing.is_some()
         );
     }
+}
+
+/// The real binary on Redis: a response sealed under key 7, then the
+/// proxy redeployed with key 8 alone (7 rotated away too early) and with
+/// encryption turned off. Each time the retry is refused as permanent,
+/// 500 `record-unreadable` with no retry hint, counted as
+/// `record_unreadable`, and never executed again. Before, the first was a
+/// 503 `store-unavailable` (SDKs and agents retried it for the whole
+/// `ttl`), and the second a 500 `internal` without retry hints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_no_configured_key_opens_is_refused_as_permanent() {
+    let upstream = TestUpstream::start().await;
+    let redis = tokio::task::block_in_place(RedisServer::start);
+    let client = TestClient::new();
+    let c = redis_config(&upstream.url(), &redis.url(), &unique_prefix("rotated"));
+    let with_keys = |keys: Option<String>| {
+        let mut c = c.clone();
+        let mut env = Vec::new();
+        if let Some(keys) = keys {
+            c.store.encryption_keys_env = Some("STORE_KEYS_UNDER_TEST".into());
+            env.push(("STORE_KEYS_UNDER_TEST", keys));
+        }
+        async move { ProxyProcess::start_with_env(c, &env).await }
+    };
+    let target = format!("/v1/{MARKER}");
+
+    let mut first = with_keys(Some(keys(&[7]))).await;
+    let done = client.post_json(&first.url(&target), "rot-1", "{}").await;
+    assert_eq!(done.status, 201, "{done:?}");
+    first.terminate();
+    first.wait_exit(std::time::Duration::from_secs(10)).await;
+
+    for ring in [Some(keys(&[8])), None] {
+        let mut proxy = with_keys(ring.clone()).await;
+        for _ in 0..2 {
+            let refused = client.post_json(&proxy.url(&target), "rot-1", "{}").await;
+            refused.assert_record_unreadable();
+        }
+        let series = r#"idemproxy_requests_total{route="default",outcome="record_unreadable"}"#;
+        let counted = client.metric(&proxy.admin_url("/metrics"), series).await;
+        assert_eq!(counted, 2.0, "keys {ring:?}");
+        proxy.terminate();
+        proxy.wait_exit(std::time::Duration::from_secs(10)).await;
+    }
+    assert_eq!(upstream.executions(&target), 1, "never executed again");
 }

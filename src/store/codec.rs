@@ -6,7 +6,7 @@
 //! Only a completion's outcome is rewritten. Claims, fingerprints,
 //! instants and outcome kinds pass as they are: the stores' atomic steps
 //! read them. A record the codec finds its own but cannot read back is a
-//! corrupt record to a request (the middleware answers 503 and never runs
+//! corrupt record to a request (the middleware answers 500 `record-unreadable` and never runs
 //! the request behind it again) and is shown as stored to an operator
 //! (`get`, `scan`).
 

@@ -199,7 +199,8 @@ pub struct ScanPage {
     /// Keys whose stored value is not a record this build reads (corrupt
     /// bytes, a value of another type under a Redis key), each with why.
     /// An operator reconciling outcomes must see them: each may be an
-    /// outcome-unknown, and requests with its key are refused (503, never
+    /// outcome-unknown, and requests with its key are refused (500
+    /// `record-unreadable`, never
     /// executed) until it is removed.
     pub unreadable: Vec<(RecordKey, String)>,
     pub next: Option<ScanCursor>,
