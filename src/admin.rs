@@ -45,44 +45,87 @@ pub struct AdminState {
     pub failures: Arc<FailedAttempts>,
 }
 
-/// Failed attempts at the admin token allowed per window, all callers
-/// together: past them every attempt, a right one too, is answered 429
-/// until the window ends, so the token cannot be guessed at line rate.
-/// With tokens of at least 32 bytes (checked at startup) guessing is
-/// hopeless anyway; this keeps a misbehaving script from hammering the
-/// store lookups behind the API.
+/// Failed attempts at the admin token allowed per peer and window: past
+/// them that peer's wrong tokens are answered 429 until its window ends,
+/// so the token cannot be guessed at line rate. Only failures count, and
+/// only the failing peer's: the right token is checked first and never
+/// refused, so nobody who can reach the admin port can lock the operators
+/// out by failing on purpose. With tokens of at least 32 bytes (checked at
+/// startup) guessing is hopeless anyway; this keeps a misbehaving script
+/// from hammering the listener.
 const MAX_FAILURES: u32 = 100;
 const FAILURE_WINDOW: Duration = Duration::from_secs(10);
 
-/// The failures of the current window.
+/// Peers whose failures are remembered at once. A table that is full even
+/// after forgetting ended windows counts a new peer as over its limit:
+/// many addresses failing together (an IPv6 range) cannot push out the
+/// one being limited, and costs nobody with the right token anything.
+const MAX_PEERS: usize = 4096;
+
+/// Who failed: the peer's address, an IPv6 peer by its /64 (one host
+/// commonly holds the whole prefix). `None` when the listener gave no
+/// address (the router served without connection info, as in unit tests).
+type PeerId = Option<std::net::IpAddr>;
+
+/// The failures of each peer's current window.
 #[derive(Debug, Default)]
-pub struct FailedAttempts(std::sync::Mutex<Option<(std::time::Instant, u32)>>);
+pub struct FailedAttempts(
+    std::sync::Mutex<std::collections::HashMap<PeerId, (std::time::Instant, u32)>>,
+);
 
 impl FailedAttempts {
-    /// Whether the window's failures are used up; a window that ended is
-    /// forgotten.
-    fn exhausted(&self) -> bool {
-        let mut window = self
-            .0
+    fn peers(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<PeerId, (std::time::Instant, u32)>>
+    {
+        self.0
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match *window {
-            Some((started, _)) if started.elapsed() >= FAILURE_WINDOW => {
-                *window = None;
-                false
-            }
-            Some((_, failures)) => failures >= MAX_FAILURES,
-            None => false,
-        }
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn record(&self) {
-        let mut window = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (_, failures) = window.get_or_insert((std::time::Instant::now(), 0));
-        *failures += 1;
+    /// Counts one failure of `peer`; whether it is over the limit, this
+    /// one included.
+    fn failed(&self, peer: PeerId) -> bool {
+        let mut peers = self.peers();
+        let now = std::time::Instant::now();
+        if !peers.contains_key(&peer) && peers.len() >= MAX_PEERS {
+            peers.retain(|_, (started, _)| now.duration_since(*started) < FAILURE_WINDOW);
+            if peers.len() >= MAX_PEERS {
+                return true;
+            }
+        }
+        let (started, failures) = peers.entry(peer).or_insert((now, 0));
+        if now.duration_since(*started) >= FAILURE_WINDOW {
+            (*started, *failures) = (now, 0);
+        }
+        *failures = failures.saturating_add(1);
+        *failures > MAX_FAILURES
+    }
+}
+
+/// The admin connection's peer, from the listener's connection info.
+#[derive(Debug)]
+pub struct Peer(PeerId);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Peer {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let ip = parts
+            .extensions
+            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+            .map(|info| match info.0.ip().to_canonical() {
+                std::net::IpAddr::V6(v6) => {
+                    let mut octets = v6.octets();
+                    octets[8..].fill(0);
+                    std::net::IpAddr::V6(octets.into())
+                }
+                v4 => v4,
+            });
+        Ok(Peer(ip))
     }
 }
 
@@ -170,7 +213,7 @@ impl IntoResponse for AdminProblem {
     }
 }
 
-fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem> {
+fn authorize(state: &AdminState, peer: &Peer, headers: &HeaderMap) -> Result<(), AdminProblem> {
     let Some(expected) = state.token_digest else {
         return Err(AdminProblem {
             status: StatusCode::FORBIDDEN,
@@ -178,33 +221,37 @@ fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem
             detail: "The key API is disabled: set admin_token (or IDEMPROXY_ADMIN_TOKEN).".into(),
         });
     };
-    if state.failures.exhausted() {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| bearer(v.as_bytes()));
+    // Digests compared in constant time: how long the comparison takes
+    // says nothing of how much of a guess was right.
+    let ok = given.is_some_and(|g| {
+        let digest: [u8; 32] = Sha256::digest(g.as_bytes()).into();
+        let differing = digest
+            .iter()
+            .zip(expected.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        std::hint::black_box(differing) == 0
+    });
+    if ok {
+        return Ok(());
+    }
+    if state.failures.failed(peer.0) {
         return Err(AdminProblem {
             status: StatusCode::TOO_MANY_REQUESTS,
             slug: "admin-rate-limited",
             detail: format!(
-                "More than {MAX_FAILURES} failed attempts at the admin token within {}s; try again shortly.",
+                "More than {MAX_FAILURES} failed attempts at the admin token from this address within {}s; try again shortly.",
                 FAILURE_WINDOW.as_secs()
             ),
         });
     }
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| bearer(v.as_bytes()));
-    let ok = given.is_some_and(|g| {
-        let digest: [u8; 32] = Sha256::digest(g.as_bytes()).into();
-        digest == expected
-    });
-    if ok {
-        Ok(())
-    } else {
-        state.failures.record();
-        Err(AdminProblem {
-            status: StatusCode::UNAUTHORIZED,
-            slug: "admin-unauthorized",
-            detail: "A valid `Authorization: Bearer <admin_token>` header is required.".into(),
-        })
-    }
+    Err(AdminProblem {
+        status: StatusCode::UNAUTHORIZED,
+        slug: "admin-unauthorized",
+        detail: "A valid `Authorization: Bearer <admin_token>` header is required.".into(),
+    })
 }
 
 fn parse_hash(hash: &str) -> Result<RecordKey, AdminProblem> {
@@ -252,20 +299,22 @@ async fn read(state: &AdminState, key: RecordKey) -> Result<Json<Value>, AdminPr
 
 async fn show_key(
     State(state): State<AdminState>,
+    peer: Peer,
     headers: HeaderMap,
     Path(hash): Path<String>,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &headers)?;
+    authorize(&state, &peer, &headers)?;
     read(&state, parse_hash(&hash)?).await
 }
 
 async fn delete_key(
     State(state): State<AdminState>,
+    peer: Peer,
     headers: HeaderMap,
     Path(hash): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &headers)?;
+    authorize(&state, &peer, &headers)?;
     let key = parse_hash(&hash)?;
     // A claim whose lease runs is a request executing now (or one whose
     // proxy died moments ago): deleted, its retry would execute while the
@@ -378,12 +427,13 @@ impl ListState {
 /// walk is over).
 async fn list_keys(
     State(state): State<AdminState>,
+    peer: Peer,
     headers: HeaderMap,
     // Taken as a Result: the caller is authenticated before its query is
     // read, and a bad one is a problem+json like every answer here.
     query: Result<Query<ListQuery>, QueryRejection>,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &headers)?;
+    authorize(&state, &peer, &headers)?;
     let bad = |detail: String| AdminProblem {
         status: StatusCode::BAD_REQUEST,
         slug: "invalid-list",
@@ -469,12 +519,13 @@ struct Lookup {
 
 async fn lookup_key(
     State(state): State<AdminState>,
+    peer: Peer,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, AdminProblem> {
     // The body is parsed only once the caller is authenticated, and a bad
     // one is a problem+json like every other answer of the key API.
-    authorize(&state, &headers)?;
+    authorize(&state, &peer, &headers)?;
     let bad = |detail: String| AdminProblem {
         status: StatusCode::BAD_REQUEST,
         slug: "invalid-lookup",

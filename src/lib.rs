@@ -282,7 +282,12 @@ pub async fn serve_app(
         let stopped = async {
             let _ = admin_stopped.await;
         };
-        if let Err(e) = axum::serve(admin_listener, app.admin)
+        // With each connection's peer: the key API limits failed token
+        // attempts per address.
+        let admin = app
+            .admin
+            .into_make_service_with_connect_info::<std::net::SocketAddr>();
+        if let Err(e) = axum::serve(admin_listener, admin)
             .with_graceful_shutdown(stopped)
             .await
         {
