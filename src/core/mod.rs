@@ -9,6 +9,7 @@ pub mod clock;
 pub mod failure;
 pub mod ids;
 pub mod record;
+pub mod redact;
 
 pub use begin::{
     decide_begin, new_claim, running_lease, Begin, BeginOutcome, OnStale, Removal, Removed,
@@ -20,3 +21,4 @@ pub use record::{
     CompletedRecord, DecodeError, KeyState, Outcome, PendingRecord, Record, StoredResponse,
     UnknownCause, FORMAT_VERSION,
 };
+pub use redact::redact_url;
