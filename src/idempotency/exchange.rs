@@ -590,7 +590,7 @@ where
             expires_at: now.saturating_add(millis(self.policy.ttl)),
             outcome,
         };
-        self.settle(claim, token, Settling::Complete(record)).await;
+        self.settle(claim, token, Settling::complete(record)).await;
     }
 
     fn upstream_done(&mut self, started: Instant) {

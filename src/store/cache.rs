@@ -68,8 +68,8 @@ use async_trait::async_trait;
 use quick_cache::sync::Cache;
 
 use super::{
-    Begin, BeginOutcome, Removal, RemovalWatcher, Removed, ScanCursor, ScanPage, SharedStore,
-    Store, StoreError,
+    Begin, BeginOutcome, Completion, Removal, RemovalWatcher, Removed, ScanCursor, ScanPage,
+    SharedStore, Store, StoreError,
 };
 use crate::core::{
     millis, Clock, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnixMillis,
@@ -378,6 +378,29 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         let result = self.inner.complete(key, token, record).await;
         match &result {
             Ok(()) => self.insert(*key, Arc::new(record.clone()), epoch),
+            Err(_) => {
+                self.shared.cache.remove(key);
+            }
+        }
+        result
+    }
+
+    fn prepare(&self, key: &RecordKey, record: CompletedRecord) -> Result<Completion, StoreError> {
+        self.inner.prepare(key, record)
+    }
+
+    /// As [`Self::complete`]; what is cached is the record as the caller
+    /// gave it, not its encoding.
+    async fn complete_prepared(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        completion: &Completion,
+    ) -> Result<(), StoreError> {
+        let epoch = self.shared.epoch();
+        let result = self.inner.complete_prepared(key, token, completion).await;
+        match &result {
+            Ok(()) => self.insert(*key, Arc::new(completion.record.clone()), epoch),
             Err(_) => {
                 self.shared.cache.remove(key);
             }

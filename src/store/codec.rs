@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::{RemovalWatcher, ScanCursor, ScanPage, SharedStore, Store, StoreError};
+use super::{Completion, RemovalWatcher, ScanCursor, ScanPage, SharedStore, Store, StoreError};
 use crate::core::{
     Begin, BeginOutcome, CompletedRecord, FencingToken, Outcome, Record, RecordKey, Removal,
     Removed,
@@ -129,6 +129,29 @@ impl<C: OutcomeCodec> Store for CodecStore<C> {
             }
             None => self.inner.complete(key, token, record).await,
         }
+    }
+
+    fn prepare(&self, key: &RecordKey, record: CompletedRecord) -> Result<Completion, StoreError> {
+        let Some(outcome) = self.codec.encode(key, &record.outcome)? else {
+            return self.inner.prepare(key, record);
+        };
+        let below = self.inner.prepare(key, with_outcome(&record, outcome))?;
+        let stored = below.stored.unwrap_or(below.record);
+        Ok(Completion {
+            record,
+            stored: Some(stored),
+        })
+    }
+
+    /// Passed down as it was prepared: encoding it again here would make
+    /// other bytes for the same completion.
+    async fn complete_prepared(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        completion: &Completion,
+    ) -> Result<(), StoreError> {
+        self.inner.complete_prepared(key, token, completion).await
     }
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {

@@ -83,6 +83,31 @@ pub trait Store: Send + Sync + 'static {
         record: &CompletedRecord,
     ) -> Result<(), StoreError>;
 
+    /// `record` made ready to complete: encoded once (compressed, sealed)
+    /// into what the store will hold, so that every try of one completion
+    /// writes the same bytes. A sealed response has a fresh nonce per seal:
+    /// sealed again, a retried completion whose first reply was lost read
+    /// as another writer's to the Redis script, which then skipped the
+    /// replicas' acknowledgement. The default encodes nothing.
+    fn prepare(&self, key: &RecordKey, record: CompletedRecord) -> Result<Completion, StoreError> {
+        let _ = key;
+        Ok(Completion {
+            record,
+            stored: None,
+        })
+    }
+
+    /// [`Self::complete`] with a completion [`Self::prepare`] made: as
+    /// often as it is tried, it writes the same bytes.
+    async fn complete_prepared(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        completion: &Completion,
+    ) -> Result<(), StoreError> {
+        self.complete(key, token, completion.stored()).await
+    }
+
     /// Forgets the pending claim held with `token`, so a retry executes.
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError>;
 
@@ -159,6 +184,25 @@ pub trait RemovalWatcher: Send + Sync + 'static {
 }
 
 pub type SharedStore = Arc<dyn Store>;
+
+/// A completion made ready once ([`Store::prepare`]) and then tried as
+/// often as it takes ([`Store::complete_prepared`]).
+#[derive(Clone, Debug)]
+pub struct Completion {
+    /// The record as the caller gave it: what a cache above the encoding
+    /// keeps.
+    pub record: CompletedRecord,
+    /// What the store beneath the encoding writes, when a layer encoded
+    /// it; `None`: the record itself.
+    pub stored: Option<CompletedRecord>,
+}
+
+impl Completion {
+    /// What the store beneath every encoding is to write.
+    pub fn stored(&self) -> &CompletedRecord {
+        self.stored.as_ref().unwrap_or(&self.record)
+    }
+}
 
 /// Where a walk over the records ([`Store::scan`]) goes on: opaque text
 /// each store reads back (a Redis `SCAN` cursor, the last key of a page).
