@@ -21,12 +21,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::core::{from_millis, Outcome, Record, RecordKey};
+use crate::core::{from_millis, KeyState, Outcome, OutcomeMeta, Record, RecordKey, RecordMeta};
 use crate::http::{ClientCertificate, Problem};
 use crate::idempotency::identity::bearer;
 use crate::idempotency::Policies;
 use crate::observe::metrics::Metrics;
-use crate::store::{Removal, Removed, SharedStore, StoreError};
+use crate::store::{ListWant, Removal, Removed, SharedStore, StoreError};
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -355,15 +355,18 @@ async fn delete_key(
     }
 }
 
-/// Records a `GET /v1/keys` walks at most per call, whatever it finds:
+/// Records a `GET /v1/keys` examines at most per call, whatever it finds:
 /// the work one call puts on the store is bounded, and `next_cursor` goes
 /// on from where it stopped.
 const LIST_WALK: usize = 10_000;
 
-/// Records a `GET /v1/keys` page asks the store for at once.
-const LIST_PAGE: usize = 500;
+/// Bytes of stored values a `GET /v1/keys` reads at most per call (the
+/// embedded store reads whole values; Redis only their fronts): with
+/// responses of megabytes, a page stops early and `next_cursor` goes on,
+/// rather than holding up the store and the proxy's memory.
+const LIST_BYTES: usize = 4 << 20;
 
-/// How long one page of a `GET /v1/keys` walk may take.
+/// How long one `GET /v1/keys` page may take.
 const LIST_PAGE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Deserialize)]
@@ -376,9 +379,8 @@ struct ListQuery {
     /// Only records created at least this long ago (`10m`, `2h`).
     #[serde(default)]
     older_than: Option<String>,
-    /// Stop once this many are found (default 100, at most 1,000); the
-    /// store page that reaches it is returned whole, so nothing is
-    /// skipped between two calls.
+    /// At most this many in a page (default 100, at most 1,000);
+    /// `next_cursor` goes on right after the last record examined.
     #[serde(default)]
     limit: Option<usize>,
     /// Where the previous page stopped (its `next_cursor`).
@@ -406,25 +408,23 @@ impl ListState {
         })
     }
 
-    fn admits(self, record: &Record) -> bool {
-        match (self, record) {
-            (Self::Any, _) | (Self::Pending, Record::Pending(_)) => true,
-            (Self::OutcomeUnknown, Record::Completed(c)) => {
-                matches!(c.outcome, Outcome::Unknown { .. })
-            }
-            (Self::Completed, Record::Completed(c)) => {
-                !matches!(c.outcome, Outcome::Unknown { .. })
-            }
+    fn admits(self, record: &RecordMeta) -> bool {
+        let unknown = matches!(record.outcome, Some(OutcomeMeta::Unknown { .. }));
+        match (self, record.state) {
+            (Self::Any, _) | (Self::Pending, KeyState::Pending) => true,
+            (Self::OutcomeUnknown, KeyState::Completed) => unknown,
+            (Self::Completed, KeyState::Completed) => !unknown,
             _ => false,
         }
     }
 }
 
 /// `GET /v1/keys?state=outcome-unknown&older_than=10m`: the records in a
-/// state, for reconciling them. A bounded walk over the store (Redis
-/// `SCAN`, never `KEYS`), pages of [`LIST_PAGE`] until `limit` are found
-/// or [`LIST_WALK`] examined, then `next_cursor` to go on (`null` once the
-/// walk is over).
+/// state, for reconciling them, from their metadata alone (never a stored
+/// response: see [`crate::store::Store::list`]). A bounded walk over the
+/// store (Redis `SCAN`, never `KEYS`) until `limit` are found, or
+/// [`LIST_WALK`] examined, or [`LIST_BYTES`] read, then `next_cursor` to
+/// go on (`null` once the walk is over).
 async fn list_keys(
     State(state): State<AdminState>,
     peer: Peer,
@@ -451,51 +451,53 @@ async fn list_keys(
         .unwrap_or_default();
     let limit = query.limit.unwrap_or(100).clamp(1, 1000);
     let created_before = crate::core::now_millis().saturating_sub(crate::core::millis(older_than));
-    let mut cursor = crate::store::ScanCursor::new(query.cursor.unwrap_or_default());
-    let (mut keys, mut examined) = (Vec::<Value>::new(), 0);
-    let next = loop {
-        // A page is up to LIST_PAGE reads: given longer than one request's
-        // store call, as an operator's listing is not on a request's path.
-        let page_timeout = state.store_timeout.max(LIST_PAGE_TIMEOUT);
-        let page = tokio::time::timeout(page_timeout, state.store.scan(&cursor, LIST_PAGE))
-            .await
-            .map_err(|_| store_problem("no answer in time"))?
-            .map_err(|e| match e {
-                StoreError::InvalidCursor(_) => bad(format!("`cursor`: {e}")),
-                StoreError::WalkInterrupted(_) => AdminProblem {
-                    status: StatusCode::CONFLICT,
-                    slug: "walk-interrupted",
-                    detail: format!("{e}. Start the listing again, without `cursor`."),
-                },
-                e => store_problem(e),
-            })?;
-        examined += page.records.len() + page.unreadable.len();
-        // In every listing, whatever its filter: neither their state nor
-        // their age can be read, and each may be an outcome to reconcile.
-        keys.extend(page.unreadable.iter().map(|(key, why)| {
+    let cursor = crate::store::ScanCursor::new(query.cursor.unwrap_or_default());
+    let admits =
+        move |record: &RecordMeta| wanted.admits(record) && record.created_at <= created_before;
+    let want = ListWant {
+        limit,
+        max_examined: LIST_WALK,
+        max_bytes: LIST_BYTES,
+        admits: &admits,
+    };
+    // Given longer than one request's store call, as an operator's listing
+    // is not on a request's path.
+    let page_timeout = state.store_timeout.max(LIST_PAGE_TIMEOUT);
+    let page = tokio::time::timeout(page_timeout, state.store.list(&cursor, &want))
+        .await
+        .map_err(|_| store_problem("no answer in time"))?
+        .map_err(|e| match e {
+            StoreError::InvalidCursor(_) => bad(format!("`cursor`: {e}")),
+            StoreError::WalkInterrupted(_) => AdminProblem {
+                status: StatusCode::CONFLICT,
+                slug: "walk-interrupted",
+                detail: format!("{e}. Start the listing again, without `cursor`."),
+            },
+            e => store_problem(e),
+        })?;
+    // Unreadable ones in every listing, whatever its filter: neither their
+    // state nor their age can be read, and each may be an outcome to
+    // reconcile.
+    let mut keys: Vec<Value> = page
+        .unreadable
+        .iter()
+        .map(|(key, why)| {
             json!({
                 "key_hash": key.to_hex(),
                 "state": "unreadable",
                 "error": why,
             })
-        }));
-        keys.extend(
-            page.records
-                .iter()
-                .filter(|(_, record)| {
-                    wanted.admits(record) && record.created_at() <= created_before
-                })
-                .map(|(key, record)| describe(key, record)),
-        );
-        match page.next {
-            Some(next) if keys.len() < limit && examined < LIST_WALK => cursor = next,
-            next => break next,
-        }
-    };
+        })
+        .collect();
+    keys.extend(
+        page.records
+            .iter()
+            .map(|(key, record)| describe_meta(key, record)),
+    );
     Ok(Json(json!({
         "keys": keys,
-        "examined": examined,
-        "next_cursor": next.map(|c| c.as_str().to_owned()),
+        "examined": page.examined,
+        "next_cursor": page.next.map(|c| c.as_str().to_owned()),
     })))
 }
 
@@ -566,6 +568,41 @@ async fn lookup_key(
 
 fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(from_millis(ms)).to_string()
+}
+
+/// A record in a listing, from its metadata alone: a response's status
+/// only where it is stored in the clear (a packed or sealed one's is
+/// inside, and `GET /v1/keys/{hash}` shows it).
+fn describe_meta(key: &RecordKey, record: &RecordMeta) -> Value {
+    let mut shown = json!({
+        "key_hash": key.to_hex(),
+        "state": record.state.as_str(),
+        "created_at": rfc3339(record.created_at),
+        "expires_at": rfc3339(record.expires_at),
+    });
+    if let Some(lease) = record.lease_expires_at {
+        shown["lease_expires_at"] = json!(rfc3339(lease));
+    }
+    if let Some(completed) = record.completed_at {
+        shown["completed_at"] = json!(rfc3339(completed));
+    }
+    let (outcome, status) = match record.outcome {
+        None => return shown,
+        Some(OutcomeMeta::Response { status }) => ("response".to_string(), Some(status)),
+        Some(OutcomeMeta::Sealed | OutcomeMeta::Packed) => ("response".to_string(), None),
+        Some(OutcomeMeta::NotStored { status }) => {
+            ("response-not-stored".to_string(), Some(status))
+        }
+        Some(OutcomeMeta::Unknown { cause }) => (
+            format!("outcome-unknown ({})", cause.as_str()),
+            Some(cause.status()),
+        ),
+    };
+    shown["outcome"] = json!(outcome);
+    if let Some(status) = status {
+        shown["status"] = json!(status);
+    }
+    shown
 }
 
 fn describe(key: &RecordKey, record: &Record) -> Value {

@@ -18,7 +18,7 @@ pub use clock::{from_millis, millis, now_millis, to_millis, Clock, UnixMillis, L
 pub use failure::UpstreamFailure;
 pub use ids::{FencingToken, Fingerprint, KeyHex, RecordKey};
 pub use record::{
-    CompletedRecord, DecodeError, KeyState, Outcome, PendingRecord, Record, StoredResponse,
-    UnknownCause, FORMAT_VERSION,
+    CompletedRecord, DecodeError, KeyState, Outcome, OutcomeMeta, PendingRecord, Record,
+    RecordMeta, StoredResponse, UnknownCause, FORMAT_VERSION,
 };
 pub use redact::redact_url;

@@ -68,8 +68,8 @@ use async_trait::async_trait;
 use quick_cache::sync::Cache;
 
 use super::{
-    Begin, BeginOutcome, Completion, Removal, RemovalWatcher, Removed, ScanCursor, ScanPage,
-    SharedStore, Store, StoreError,
+    Begin, BeginOutcome, Completion, ListPage, ListWant, Removal, RemovalWatcher, Removed,
+    ScanCursor, ScanPage, SharedStore, Store, StoreError,
 };
 use crate::core::{
     millis, Clock, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnixMillis,
@@ -431,6 +431,10 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
+    }
+
+    async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
+        self.inner.list(cursor, want).await
     }
 
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {

@@ -14,7 +14,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::{Completion, RemovalWatcher, ScanCursor, ScanPage, SharedStore, Store, StoreError};
+use super::{
+    Completion, ListPage, ListWant, RemovalWatcher, ScanCursor, ScanPage, SharedStore, Store,
+    StoreError,
+};
 use crate::core::{
     Begin, BeginOutcome, CompletedRecord, FencingToken, Outcome, Record, RecordKey, Removal,
     Removed,
@@ -172,6 +175,10 @@ impl<C: OutcomeCodec> Store for CodecStore<C> {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
+    }
+
+    async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
+        self.inner.list(cursor, want).await
     }
 
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
