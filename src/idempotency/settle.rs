@@ -148,7 +148,7 @@ pub(super) enum Settling {
     /// sends the bytes of the first (see [`Store::prepare`]), so a retry
     /// whose first reply was lost is found to be the same write, and
     /// still waits for the replicas.
-    Complete(CompletedRecord, OnceLock<Completion>),
+    Complete(CompletedRecord, Box<OnceLock<Completion>>),
     Release,
 }
 
@@ -161,7 +161,7 @@ impl Settling {
     }
 
     pub(super) fn complete(record: CompletedRecord) -> Settling {
-        Settling::Complete(record, OnceLock::new())
+        Settling::Complete(record, Box::default())
     }
 
     async fn call(
