@@ -21,12 +21,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::core::{from_millis, Outcome, Record, RecordKey};
+use crate::core::{from_millis, KeyState, Outcome, OutcomeMeta, Record, RecordKey, RecordMeta};
 use crate::http::{ClientCertificate, Problem};
 use crate::idempotency::identity::bearer;
 use crate::idempotency::Policies;
 use crate::observe::metrics::Metrics;
-use crate::store::{Removal, Removed, SharedStore, StoreError};
+use crate::store::{ListWant, Removal, Removed, SharedStore, StoreError};
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -45,44 +45,87 @@ pub struct AdminState {
     pub failures: Arc<FailedAttempts>,
 }
 
-/// Failed attempts at the admin token allowed per window, all callers
-/// together: past them every attempt, a right one too, is answered 429
-/// until the window ends, so the token cannot be guessed at line rate.
-/// With tokens of at least 32 bytes (checked at startup) guessing is
-/// hopeless anyway; this keeps a misbehaving script from hammering the
-/// store lookups behind the API.
+/// Failed attempts at the admin token allowed per peer and window: past
+/// them that peer's wrong tokens are answered 429 until its window ends,
+/// so the token cannot be guessed at line rate. Only failures count, and
+/// only the failing peer's: the right token is checked first and never
+/// refused, so nobody who can reach the admin port can lock the operators
+/// out by failing on purpose. With tokens of at least 32 bytes (checked at
+/// startup) guessing is hopeless anyway; this keeps a misbehaving script
+/// from hammering the listener.
 const MAX_FAILURES: u32 = 100;
 const FAILURE_WINDOW: Duration = Duration::from_secs(10);
 
-/// The failures of the current window.
+/// Peers whose failures are remembered at once. A table that is full even
+/// after forgetting ended windows counts a new peer as over its limit:
+/// many addresses failing together (an IPv6 range) cannot push out the
+/// one being limited, and costs nobody with the right token anything.
+const MAX_PEERS: usize = 4096;
+
+/// Who failed: the peer's address, an IPv6 peer by its /64 (one host
+/// commonly holds the whole prefix). `None` when the listener gave no
+/// address (the router served without connection info, as in unit tests).
+type PeerId = Option<std::net::IpAddr>;
+
+/// The failures of each peer's current window.
 #[derive(Debug, Default)]
-pub struct FailedAttempts(std::sync::Mutex<Option<(std::time::Instant, u32)>>);
+pub struct FailedAttempts(
+    std::sync::Mutex<std::collections::HashMap<PeerId, (std::time::Instant, u32)>>,
+);
 
 impl FailedAttempts {
-    /// Whether the window's failures are used up; a window that ended is
-    /// forgotten.
-    fn exhausted(&self) -> bool {
-        let mut window = self
-            .0
+    fn peers(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<PeerId, (std::time::Instant, u32)>>
+    {
+        self.0
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match *window {
-            Some((started, _)) if started.elapsed() >= FAILURE_WINDOW => {
-                *window = None;
-                false
-            }
-            Some((_, failures)) => failures >= MAX_FAILURES,
-            None => false,
-        }
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn record(&self) {
-        let mut window = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (_, failures) = window.get_or_insert((std::time::Instant::now(), 0));
-        *failures += 1;
+    /// Counts one failure of `peer`; whether it is over the limit, this
+    /// one included.
+    fn failed(&self, peer: PeerId) -> bool {
+        let mut peers = self.peers();
+        let now = std::time::Instant::now();
+        if !peers.contains_key(&peer) && peers.len() >= MAX_PEERS {
+            peers.retain(|_, (started, _)| now.duration_since(*started) < FAILURE_WINDOW);
+            if peers.len() >= MAX_PEERS {
+                return true;
+            }
+        }
+        let (started, failures) = peers.entry(peer).or_insert((now, 0));
+        if now.duration_since(*started) >= FAILURE_WINDOW {
+            (*started, *failures) = (now, 0);
+        }
+        *failures = failures.saturating_add(1);
+        *failures > MAX_FAILURES
+    }
+}
+
+/// The admin connection's peer, from the listener's connection info.
+#[derive(Debug)]
+pub struct Peer(PeerId);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Peer {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let ip = parts
+            .extensions
+            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+            .map(|info| match info.0.ip().to_canonical() {
+                std::net::IpAddr::V6(v6) => {
+                    let mut octets = v6.octets();
+                    octets[8..].fill(0);
+                    std::net::IpAddr::V6(octets.into())
+                }
+                v4 => v4,
+            });
+        Ok(Peer(ip))
     }
 }
 
@@ -170,7 +213,7 @@ impl IntoResponse for AdminProblem {
     }
 }
 
-fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem> {
+fn authorize(state: &AdminState, peer: &Peer, headers: &HeaderMap) -> Result<(), AdminProblem> {
     let Some(expected) = state.token_digest else {
         return Err(AdminProblem {
             status: StatusCode::FORBIDDEN,
@@ -178,33 +221,37 @@ fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), AdminProblem
             detail: "The key API is disabled: set admin_token (or IDEMPROXY_ADMIN_TOKEN).".into(),
         });
     };
-    if state.failures.exhausted() {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| bearer(v.as_bytes()));
+    // Digests compared in constant time: how long the comparison takes
+    // says nothing of how much of a guess was right.
+    let ok = given.is_some_and(|g| {
+        let digest: [u8; 32] = Sha256::digest(g.as_bytes()).into();
+        let differing = digest
+            .iter()
+            .zip(expected.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        std::hint::black_box(differing) == 0
+    });
+    if ok {
+        return Ok(());
+    }
+    if state.failures.failed(peer.0) {
         return Err(AdminProblem {
             status: StatusCode::TOO_MANY_REQUESTS,
             slug: "admin-rate-limited",
             detail: format!(
-                "More than {MAX_FAILURES} failed attempts at the admin token within {}s; try again shortly.",
+                "More than {MAX_FAILURES} failed attempts at the admin token from this address within {}s; try again shortly.",
                 FAILURE_WINDOW.as_secs()
             ),
         });
     }
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| bearer(v.as_bytes()));
-    let ok = given.is_some_and(|g| {
-        let digest: [u8; 32] = Sha256::digest(g.as_bytes()).into();
-        digest == expected
-    });
-    if ok {
-        Ok(())
-    } else {
-        state.failures.record();
-        Err(AdminProblem {
-            status: StatusCode::UNAUTHORIZED,
-            slug: "admin-unauthorized",
-            detail: "A valid `Authorization: Bearer <admin_token>` header is required.".into(),
-        })
-    }
+    Err(AdminProblem {
+        status: StatusCode::UNAUTHORIZED,
+        slug: "admin-unauthorized",
+        detail: "A valid `Authorization: Bearer <admin_token>` header is required.".into(),
+    })
 }
 
 fn parse_hash(hash: &str) -> Result<RecordKey, AdminProblem> {
@@ -234,7 +281,7 @@ async fn read(state: &AdminState, key: RecordKey) -> Result<Json<Value>, AdminPr
                 status: StatusCode::INTERNAL_SERVER_ERROR,
                 slug: "record-unreadable",
                 detail: format!(
-                    "The store holds a record for this key that does not read ({why}). Requests with this key are refused with 503 and never executed. Check with the upstream whether the first request took effect, then delete the key (DELETE /v1/keys/{hex}, or idemproxy keys forget --hash {hex}) so that a retry executes.",
+                    "The store holds a record for this key that does not read ({why}). Requests with this key are refused with 500 `record-unreadable` and never executed. Check with the upstream whether the first request took effect, then delete the key (DELETE /v1/keys/{hex}, or idemproxy keys forget --hash {hex}) so that a retry executes.",
                     hex = key.to_hex()
                 ),
             },
@@ -252,20 +299,22 @@ async fn read(state: &AdminState, key: RecordKey) -> Result<Json<Value>, AdminPr
 
 async fn show_key(
     State(state): State<AdminState>,
+    peer: Peer,
     headers: HeaderMap,
     Path(hash): Path<String>,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &headers)?;
+    authorize(&state, &peer, &headers)?;
     read(&state, parse_hash(&hash)?).await
 }
 
 async fn delete_key(
     State(state): State<AdminState>,
+    peer: Peer,
     headers: HeaderMap,
     Path(hash): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &headers)?;
+    authorize(&state, &peer, &headers)?;
     let key = parse_hash(&hash)?;
     // A claim whose lease runs is a request executing now (or one whose
     // proxy died moments ago): deleted, its retry would execute while the
@@ -306,15 +355,18 @@ async fn delete_key(
     }
 }
 
-/// Records a `GET /v1/keys` walks at most per call, whatever it finds:
+/// Records a `GET /v1/keys` examines at most per call, whatever it finds:
 /// the work one call puts on the store is bounded, and `next_cursor` goes
 /// on from where it stopped.
 const LIST_WALK: usize = 10_000;
 
-/// Records a `GET /v1/keys` page asks the store for at once.
-const LIST_PAGE: usize = 500;
+/// Bytes of stored values a `GET /v1/keys` reads at most per call (the
+/// embedded store reads whole values; Redis only their fronts): with
+/// responses of megabytes, a page stops early and `next_cursor` goes on,
+/// rather than holding up the store and the proxy's memory.
+const LIST_BYTES: usize = 4 << 20;
 
-/// How long one page of a `GET /v1/keys` walk may take.
+/// How long one `GET /v1/keys` page may take.
 const LIST_PAGE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Deserialize)]
@@ -327,9 +379,8 @@ struct ListQuery {
     /// Only records created at least this long ago (`10m`, `2h`).
     #[serde(default)]
     older_than: Option<String>,
-    /// Stop once this many are found (default 100, at most 1,000); the
-    /// store page that reaches it is returned whole, so nothing is
-    /// skipped between two calls.
+    /// At most this many in a page (default 100, at most 1,000);
+    /// `next_cursor` goes on right after the last record examined.
     #[serde(default)]
     limit: Option<usize>,
     /// Where the previous page stopped (its `next_cursor`).
@@ -357,33 +408,32 @@ impl ListState {
         })
     }
 
-    fn admits(self, record: &Record) -> bool {
-        match (self, record) {
-            (Self::Any, _) | (Self::Pending, Record::Pending(_)) => true,
-            (Self::OutcomeUnknown, Record::Completed(c)) => {
-                matches!(c.outcome, Outcome::Unknown { .. })
-            }
-            (Self::Completed, Record::Completed(c)) => {
-                !matches!(c.outcome, Outcome::Unknown { .. })
-            }
+    fn admits(self, record: &RecordMeta) -> bool {
+        let unknown = matches!(record.outcome, Some(OutcomeMeta::Unknown { .. }));
+        match (self, record.state) {
+            (Self::Any, _) | (Self::Pending, KeyState::Pending) => true,
+            (Self::OutcomeUnknown, KeyState::Completed) => unknown,
+            (Self::Completed, KeyState::Completed) => !unknown,
             _ => false,
         }
     }
 }
 
 /// `GET /v1/keys?state=outcome-unknown&older_than=10m`: the records in a
-/// state, for reconciling them. A bounded walk over the store (Redis
-/// `SCAN`, never `KEYS`), pages of [`LIST_PAGE`] until `limit` are found
-/// or [`LIST_WALK`] examined, then `next_cursor` to go on (`null` once the
-/// walk is over).
+/// state, for reconciling them, from their metadata alone (never a stored
+/// response: see [`crate::store::Store::list`]). A bounded walk over the
+/// store (Redis `SCAN`, never `KEYS`) until `limit` are found, or
+/// [`LIST_WALK`] examined, or [`LIST_BYTES`] read, then `next_cursor` to
+/// go on (`null` once the walk is over).
 async fn list_keys(
     State(state): State<AdminState>,
+    peer: Peer,
     headers: HeaderMap,
     // Taken as a Result: the caller is authenticated before its query is
     // read, and a bad one is a problem+json like every answer here.
     query: Result<Query<ListQuery>, QueryRejection>,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &headers)?;
+    authorize(&state, &peer, &headers)?;
     let bad = |detail: String| AdminProblem {
         status: StatusCode::BAD_REQUEST,
         slug: "invalid-list",
@@ -401,51 +451,53 @@ async fn list_keys(
         .unwrap_or_default();
     let limit = query.limit.unwrap_or(100).clamp(1, 1000);
     let created_before = crate::core::now_millis().saturating_sub(crate::core::millis(older_than));
-    let mut cursor = crate::store::ScanCursor::new(query.cursor.unwrap_or_default());
-    let (mut keys, mut examined) = (Vec::<Value>::new(), 0);
-    let next = loop {
-        // A page is up to LIST_PAGE reads: given longer than one request's
-        // store call, as an operator's listing is not on a request's path.
-        let page_timeout = state.store_timeout.max(LIST_PAGE_TIMEOUT);
-        let page = tokio::time::timeout(page_timeout, state.store.scan(&cursor, LIST_PAGE))
-            .await
-            .map_err(|_| store_problem("no answer in time"))?
-            .map_err(|e| match e {
-                StoreError::InvalidCursor(_) => bad(format!("`cursor`: {e}")),
-                StoreError::WalkInterrupted(_) => AdminProblem {
-                    status: StatusCode::CONFLICT,
-                    slug: "walk-interrupted",
-                    detail: format!("{e}. Start the listing again, without `cursor`."),
-                },
-                e => store_problem(e),
-            })?;
-        examined += page.records.len() + page.unreadable.len();
-        // In every listing, whatever its filter: neither their state nor
-        // their age can be read, and each may be an outcome to reconcile.
-        keys.extend(page.unreadable.iter().map(|(key, why)| {
+    let cursor = crate::store::ScanCursor::new(query.cursor.unwrap_or_default());
+    let admits =
+        move |record: &RecordMeta| wanted.admits(record) && record.created_at <= created_before;
+    let want = ListWant {
+        limit,
+        max_examined: LIST_WALK,
+        max_bytes: LIST_BYTES,
+        admits: &admits,
+    };
+    // Given longer than one request's store call, as an operator's listing
+    // is not on a request's path.
+    let page_timeout = state.store_timeout.max(LIST_PAGE_TIMEOUT);
+    let page = tokio::time::timeout(page_timeout, state.store.list(&cursor, &want))
+        .await
+        .map_err(|_| store_problem("no answer in time"))?
+        .map_err(|e| match e {
+            StoreError::InvalidCursor(_) => bad(format!("`cursor`: {e}")),
+            StoreError::WalkInterrupted(_) => AdminProblem {
+                status: StatusCode::CONFLICT,
+                slug: "walk-interrupted",
+                detail: format!("{e}. Start the listing again, without `cursor`."),
+            },
+            e => store_problem(e),
+        })?;
+    // Unreadable ones in every listing, whatever its filter: neither their
+    // state nor their age can be read, and each may be an outcome to
+    // reconcile.
+    let mut keys: Vec<Value> = page
+        .unreadable
+        .iter()
+        .map(|(key, why)| {
             json!({
                 "key_hash": key.to_hex(),
                 "state": "unreadable",
                 "error": why,
             })
-        }));
-        keys.extend(
-            page.records
-                .iter()
-                .filter(|(_, record)| {
-                    wanted.admits(record) && record.created_at() <= created_before
-                })
-                .map(|(key, record)| describe(key, record)),
-        );
-        match page.next {
-            Some(next) if keys.len() < limit && examined < LIST_WALK => cursor = next,
-            next => break next,
-        }
-    };
+        })
+        .collect();
+    keys.extend(
+        page.records
+            .iter()
+            .map(|(key, record)| describe_meta(key, record)),
+    );
     Ok(Json(json!({
         "keys": keys,
-        "examined": examined,
-        "next_cursor": next.map(|c| c.as_str().to_owned()),
+        "examined": page.examined,
+        "next_cursor": page.next.map(|c| c.as_str().to_owned()),
     })))
 }
 
@@ -469,12 +521,13 @@ struct Lookup {
 
 async fn lookup_key(
     State(state): State<AdminState>,
+    peer: Peer,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, AdminProblem> {
     // The body is parsed only once the caller is authenticated, and a bad
     // one is a problem+json like every other answer of the key API.
-    authorize(&state, &headers)?;
+    authorize(&state, &peer, &headers)?;
     let bad = |detail: String| AdminProblem {
         status: StatusCode::BAD_REQUEST,
         slug: "invalid-lookup",
@@ -515,6 +568,41 @@ async fn lookup_key(
 
 fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(from_millis(ms)).to_string()
+}
+
+/// A record in a listing, from its metadata alone: a response's status
+/// only where it is stored in the clear (a packed or sealed one's is
+/// inside, and `GET /v1/keys/{hash}` shows it).
+fn describe_meta(key: &RecordKey, record: &RecordMeta) -> Value {
+    let mut shown = json!({
+        "key_hash": key.to_hex(),
+        "state": record.state.as_str(),
+        "created_at": rfc3339(record.created_at),
+        "expires_at": rfc3339(record.expires_at),
+    });
+    if let Some(lease) = record.lease_expires_at {
+        shown["lease_expires_at"] = json!(rfc3339(lease));
+    }
+    if let Some(completed) = record.completed_at {
+        shown["completed_at"] = json!(rfc3339(completed));
+    }
+    let (outcome, status) = match record.outcome {
+        None => return shown,
+        Some(OutcomeMeta::Response { status }) => ("response".to_string(), Some(status)),
+        Some(OutcomeMeta::Sealed | OutcomeMeta::Packed) => ("response".to_string(), None),
+        Some(OutcomeMeta::NotStored { status }) => {
+            ("response-not-stored".to_string(), Some(status))
+        }
+        Some(OutcomeMeta::Unknown { cause }) => (
+            format!("outcome-unknown ({})", cause.as_str()),
+            Some(cause.status()),
+        ),
+    };
+    shown["outcome"] = json!(outcome);
+    if let Some(status) = status {
+        shown["status"] = json!(status);
+    }
+    shown
 }
 
 fn describe(key: &RecordKey, record: &Record) -> Value {

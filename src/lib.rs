@@ -216,11 +216,11 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
         }
     };
     // Sealed below the cache: the cache keeps opened responses, in this
-    // process's memory only.
-    let store: SharedStore = match settings::keyring(&config.store)? {
-        Some(keys) => Arc::new(store::sealed::SealedStore::new(store, keys)),
-        None => store,
-    };
+    // process's memory only. Always in place, keys or not: a response
+    // sealed before encryption was turned off must read as unreadable
+    // (500 `record-unreadable`), not reach a replay still sealed.
+    let keys = settings::keyring(&config.store)?.unwrap_or_else(store::sealed::Keyring::none);
+    let store: SharedStore = Arc::new(store::sealed::SealedStore::new(store, keys));
     // Packed above the seal (what is sealed is the packed response) and
     // below the cache (which keeps unpacked ones, so a cached replay costs
     // no decompression). Always in place, whatever `compression` says:
@@ -282,7 +282,12 @@ pub async fn serve_app(
         let stopped = async {
             let _ = admin_stopped.await;
         };
-        if let Err(e) = axum::serve(admin_listener, app.admin)
+        // With each connection's peer: the key API limits failed token
+        // attempts per address.
+        let admin = app
+            .admin
+            .into_make_service_with_connect_info::<std::net::SocketAddr>();
+        if let Err(e) = axum::serve(admin_listener, admin)
             .with_graceful_shutdown(stopped)
             .await
         {

@@ -10,6 +10,7 @@ use http::Method;
 use crate::config::{
     self, Config, IdempotencyConfig, IdentityConfig, StoreConfig, StoreKind, UpstreamConfig,
 };
+use crate::core::redact_url;
 use crate::core::OnStale;
 use crate::forward::{UpstreamSettings, UpstreamUrl};
 use crate::idempotency::fingerprint::{parse_header, validate_pointer, FingerprintRules};
@@ -118,7 +119,7 @@ fn redis_url_problems(store: &StoreConfig) -> Vec<String> {
 }
 
 /// The effective configuration as TOML, as `idemproxy check` prints it:
-/// secrets redacted, and passwords in Redis URLs.
+/// secrets redacted, and the credentials of every URL in it.
 pub(crate) fn effective_toml(config: &Config) -> String {
     let mut shown = config.clone();
     if shown.admin_token.is_some() {
@@ -127,14 +128,25 @@ pub(crate) fn effective_toml(config: &Config) -> String {
     if shown.store.password.is_some() {
         shown.store.password = Some("<redacted>".into());
     }
-    shown.store.url = redis::redact_url(&shown.store.url);
-    shown.store.urls = shown
-        .store
-        .urls
-        .iter()
-        .map(|u| redis::redact_url(u))
-        .collect();
-    toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    let rendered = toml::Value::try_from(&shown).map(|mut value| {
+        redact_urls(&mut value);
+        value
+    });
+    rendered
+        .and_then(|value| toml::to_string_pretty(&value))
+        .unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+}
+
+/// Every string in `value` that is a URL, redacted: whatever field holds
+/// it (Redis, Sentinels, the upstream, the OTLP collector, any added
+/// later), so no field can be forgotten.
+fn redact_urls(value: &mut toml::Value) {
+    match value {
+        toml::Value::String(text) if text.contains("://") => *text = redact_url(text),
+        toml::Value::Array(items) => items.iter_mut().for_each(redact_urls),
+        toml::Value::Table(table) => table.iter_mut().for_each(|(_, v)| redact_urls(v)),
+        _ => {}
+    }
 }
 
 /// What an operator should hear at startup about `config`: each route that

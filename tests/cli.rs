@@ -236,6 +236,130 @@ fn check_refuses_invalid_files_naming_the_field() {
     assert!(stderr.contains("missing.toml"), "{stderr}");
 }
 
+/// Every string of `value` that is a URL, with where it is
+/// (`store.sentinels[1]`).
+fn urls_in(value: &toml::Value, at: &str, found: &mut Vec<(String, String)>) {
+    match value {
+        toml::Value::String(text) if text.contains("://") => {
+            found.push((at.to_owned(), text.clone()))
+        }
+        toml::Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                urls_in(item, &format!("{at}[{i}]"), found);
+            }
+        }
+        toml::Value::Table(table) => {
+            for (name, item) in table {
+                let at = if at.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{at}.{name}")
+                };
+                urls_in(item, &at, found);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `check` prints no credential of any URL in the configuration: Redis,
+/// cluster seeds, Sentinels, the OTLP collector, in userinfo or in a
+/// token-like query parameter. The printed configuration is walked for
+/// every URL it holds, so that a URL field the test did not seed fails it.
+/// Before, Sentinel and OTLP URLs were printed as they were.
+#[test]
+fn check_redacts_the_credentials_of_every_url() {
+    const SECRETS: [&str; 8] = [
+        "store-url-secret",
+        "cluster-secret-1",
+        "cluster-token-2",
+        "sentinel-secret-1",
+        "sentinel-secret-2",
+        "otlp-secret",
+        "otlp-query-secret",
+        "admin-token-secret-0123456789abcdef",
+    ];
+    let text = format!(
+        r#"
+admin_token = "{admin}"
+
+[upstream]
+url = "http://127.0.0.1:3001"
+
+[store]
+kind = "redis-sentinel"
+url = "redis://app:{store}@10.0.0.1:6379/0"
+urls = ["redis://app:{c1}@10.0.0.2:7000", "rediss://{c2}@10.0.0.3:7000"]
+sentinels = ["redis://sentinel:{s1}@10.0.0.4:26379", "redis://:{s2}@10.0.0.5:26379"]
+master_name = "mymaster"
+
+[telemetry]
+otlp_endpoint = "https://collector:{o1}@otel.example:4318/v1/traces?token={o2}&tenant=t1"
+"#,
+        admin = SECRETS[7],
+        store = SECRETS[0],
+        c1 = SECRETS[1],
+        c2 = SECRETS[2],
+        s1 = SECRETS[3],
+        s2 = SECRETS[4],
+        o1 = SECRETS[5],
+        o2 = SECRETS[6],
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(dir.path(), "secrets.toml", &text);
+    let (out, stdout, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file));
+    assert!(out.status.success(), "{:?}\n{stderr}", out.status);
+    for secret in SECRETS {
+        assert!(
+            !stdout.contains(secret) && !stderr.contains(secret),
+            "{secret} printed:\n{stdout}{stderr}"
+        );
+    }
+    let printed: toml::Value = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    let mut found = Vec::new();
+    urls_in(&printed, "", &mut found);
+    let mut places: Vec<&str> = found.iter().map(|(at, _)| at.as_str()).collect();
+    places.sort();
+    assert_eq!(
+        places,
+        [
+            "store.sentinels[0]",
+            "store.sentinels[1]",
+            "store.url",
+            "store.urls[0]",
+            "store.urls[1]",
+            "telemetry.otlp_endpoint",
+            "upstream.url",
+        ],
+        "every URL the configuration holds was seeded with a secret: {found:?}"
+    );
+    // Where each points is still shown.
+    let shown: std::collections::BTreeMap<_, _> = found.into_iter().collect();
+    assert_eq!(
+        shown["store.sentinels[1]"],
+        "redis://:<redacted>@10.0.0.5:26379"
+    );
+    assert_eq!(
+        shown["telemetry.otlp_endpoint"],
+        "https://collector:<redacted>@otel.example:4318/v1/traces?token=<redacted>&tenant=t1"
+    );
+
+    // Refused URLs are named without their secrets either.
+    for bad in [
+        "[upstream]\nurl = \"https://svc:upstream-secret@api.internal\"\n",
+        "[telemetry]\notlp_endpoint = \"ftp://u:upstream-secret@collector\"\n",
+        "[store]\nkind = \"redis-sentinel\"\nmaster_name = \"m\"\nsentinels = [\"http://u:upstream-secret@h\"]\n",
+    ] {
+        let file = write(dir.path(), "bad.toml", bad);
+        let (out, stdout, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file));
+        assert_eq!(out.status.code(), Some(2), "{bad}:\n{stdout}{stderr}");
+        assert!(
+            !stdout.contains("upstream-secret") && !stderr.contains("upstream-secret"),
+            "{bad}:\n{stdout}{stderr}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_serves_replays_and_exits_cleanly_on_sigterm() {
     use support::binary::ProxyProcess;

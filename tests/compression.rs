@@ -413,7 +413,8 @@ async fn a_record_written_before_compression_still_replays() {
 }
 
 /// A compressed response corrupted in the store, on every store: the
-/// retry is answered 503 and the upstream never runs the request again.
+/// retry is answered 500 `record-unreadable` (permanent, not a 503 to
+/// retry for a day) and the upstream never runs the request again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_compressed_response_fails_closed_on_every_store() {
     let upstream = TestUpstream::start().await;
@@ -458,7 +459,7 @@ async fn a_corrupt_compressed_response_fails_closed_on_every_store() {
             let retry = client
                 .post_json(&proxy.url(&target), "corrupt-1", "{}")
                 .await;
-            retry.assert_problem(503, "store-unavailable");
+            retry.assert_record_unreadable();
         }
         assert_eq!(upstream.executions(&target), 0, "{kind}: never executed");
         proxy.shutdown().await;

@@ -10,11 +10,15 @@ use std::sync::Arc;
 
 use base64::Engine;
 use idemproxy::config::{Config, StoreKind};
+use idemproxy::core::{CompletedRecord, FencingToken, Record, RecordKey};
 use idemproxy::store::sealed::{Keyring, SealedStore};
-use idemproxy::store::{EmbeddedStore, MemoryStore, SharedStore};
+use idemproxy::store::{
+    Begin, BeginOutcome, EmbeddedStore, MemoryStore, Removal, Removed, SharedStore, Store,
+    StoreError,
+};
 use support::binary::ProxyProcess;
 use support::proxy::{config, redis_config, TestClient, TestProxy};
-use support::redis_server::{unique_prefix, RedisServer};
+use support::redis_server::{unique_prefix, RedisOptions, RedisServer};
 use support::upstream::TestUpstream;
 
 /// What the upstream puts in its answer: the request path, so a path
@@ -163,7 +167,7 @@ async fn replays_survive_a_rotation_and_a_removed_key_fails_closed() {
         "sealed by key 2"
     );
     let unreadable = post(&client, &removed, "rotate-1").await;
-    unreadable.assert_problem(503, "store-unavailable");
+    unreadable.assert_record_unreadable();
     assert_eq!(
         upstream.executions(&format!("/v1/{MARKER}")),
         2,
@@ -252,4 +256,219 @@ async fn a_redis_cluster_holds_no_plaintext_of_a_sealed_response() {
             sealing.is_some()
         );
     }
+}
+
+/// The real binary on Redis: a response sealed under key 7, then the
+/// proxy redeployed with key 8 alone (7 rotated away too early) and with
+/// encryption turned off. Each time the retry is refused as permanent,
+/// 500 `record-unreadable` with no retry hint, counted as
+/// `record_unreadable`, and never executed again. Before, the first was a
+/// 503 `store-unavailable` (SDKs and agents retried it for the whole
+/// `ttl`), and the second a 500 `internal` without retry hints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_no_configured_key_opens_is_refused_as_permanent() {
+    let upstream = TestUpstream::start().await;
+    let redis = tokio::task::block_in_place(RedisServer::start);
+    let client = TestClient::new();
+    let c = redis_config(&upstream.url(), &redis.url(), &unique_prefix("rotated"));
+    let with_keys = |keys: Option<String>| {
+        let mut c = c.clone();
+        let mut env = Vec::new();
+        if let Some(keys) = keys {
+            c.store.encryption_keys_env = Some("STORE_KEYS_UNDER_TEST".into());
+            env.push(("STORE_KEYS_UNDER_TEST", keys));
+        }
+        async move { ProxyProcess::start_with_env(c, &env).await }
+    };
+    let target = format!("/v1/{MARKER}");
+
+    let mut first = with_keys(Some(keys(&[7]))).await;
+    let done = client.post_json(&first.url(&target), "rot-1", "{}").await;
+    assert_eq!(done.status, 201, "{done:?}");
+    first.terminate();
+    first.wait_exit(std::time::Duration::from_secs(10)).await;
+
+    for ring in [Some(keys(&[8])), None] {
+        let mut proxy = with_keys(ring.clone()).await;
+        for _ in 0..2 {
+            let refused = client.post_json(&proxy.url(&target), "rot-1", "{}").await;
+            refused.assert_record_unreadable();
+        }
+        let series = r#"idemproxy_requests_total{route="default",outcome="record_unreadable"}"#;
+        let counted = client.metric(&proxy.admin_url("/metrics"), series).await;
+        assert_eq!(counted, 2.0, "keys {ring:?}");
+        proxy.terminate();
+        proxy.wait_exit(std::time::Duration::from_secs(10)).await;
+    }
+    assert_eq!(upstream.executions(&target), 1, "never executed again");
+}
+
+/// A store that applies the first completion it is sent, then reports
+/// its reply lost (a connection reset after Redis ran the script) and
+/// runs `after_first`; it keeps what the store answered each completion.
+struct LosesFirstReply {
+    inner: SharedStore,
+    answers: std::sync::Mutex<Vec<Result<(), StoreError>>>,
+    after_first: Box<dyn Fn() + Send + Sync>,
+}
+
+impl LosesFirstReply {
+    fn answers(&self) -> Vec<Result<(), StoreError>> {
+        self.answers.lock().expect("answers").clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for LosesFirstReply {
+    async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+        self.inner.begin(begin).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        record: &CompletedRecord,
+    ) -> Result<(), StoreError> {
+        let answer = self.inner.complete(key, token, record).await;
+        let first = {
+            let mut answers = self.answers.lock().expect("answers");
+            answers.push(answer.clone());
+            answers.len() == 1
+        };
+        if first {
+            (self.after_first)();
+            return Err(StoreError::Unavailable("reply lost (test)".into()));
+        }
+        answer
+    }
+
+    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
+        self.inner.release(key, token).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+
+    async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
+        self.inner.remove(key, removal).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+
+    fn kind(&self) -> &'static str {
+        "loses-first-reply"
+    }
+}
+
+/// Waits until `replica` has synced from its primary.
+fn synced(replica: &RedisServer) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !replica
+        .cli(&["INFO", "replication"])
+        .contains("master_link_status:up")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica never synced"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Encryption on, `min_replica_acks = 1`, and a completion whose first
+/// reply is lost after Redis applied it and the replica acknowledged it.
+/// The retry sends the very bytes of the first try, so the settle script
+/// finds its own write and the store waits for the replica again: with
+/// the replica detached in between, the retry fails on the missing
+/// acknowledgement (not fenced), and once it is back the completion
+/// counts. Before, the retry was sealed again under a new nonce, the
+/// script took it for someone else's write (fenced) and the proxy went
+/// on without the acknowledgement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_sealed_completion_still_waits_for_the_replicas() {
+    let upstream = TestUpstream::start().await;
+    let primary = tokio::task::block_in_place(RedisServer::start);
+    let replica_of = [
+        "REPLICAOF".to_string(),
+        "127.0.0.1".into(),
+        primary.port().to_string(),
+    ];
+    let replica = tokio::task::block_in_place(|| {
+        RedisServer::start_with(RedisOptions {
+            extra_args: vec![
+                "--replicaof".into(),
+                "127.0.0.1".into(),
+                primary.port().to_string(),
+            ],
+            ..RedisOptions::default()
+        })
+    });
+    tokio::task::block_in_place(|| synced(&replica));
+    let replica = Arc::new(replica);
+
+    let mut c = redis_config(&upstream.url(), &primary.url(), &unique_prefix("acks"));
+    c.store.min_replica_acks = 1;
+    c.store.replica_ack_timeout = std::time::Duration::from_millis(200);
+    c.store.timeout = std::time::Duration::from_secs(1);
+    let redis = idemproxy::store::redis::open(&c.store)
+        .await
+        .expect("redis store");
+    let detach = replica.clone();
+    let lossy = Arc::new(LosesFirstReply {
+        inner: redis,
+        answers: std::sync::Mutex::default(),
+        after_first: Box::new(move || {
+            detach.cli(&["REPLICAOF", "NO", "ONE"]);
+        }),
+    });
+    let store = sealed(lossy.clone(), Some(&keys(&[9])));
+    let proxy = TestProxy::start_with_store(c, store).await;
+    let client = TestClient::new();
+    let first = post(&client, &proxy, "acks-1").await;
+    assert_eq!(first.status, 201, "{first:?}");
+
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while lossy.answers().len() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "never retried");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let answers = lossy.answers();
+    assert!(answers[0].is_ok(), "{answers:?}");
+    assert!(
+        matches!(&answers[1], Err(StoreError::Unavailable(why)) if why.contains("replicas acknowledged")),
+        "the retry is the same write and waits for the replica: {answers:?}"
+    );
+
+    // The replica back, a later try of the same completion counts.
+    let args: Vec<&str> = replica_of.iter().map(String::as_str).collect();
+    tokio::task::block_in_place(|| {
+        replica.cli(&args);
+        synced(&replica);
+    });
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !matches!(lossy.answers().last(), Some(Ok(()))) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            lossy.answers()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(
+        lossy
+            .answers()
+            .iter()
+            .all(|a| !matches!(a, Err(StoreError::Fenced))),
+        "never taken for another writer's: {:?}",
+        lossy.answers()
+    );
+    let replay = post(&client, &proxy, "acks-1").await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.executions(&format!("/v1/{MARKER}")), 1);
+    proxy.shutdown().await;
 }

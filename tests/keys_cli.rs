@@ -205,7 +205,8 @@ async fn the_runbook_reconciles_an_unknown_outcome_on_every_store() {
 /// A record that does not read (corrupt bytes, or a hash an earlier build
 /// left under a key) is listed in every listing, whatever its filter, with
 /// why; `keys show` says it does not read (500 `record-unreadable`, not a
-/// store that is down); `keys forget` clears it, and the retry executes.
+/// store that is down), and requests with its key are refused with 500
+/// `record-unreadable`; `keys forget` clears it, and the retry executes.
 /// Before, a walk passed over the first in silence and ended at the second
 /// with a 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,9 +285,13 @@ async fn an_unreadable_record_is_listed_shown_and_forgotten() {
         shown.stdout,
         shown.stderr
     );
-    // Requests with the key are refused, never executed.
-    let refused = client.post_json(&proxy.url(TARGET), "garbled", "{}").await;
-    assert_eq!(refused.status, 503, "{refused:?}");
+    // Requests with the key are refused as permanent (500, not a 503 that
+    // SDKs retry for a day), never executed: garbage bytes, and a value
+    // of another type.
+    for key in ["garbled", "old-layout"] {
+        let refused = client.post_json(&proxy.url(TARGET), key, "{}").await;
+        refused.assert_record_unreadable();
+    }
     assert_eq!(upstream.executions(TARGET), 1);
 
     for key in [garbled, old_layout] {

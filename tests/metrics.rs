@@ -21,7 +21,7 @@ use tokio::time::Instant;
 const ARRIVAL: Duration = Duration::from_secs(5);
 
 /// The `outcome` values the README lists for `idemproxy_requests_total`.
-const OUTCOMES: [&str; 22] = [
+const OUTCOMES: [&str; 23] = [
     "executed",
     "replayed",
     "mismatch",
@@ -44,6 +44,7 @@ const OUTCOMES: [&str; 22] = [
     "observed_mismatch",
     "observed_in_flight",
     "observed_unkeyed_duplicate",
+    "record_unreadable",
 ];
 
 /// One sample line of the text exposition: `name{labels} value`.

@@ -1169,3 +1169,55 @@ async fn a_cluster_walk_ends_loudly_when_its_primaries_change() {
     assert_eq!(read, keys, "a walk begun again meets every record");
     assert!(unreadable.is_empty(), "{unreadable:?}");
 }
+
+/// Encryption at rest on Redis: a completion prepared once (sealed once)
+/// and sent twice, as after a lost reply, is the same write to
+/// `settle.lua` (answered settled both times, so the store goes on to its
+/// replica acknowledgement), and the stored value does not change. The
+/// same record sealed again (a new nonce) under the same token is another
+/// writer's to the script: fenced. That was what every retry sent before
+/// a completion was sealed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_sealed_completion_sent_twice_is_the_same_write() {
+    use base64::Engine;
+    use idemproxy::store::sealed::{Keyring, SealedStore};
+    let server = RedisServer::start();
+    let redis = connect(&server).await;
+    let prefix = redis.key_prefix().to_owned();
+    let keys = base64::engine::general_purpose::STANDARD.encode([3u8; 32]);
+    let store = SealedStore::new(Arc::new(redis), Keyring::parse(&keys).expect("keys"));
+    let key = new_key();
+    let token = claim(&store, key, LEASE).await;
+    let record = completed(1);
+    let completion = store.prepare(&key, record.clone()).expect("prepare");
+    assert!(
+        matches!(completion.stored().outcome, Outcome::Sealed(_)),
+        "sealed once, in prepare"
+    );
+    let value = || server.cli(&["GET", &redis_key(&prefix, &key)]);
+    store
+        .complete_prepared(&key, token, &completion)
+        .await
+        .expect("the first try");
+    let first = value();
+    store
+        .complete_prepared(&key, token, &completion)
+        .await
+        .expect("the retry is the same write");
+    assert_eq!(value(), first, "nothing rewritten");
+    assert!(
+        matches!(
+            store.complete(&key, token, &record).await,
+            Err(StoreError::Fenced)
+        ),
+        "sealed anew, it is another write"
+    );
+    assert_eq!(
+        store
+            .begin(&begin(key, 1, LEASE, OnStale::Store))
+            .await
+            .expect("begin"),
+        BeginOutcome::Completed(record.into()),
+        "opens to the record"
+    );
+}

@@ -133,6 +133,7 @@ macro_rules! contract {
                     a_running_claim_is_removed_only_by_force,
                     concurrent_begins_acquire_once,
                     a_walk_meets_every_live_record,
+                    a_listing_keeps_its_limit_and_meets_every_live_record,
                 );
             }
         )+
@@ -680,6 +681,79 @@ mod cases {
         assert_eq!(met, live, "every live record, once or more");
         assert_eq!(pending, 100, "claims too");
         assert!(pages >= 3, "{pages} pages of at most about 250");
+    }
+
+    /// `list` keeps at most `limit` records a page, only those its filter
+    /// admits, and its cursor goes on right after the last one examined:
+    /// a walk meets every live record (once or more on Redis), never an
+    /// expired one, and reads their metadata without their responses.
+    pub(crate) async fn a_listing_keeps_its_limit_and_meets_every_live_record(store: SharedStore) {
+        use idemproxy::core::{KeyState, RecordMeta};
+        use idemproxy::store::ListWant;
+        let (mut live, mut claims) = (std::collections::BTreeSet::new(), 0);
+        for i in 0..90 {
+            let key = new_key();
+            let token = claim(&*store, key, 1, LONG_LEASE).await;
+            if i % 9 == 0 {
+                claims += 1;
+            } else {
+                store
+                    .complete(&key, token, &completed(1, TTL))
+                    .await
+                    .expect("complete");
+            }
+            live.insert(key);
+        }
+        let expired = new_key();
+        let token = claim(&*store, expired, 1, LONG_LEASE).await;
+        store
+            .complete(&expired, token, &completed(1, Duration::from_millis(50)))
+            .await
+            .expect("complete");
+        tokio::time::sleep(Duration::from_millis(120)).await;
+
+        let any = |_: &RecordMeta| true;
+        let pending = |meta: &RecordMeta| meta.state == KeyState::Pending;
+        for (limit, admits, expected) in [
+            (
+                1,
+                &any as &(dyn Fn(&RecordMeta) -> bool + Send + Sync),
+                live.len(),
+            ),
+            (7, &any, live.len()),
+            (4, &pending, claims),
+        ] {
+            let want = ListWant {
+                limit,
+                max_examined: 10_000,
+                max_bytes: 4 << 20,
+                admits,
+            };
+            let (mut met, mut pages) = (std::collections::BTreeSet::new(), 0);
+            let mut cursor = idemproxy::store::ScanCursor::start();
+            loop {
+                let page = store.list(&cursor, &want).await.expect("list");
+                pages += 1;
+                assert!(page.records.len() <= limit, "limit {limit}: {page:?}");
+                assert!(page.unreadable.is_empty(), "{page:?}");
+                for (key, meta) in page.records {
+                    assert!(admits(&meta), "{meta:?}");
+                    met.insert(key);
+                }
+                match page.next {
+                    Some(next) => cursor = next,
+                    None => break,
+                }
+                assert!(pages < 1000, "the walk ends");
+            }
+            assert!(!met.contains(&expired), "an expired record is left out");
+            assert_eq!(met.len(), expected, "limit {limit}: every admitted record");
+            assert!(met.is_subset(&live));
+            assert!(
+                pages >= expected.div_ceil(limit),
+                "limit {limit}: {pages} pages"
+            );
+        }
     }
 
     pub(crate) async fn concurrent_begins_acquire_once(store: SharedStore) {

@@ -32,10 +32,13 @@ impl Config {
             let scheme = uri.as_ref().ok().and_then(|u| u.scheme_str());
             let host = uri.as_ref().ok().and_then(|u| u.host());
             if !matches!(scheme, Some("http" | "https")) || host.is_none() {
-                problems.push(format!(
-                    "telemetry.otlp_endpoint: `{endpoint}` is not an http:// or https:// URL \
+                // Not echoed: a URL that does not parse may still carry a
+                // token, and where in it is anyone's guess.
+                problems.push(
+                    "telemetry.otlp_endpoint: not an http:// or https:// URL \
                      (the collector's OTLP/HTTP address, e.g. http://otel-collector:4318)"
-                ));
+                        .into(),
+                );
             }
         }
         if !(0.0..=1.0).contains(&telemetry.sample_ratio) {

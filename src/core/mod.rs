@@ -9,6 +9,7 @@ pub mod clock;
 pub mod failure;
 pub mod ids;
 pub mod record;
+pub mod redact;
 
 pub use begin::{
     decide_begin, new_claim, running_lease, Begin, BeginOutcome, OnStale, Removal, Removed,
@@ -17,6 +18,7 @@ pub use clock::{from_millis, millis, now_millis, to_millis, Clock, UnixMillis, L
 pub use failure::UpstreamFailure;
 pub use ids::{FencingToken, Fingerprint, KeyHex, RecordKey};
 pub use record::{
-    CompletedRecord, DecodeError, KeyState, Outcome, PendingRecord, Record, StoredResponse,
-    UnknownCause, FORMAT_VERSION,
+    CompletedRecord, DecodeError, KeyState, Outcome, OutcomeMeta, PendingRecord, Record,
+    RecordMeta, StoredResponse, UnknownCause, FORMAT_VERSION,
 };
+pub use redact::redact_url;

@@ -263,6 +263,128 @@ impl<'a> RecordView<'a> {
     }
 }
 
+/// What a listing of keys shows of a record: its state, instants and
+/// outcome kind, read from the front of its encoding alone. The stored
+/// response (headers, body; sealed or packed) is never read, so a listing
+/// costs the same whatever the responses weigh, and lists what no
+/// configured key opens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordMeta {
+    pub state: KeyState,
+    pub fingerprint: Fingerprint,
+    pub created_at: UnixMillis,
+    pub expires_at: UnixMillis,
+    /// A pending claim's lease.
+    pub lease_expires_at: Option<UnixMillis>,
+    /// A completion's instant and outcome kind.
+    pub completed_at: Option<UnixMillis>,
+    pub outcome: Option<OutcomeMeta>,
+}
+
+/// A completion's outcome as its encoding's front says it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutcomeMeta {
+    /// A response stored as it came: its status leads it.
+    Response {
+        status: u16,
+    },
+    NotStored {
+        status: u16,
+    },
+    Unknown {
+        cause: UnknownCause,
+    },
+    /// A response sealed, or packed: its status is inside.
+    Sealed,
+    Packed,
+}
+
+/// The front of an encoded record, as postcard reads it: the owned types'
+/// layout up to the outcome's first field (a byte string's length is its
+/// leading varint), so a prefix of the encoding is enough.
+#[derive(Deserialize)]
+enum RecordHead {
+    Pending(PendingRecord),
+    Completed(CompletedHead),
+}
+
+#[derive(Deserialize)]
+struct CompletedHead {
+    fingerprint: Fingerprint,
+    created_at: UnixMillis,
+    completed_at: UnixMillis,
+    expires_at: UnixMillis,
+    outcome: OutcomeHead,
+}
+
+#[derive(Deserialize)]
+enum OutcomeHead {
+    Response(ResponseHead),
+    NotStored {
+        status: u16,
+    },
+    Unknown {
+        cause: UnknownCause,
+    },
+    #[allow(dead_code)]
+    Sealed(u64),
+    #[allow(dead_code)]
+    Packed(u64),
+}
+
+#[derive(Deserialize)]
+struct ResponseHead {
+    status: u16,
+}
+
+impl RecordMeta {
+    /// The longest front of an encoding [`RecordMeta::read`] needs: the
+    /// common prefix, a claim's token or an outcome's variant and first
+    /// varint.
+    pub const ENCODED_FRONT_MAX: usize = ENCODED_PREFIX_MAX + 19 + 1 + VARINT_MAX;
+
+    /// The metadata of the record whose encoding starts with `front` (the
+    /// whole encoding, or at least its first
+    /// [`ENCODED_FRONT_MAX`](Self::ENCODED_FRONT_MAX) bytes).
+    pub fn read(front: &[u8]) -> Result<RecordMeta, DecodeError> {
+        let head: RecordHead = match front.split_first() {
+            None => return Err(DecodeError::Empty),
+            Some((&FORMAT_VERSION, rest)) => postcard::take_from_bytes(rest)
+                .map(|(head, _)| head)
+                .map_err(|e| DecodeError::Corrupt(e.to_string()))?,
+            Some((&v, _)) => return Err(DecodeError::UnknownVersion(v)),
+        };
+        Ok(match head {
+            RecordHead::Pending(claim) => RecordMeta {
+                state: KeyState::Pending,
+                fingerprint: claim.fingerprint,
+                created_at: claim.created_at,
+                expires_at: claim.expires_at,
+                lease_expires_at: Some(claim.lease_expires_at),
+                completed_at: None,
+                outcome: None,
+            },
+            RecordHead::Completed(done) => RecordMeta {
+                state: KeyState::Completed,
+                fingerprint: done.fingerprint,
+                created_at: done.created_at,
+                expires_at: done.expires_at,
+                lease_expires_at: None,
+                completed_at: Some(done.completed_at),
+                outcome: Some(match done.outcome {
+                    OutcomeHead::Response(response) => OutcomeMeta::Response {
+                        status: response.status,
+                    },
+                    OutcomeHead::NotStored { status } => OutcomeMeta::NotStored { status },
+                    OutcomeHead::Unknown { cause } => OutcomeMeta::Unknown { cause },
+                    OutcomeHead::Sealed(_) => OutcomeMeta::Sealed,
+                    OutcomeHead::Packed(_) => OutcomeMeta::Packed,
+                }),
+            },
+        })
+    }
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
     #[error("empty record")]
@@ -398,6 +520,77 @@ pub struct StoredResponse {
 mod tests {
     use super::*;
     use crate::core::clock::now_millis;
+
+    #[test]
+    fn metadata_reads_from_the_front_of_an_encoding_alone() {
+        let now = now_millis();
+        let claim = PendingRecord {
+            fingerprint: Fingerprint([9; 32]),
+            token: FencingToken(u128::MAX),
+            created_at: now,
+            lease_expires_at: now + 30_000,
+            expires_at: u64::MAX,
+        };
+        let done = |outcome| CompletedRecord {
+            fingerprint: Fingerprint([4; 32]),
+            created_at: now,
+            completed_at: now + 5,
+            expires_at: u64::MAX - 1,
+            outcome,
+        };
+        let big = Bytes::from(vec![b'x'; 100_000]);
+        let cases = [
+            (Record::Pending(claim.clone()), None),
+            (
+                Record::Completed(done(Outcome::Response(StoredResponse {
+                    status: 201,
+                    headers: vec![("a".into(), Bytes::from_static(b"b"))],
+                    body: big.clone(),
+                }))),
+                Some(OutcomeMeta::Response { status: 201 }),
+            ),
+            (
+                Record::Completed(done(Outcome::NotStored { status: 502 })),
+                Some(OutcomeMeta::NotStored { status: 502 }),
+            ),
+            (
+                Record::Completed(done(Outcome::Unknown {
+                    cause: UnknownCause::Timeout,
+                })),
+                Some(OutcomeMeta::Unknown {
+                    cause: UnknownCause::Timeout,
+                }),
+            ),
+            (
+                Record::Completed(done(Outcome::Sealed(big.clone()))),
+                Some(OutcomeMeta::Sealed),
+            ),
+            (
+                Record::Completed(done(Outcome::Packed(big))),
+                Some(OutcomeMeta::Packed),
+            ),
+        ];
+        for (record, outcome) in cases {
+            let encoded = record.encode();
+            let front = &encoded[..encoded.len().min(RecordMeta::ENCODED_FRONT_MAX)];
+            let meta = RecordMeta::read(front).expect("reads from the front");
+            assert_eq!(meta, RecordMeta::read(&encoded).expect("whole"));
+            assert_eq!(meta.outcome, outcome);
+            assert_eq!(meta.state, record.state());
+            assert_eq!(meta.created_at, record.created_at());
+            assert_eq!(meta.expires_at, record.expires_at());
+            assert_eq!(&meta.fingerprint, record.fingerprint());
+        }
+        assert_eq!(RecordMeta::read(&[]), Err(DecodeError::Empty));
+        assert_eq!(
+            RecordMeta::read(&[7, 0]),
+            Err(DecodeError::UnknownVersion(7))
+        );
+        assert!(matches!(
+            RecordMeta::read(&[FORMAT_VERSION, 1, 2]),
+            Err(DecodeError::Corrupt(_))
+        ));
+    }
 
     #[test]
     fn encodings_fit_the_buffer_sized_for_them() {

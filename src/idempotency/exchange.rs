@@ -352,7 +352,9 @@ where
                     // such a claim only blocks the retry: released by its
                     // token. (Passed on unprotected, the request does
                     // execute; its claim is then left to fail closed.)
-                    if !pass {
+                    // A store that reports a record it cannot read did
+                    // read the key, and claims nothing over a record.
+                    if !pass && !matches!(e, StoreError::Corrupt(_)) {
                         let lease_ends = asked_at + self.policy.lease;
                         release_unanswered_claim(&self.settings, &begin, call, lease_ends);
                     }
@@ -451,6 +453,15 @@ where
         pass: bool,
     ) {
         tracing::error!(error = %error, route = %self.policy.route, "idempotency store failed");
+        // Permanent until an operator removes the record: a 503 would have
+        // SDKs and agents retry it for the whole `ttl`.
+        if !pass && matches!(error, StoreError::Corrupt(_)) {
+            return self.answer_rejection(
+                respond,
+                RequestOutcome::RecordUnreadable,
+                Rejection::RecordUnreadable,
+            );
+        }
         if !pass {
             return self.answer_rejection(
                 respond,
@@ -589,7 +600,7 @@ where
             expires_at: now.saturating_add(millis(self.policy.ttl)),
             outcome,
         };
-        self.settle(claim, token, Settling::Complete(record)).await;
+        self.settle(claim, token, Settling::complete(record)).await;
     }
 
     fn upstream_done(&mut self, started: Instant) {

@@ -133,6 +133,11 @@ impl McpCall {
                  kept, so it cannot be shown again. Do not run the action again with a new `{arg}`; \
                  check its effect instead."
             ),
+            Rejection::RecordUnreadable => format!(
+                "This call of `{tool}` was not executed: an earlier call with this `{arg}` has a \
+                 stored record that cannot be read, so it may already have run. Check the action's \
+                 effect; do not retry it, and do not call it with a new `{arg}` before checking."
+            ),
             _ => return None,
         })
     }

@@ -84,6 +84,11 @@ pub enum Rejection {
     },
     /// A covered request that names no caller, under `anonymous = "reject"`.
     MissingIdentity,
+    /// The key's stored record does not read (no configured encryption key
+    /// opens it, corrupt bytes, over the size ceiling): the store answered,
+    /// so asking again changes nothing until an operator acts, and the
+    /// request behind the record may have run, so it is never executed.
+    RecordUnreadable,
 }
 
 impl Rejection {
@@ -108,6 +113,7 @@ impl Rejection {
             Rejection::ShuttingDown => "shutting-down",
             Rejection::InvalidToken { .. } => "invalid-token",
             Rejection::MissingIdentity => "missing-identity",
+            Rejection::RecordUnreadable => "record-unreadable",
         }
     }
 
@@ -130,7 +136,9 @@ impl Rejection {
             | (Rejection::ResponseNotStored { .. }, _)
             | (Rejection::PassthroughFailed { timeout: false }, _) => StatusCode::BAD_GATEWAY,
             (Rejection::PassthroughFailed { timeout: true }, _) => StatusCode::GATEWAY_TIMEOUT,
-            (Rejection::Internal, _) => StatusCode::INTERNAL_SERVER_ERROR,
+            (Rejection::Internal, _) | (Rejection::RecordUnreadable, _) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             (Rejection::InvalidToken { .. }, _) | (Rejection::MissingIdentity, _) => {
                 StatusCode::UNAUTHORIZED
             }
@@ -160,6 +168,7 @@ impl Rejection {
             Rejection::ShuttingDown => "Proxy shutting down",
             Rejection::InvalidToken { .. } => "Bearer token not accepted",
             Rejection::MissingIdentity => "Caller identity required",
+            Rejection::RecordUnreadable => "Stored record for this Idempotency-Key cannot be read",
         }
     }
 
@@ -240,6 +249,13 @@ impl Rejection {
             Rejection::MissingIdentity => "This route requires a caller identity (a bearer token \
                  naming the caller); nothing was claimed or forwarded."
                 .into(),
+            Rejection::RecordUnreadable => "This Idempotency-Key already has a stored record that \
+                 the proxy cannot read (no configured encryption key opens it, or it is corrupt or \
+                 too large). The request was not executed, and will not be with this key until an \
+                 operator inspects the record (`idemproxy keys show`) and removes it (`idemproxy \
+                 keys forget`). Do not retry: the first request may have taken effect; check before \
+                 using a new key."
+                .into(),
         }
     }
 
@@ -270,6 +286,7 @@ impl Rejection {
             | Rejection::InvalidBody { .. }
             | Rejection::InvalidToken { .. }
             | Rejection::MissingIdentity
+            | Rejection::RecordUnreadable
             | Rejection::BodyTooLarge { .. } => Some(false),
             Rejection::InFlight { .. }
             | Rejection::StoreUnavailable { .. }

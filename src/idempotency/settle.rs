@@ -4,6 +4,7 @@
 //! settling call is retried: briefly while the client waits, then in the
 //! background until the claim's lease ends.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -17,7 +18,7 @@ use super::layer::Settings;
 use super::store_call::{bounded, timed};
 use crate::core::{CompletedRecord, FencingToken, Record, RecordKey, UpstreamFailure};
 use crate::observe::RouteMetrics;
-use crate::store::{Store, StoreError};
+use crate::store::{Completion, Store, StoreError};
 
 impl<S> Exchange<S>
 where
@@ -143,16 +144,24 @@ fn settle_backoff(attempt: u32) -> Duration {
 
 /// What a request that holds a key still has to tell the store.
 pub(super) enum Settling {
-    Complete(CompletedRecord),
+    /// The record, and its encoding once the store made it: every try
+    /// sends the bytes of the first (see [`Store::prepare`]), so a retry
+    /// whose first reply was lost is found to be the same write, and
+    /// still waits for the replicas.
+    Complete(CompletedRecord, Box<OnceLock<Completion>>),
     Release,
 }
 
 impl Settling {
     fn op(&self) -> &'static str {
         match self {
-            Settling::Complete(_) => "complete",
+            Settling::Complete(..) => "complete",
             Settling::Release => "release",
         }
+    }
+
+    pub(super) fn complete(record: CompletedRecord) -> Settling {
+        Settling::Complete(record, Box::default())
     }
 
     async fn call(
@@ -162,7 +171,16 @@ impl Settling {
         token: FencingToken,
     ) -> Result<(), StoreError> {
         match self {
-            Settling::Complete(record) => store.complete(key, token, record).await,
+            Settling::Complete(record, prepared) => {
+                let completion = match prepared.get() {
+                    Some(completion) => completion,
+                    None => {
+                        let completion = store.prepare(key, record.clone())?;
+                        prepared.get_or_init(|| completion)
+                    }
+                };
+                store.complete_prepared(key, token, completion).await
+            }
             Settling::Release => store.release(key, token).await,
         }
     }
@@ -189,7 +207,7 @@ async fn settled(
             true
         }
         Err(StoreError::Fenced) => {
-            if let Settling::Complete(record) = settling {
+            if let Settling::Complete(record, _) = settling {
                 fenced(settings, key, record).await;
             }
             true

@@ -59,10 +59,13 @@ pub enum RequestOutcome {
     /// fingerprint) was seen within `observe_window`: a duplicate no key
     /// would catch.
     ObservedUnkeyedDuplicate,
+    /// The key's stored record does not read (500 `record-unreadable`):
+    /// refused, never executed, until an operator removes the record.
+    RecordUnreadable,
 }
 
 impl RequestOutcome {
-    pub const ALL: [RequestOutcome; 22] = [
+    pub const ALL: [RequestOutcome; 23] = [
         RequestOutcome::Executed,
         RequestOutcome::Replayed,
         RequestOutcome::Mismatch,
@@ -85,6 +88,7 @@ impl RequestOutcome {
         RequestOutcome::ObservedMismatch,
         RequestOutcome::ObservedInFlight,
         RequestOutcome::ObservedUnkeyedDuplicate,
+        RequestOutcome::RecordUnreadable,
     ];
 
     /// Position in [`Self::ALL`].
@@ -116,6 +120,7 @@ impl RequestOutcome {
             RequestOutcome::ObservedMismatch => "observed_mismatch",
             RequestOutcome::ObservedInFlight => "observed_in_flight",
             RequestOutcome::ObservedUnkeyedDuplicate => "observed_unkeyed_duplicate",
+            RequestOutcome::RecordUnreadable => "record_unreadable",
         }
     }
 }

@@ -68,8 +68,8 @@ use async_trait::async_trait;
 use quick_cache::sync::Cache;
 
 use super::{
-    Begin, BeginOutcome, Removal, RemovalWatcher, Removed, ScanCursor, ScanPage, SharedStore,
-    Store, StoreError,
+    Begin, BeginOutcome, Completion, ListPage, ListWant, Removal, RemovalWatcher, Removed,
+    ScanCursor, ScanPage, SharedStore, Store, StoreError,
 };
 use crate::core::{
     millis, Clock, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnixMillis,
@@ -385,6 +385,29 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         result
     }
 
+    fn prepare(&self, key: &RecordKey, record: CompletedRecord) -> Result<Completion, StoreError> {
+        self.inner.prepare(key, record)
+    }
+
+    /// As [`Self::complete`]; what is cached is the record as the caller
+    /// gave it, not its encoding.
+    async fn complete_prepared(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        completion: &Completion,
+    ) -> Result<(), StoreError> {
+        let epoch = self.shared.epoch();
+        let result = self.inner.complete_prepared(key, token, completion).await;
+        match &result {
+            Ok(()) => self.insert(*key, Arc::new(completion.record.clone()), epoch),
+            Err(_) => {
+                self.shared.cache.remove(key);
+            }
+        }
+        result
+    }
+
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
         self.shared.cache.remove(key);
         self.inner.release(key, token).await
@@ -408,6 +431,10 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
+    }
+
+    async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
+        self.inner.list(cursor, want).await
     }
 
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {

@@ -6,7 +6,7 @@
 //! Only a completion's outcome is rewritten. Claims, fingerprints,
 //! instants and outcome kinds pass as they are: the stores' atomic steps
 //! read them. A record the codec finds its own but cannot read back is a
-//! corrupt record to a request (the middleware answers 503 and never runs
+//! corrupt record to a request (the middleware answers 500 `record-unreadable` and never runs
 //! the request behind it again) and is shown as stored to an operator
 //! (`get`, `scan`).
 
@@ -14,7 +14,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::{RemovalWatcher, ScanCursor, ScanPage, SharedStore, Store, StoreError};
+use super::{
+    Completion, ListPage, ListWant, RemovalWatcher, ScanCursor, ScanPage, SharedStore, Store,
+    StoreError,
+};
 use crate::core::{
     Begin, BeginOutcome, CompletedRecord, FencingToken, Outcome, Record, RecordKey, Removal,
     Removed,
@@ -131,6 +134,29 @@ impl<C: OutcomeCodec> Store for CodecStore<C> {
         }
     }
 
+    fn prepare(&self, key: &RecordKey, record: CompletedRecord) -> Result<Completion, StoreError> {
+        let Some(outcome) = self.codec.encode(key, &record.outcome)? else {
+            return self.inner.prepare(key, record);
+        };
+        let below = self.inner.prepare(key, with_outcome(&record, outcome))?;
+        let stored = below.stored.unwrap_or(below.record);
+        Ok(Completion {
+            record,
+            stored: Some(stored),
+        })
+    }
+
+    /// Passed down as it was prepared: encoding it again here would make
+    /// other bytes for the same completion.
+    async fn complete_prepared(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        completion: &Completion,
+    ) -> Result<(), StoreError> {
+        self.inner.complete_prepared(key, token, completion).await
+    }
+
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
         self.inner.release(key, token).await
     }
@@ -149,6 +175,10 @@ impl<C: OutcomeCodec> Store for CodecStore<C> {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
+    }
+
+    async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
+        self.inner.list(cursor, want).await
     }
 
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {

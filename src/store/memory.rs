@@ -8,12 +8,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::{
-    check_owner, scan_after, Begin, BeginOutcome, Removal, Removed, ScanCursor, ScanPage, Store,
-    StoreError,
+    check_owner, scan_after, Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor,
+    ScanPage, Store, StoreError,
 };
 use crate::core::{
     decide_begin, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
-    UnixMillis,
+    RecordMeta, UnixMillis,
 };
 
 /// A [`Store`] backed by maps in this process. Clones share the same maps.
@@ -211,6 +211,45 @@ impl Store for MemoryStore {
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let now = self.clock.now_millis();
         read(&self.shard(key), key, now)
+    }
+
+    /// In key order, from the front of each encoding alone (see
+    /// [`Store::list`]).
+    async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
+        let after = scan_after(cursor)?;
+        let now = self.clock.now_millis();
+        let mut keys: Vec<RecordKey> = self
+            .shards
+            .iter()
+            .flat_map(|shard| {
+                lock(shard)
+                    .iter()
+                    .filter(|(key, stored)| Some(**key) > after && stored.expires_at > now)
+                    .map(|(key, _)| *key)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        keys.sort_unstable();
+        let mut page = ListPage::default();
+        let (mut bytes, mut last) = (0, None);
+        for key in &keys {
+            if want.full(page.held(), page.examined, bytes) {
+                break;
+            }
+            last = Some(*key);
+            let read = self.shard(key).get(key).map(|stored| {
+                let front = &stored.bytes[..stored.bytes.len().min(RecordMeta::ENCODED_FRONT_MAX)];
+                bytes += front.len();
+                RecordMeta::read(front).map_err(|e| e.to_string())
+            });
+            if let Some(read) = read {
+                page.file(want, *key, read, now);
+            }
+        }
+        page.next = last
+            .filter(|last| keys.last() != Some(last))
+            .map(|last| ScanCursor::new(last.to_hex()));
+        Ok(page)
     }
 
     /// In key order, each page after the last key of the one before: a

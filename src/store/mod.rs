@@ -27,7 +27,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 pub use crate::core::{Begin, BeginOutcome, OnStale, Removal, Removed};
-use crate::core::{CompletedRecord, FencingToken, Record, RecordKey};
+use crate::core::{CompletedRecord, FencingToken, Record, RecordKey, RecordMeta};
 
 pub use self::redis::RedisStore;
 pub use cache::CachedStore;
@@ -83,6 +83,31 @@ pub trait Store: Send + Sync + 'static {
         record: &CompletedRecord,
     ) -> Result<(), StoreError>;
 
+    /// `record` made ready to complete: encoded once (compressed, sealed)
+    /// into what the store will hold, so that every try of one completion
+    /// writes the same bytes. A sealed response has a fresh nonce per seal:
+    /// sealed again, a retried completion whose first reply was lost read
+    /// as another writer's to the Redis script, which then skipped the
+    /// replicas' acknowledgement. The default encodes nothing.
+    fn prepare(&self, key: &RecordKey, record: CompletedRecord) -> Result<Completion, StoreError> {
+        let _ = key;
+        Ok(Completion {
+            record,
+            stored: None,
+        })
+    }
+
+    /// [`Self::complete`] with a completion [`Self::prepare`] made: as
+    /// often as it is tried, it writes the same bytes.
+    async fn complete_prepared(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        completion: &Completion,
+    ) -> Result<(), StoreError> {
+        self.complete(key, token, completion.stored()).await
+    }
+
     /// Forgets the pending claim held with `token`, so a retry executes.
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError>;
 
@@ -111,6 +136,25 @@ pub trait Store: Send + Sync + 'static {
         let _ = (cursor, count);
         Err(StoreError::Unavailable(format!(
             "the {} store cannot be walked",
+            self.kind()
+        )))
+    }
+
+    /// One page of a listing of the records' metadata ([`RecordMeta`]),
+    /// for the admin API's `GET /v1/keys`: never a stored response, so it
+    /// costs the same whatever the responses weigh. From `cursor` on, in
+    /// the walk's order, it keeps the records `want.admits` and every
+    /// record that does not read (each may be an outcome to reconcile),
+    /// and stops once it holds `want.limit` of them, has examined
+    /// `want.max_examined` records, or has read `want.max_bytes` of values;
+    /// `next` goes on right after the last record examined (`None`: the
+    /// walk is over). Expired records are left out. It meets every record
+    /// present from a walk's start to its end, or ends with
+    /// [`StoreError::WalkInterrupted`]. The default lists nothing.
+    async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
+        let _ = (cursor, want);
+        Err(StoreError::Unavailable(format!(
+            "the {} store cannot be listed",
             self.kind()
         )))
     }
@@ -160,6 +204,25 @@ pub trait RemovalWatcher: Send + Sync + 'static {
 
 pub type SharedStore = Arc<dyn Store>;
 
+/// A completion made ready once ([`Store::prepare`]) and then tried as
+/// often as it takes ([`Store::complete_prepared`]).
+#[derive(Clone, Debug)]
+pub struct Completion {
+    /// The record as the caller gave it: what a cache above the encoding
+    /// keeps.
+    pub record: CompletedRecord,
+    /// What the store beneath the encoding writes, when a layer encoded
+    /// it; `None`: the record itself.
+    pub stored: Option<CompletedRecord>,
+}
+
+impl Completion {
+    /// What the store beneath every encoding is to write.
+    pub fn stored(&self) -> &CompletedRecord {
+        self.stored.as_ref().unwrap_or(&self.record)
+    }
+}
+
 /// Where a walk over the records ([`Store::scan`]) goes on: opaque text
 /// each store reads back (a Redis `SCAN` cursor, the last key of a page).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -199,10 +262,81 @@ pub struct ScanPage {
     /// Keys whose stored value is not a record this build reads (corrupt
     /// bytes, a value of another type under a Redis key), each with why.
     /// An operator reconciling outcomes must see them: each may be an
-    /// outcome-unknown, and requests with its key are refused (503, never
+    /// outcome-unknown, and requests with its key are refused (500
+    /// `record-unreadable`, never
     /// executed) until it is removed.
     pub unreadable: Vec<(RecordKey, String)>,
     pub next: Option<ScanCursor>,
+}
+
+/// What one page of a listing ([`Store::list`]) keeps and where it stops.
+pub struct ListWant<'a> {
+    pub limit: usize,
+    pub max_examined: usize,
+    pub max_bytes: usize,
+    pub admits: &'a (dyn Fn(&RecordMeta) -> bool + Send + Sync),
+}
+
+impl std::fmt::Debug for ListWant<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListWant")
+            .field("limit", &self.limit)
+            .field("max_examined", &self.max_examined)
+            .field("max_bytes", &self.max_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ListWant<'_> {
+    /// Whether a page holding `held` records, having examined `examined`
+    /// and read `bytes`, is full.
+    pub fn full(&self, held: usize, examined: usize, bytes: usize) -> bool {
+        held >= self.limit.max(1) || examined >= self.max_examined.max(1) || bytes >= self.max_bytes
+    }
+}
+
+/// One page of a listing ([`Store::list`]).
+#[derive(Debug, Default)]
+pub struct ListPage {
+    pub records: Vec<(RecordKey, RecordMeta)>,
+    /// Keys whose value is not a record this build reads, each with why
+    /// (see [`ScanPage::unreadable`]).
+    pub unreadable: Vec<(RecordKey, String)>,
+    /// Records examined, kept or not.
+    pub examined: usize,
+    pub next: Option<ScanCursor>,
+}
+
+impl ListPage {
+    /// Files the metadata `read` of the record under `key`, unless it
+    /// expired by `now` or `want` does not admit it; whether it was one
+    /// to examine (not expired).
+    pub(crate) fn file(
+        &mut self,
+        want: &ListWant<'_>,
+        key: RecordKey,
+        read: Result<RecordMeta, String>,
+        now: crate::core::UnixMillis,
+    ) {
+        match read {
+            Ok(meta) if meta.expires_at <= now => {}
+            Ok(meta) => {
+                self.examined += 1;
+                if (want.admits)(&meta) {
+                    self.records.push((key, meta));
+                }
+            }
+            Err(why) => {
+                self.examined += 1;
+                self.unreadable.push((key, why));
+            }
+        }
+    }
+
+    /// How many records the page holds.
+    pub fn held(&self) -> usize {
+        self.records.len() + self.unreadable.len()
+    }
 }
 
 /// The fencing rule shared by the in-process stores: only the holder of the

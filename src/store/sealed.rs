@@ -15,7 +15,8 @@
 //!   readable: the stores' atomic scripts work on it.
 //! - A sealed response no configured key opens is reported as a corrupt
 //!   record, which the middleware treats like any record it cannot read:
-//!   fail closed, 503, the request behind it never executed again.
+//!   fail closed, 500 `record-unreadable`, the request behind it never
+//!   executed again.
 //! - Responses stored before encryption was turned on still replay (they
 //!   are read as they are); new ones are sealed.
 //! - With compression on ([`super::compression`], above this wrapper), what
@@ -92,6 +93,17 @@ impl Keyring {
         })
     }
 
+    /// No key: encryption is off. Stored responses are written as they
+    /// are, and one sealed earlier is a record this deployment cannot read
+    /// (fail closed, like one sealed with a key rotated away), never one
+    /// the replay path finds still sealed.
+    pub fn none() -> Keyring {
+        Keyring {
+            keys: Vec::new(),
+            random: SystemRandom::new(),
+        }
+    }
+
     /// `plain` sealed with the first key, bound to `record` and `layout`.
     fn seal(&self, record: &RecordKey, layout: u8, plain: &[u8]) -> Result<Bytes, StoreError> {
         let sealing = self
@@ -160,6 +172,9 @@ pub type SealedStore = CodecStore<Keyring>;
 
 impl OutcomeCodec for Keyring {
     fn encode(&self, key: &RecordKey, outcome: &Outcome) -> Result<Option<Outcome>, StoreError> {
+        if self.keys.is_empty() {
+            return Ok(None);
+        }
         let sealed = match outcome {
             Outcome::Response(response) => self.seal(key, SEALED_V1, &response.encode())?,
             Outcome::Packed(packed) => self.seal(key, SEALED_PACKED, packed)?,

@@ -246,6 +246,9 @@ pub fn render_list(records: &[Value]) -> String {
         let outcome = match record["state"].as_str() {
             Some("pending") => format!("lease until {}", text("lease_expires_at")),
             Some("unreadable") => text("error"),
+            // A listing shows a response's status only where the record
+            // holds it in the clear (not packed or sealed).
+            _ if record["status"].is_null() => text("outcome"),
             _ => format!("{} ({})", text("outcome"), record["status"]),
         };
         out.push_str(&format!(

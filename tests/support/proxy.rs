@@ -139,6 +139,29 @@ impl Reply {
         assert_eq!(self.problem(), slug, "{self:?}");
     }
 
+    /// 500 `record-unreadable`: a key whose stored record does not read
+    /// is refused as permanent (the SDKs' retry hints say no, and no
+    /// `Retry-After`), and the caller is told an operator must act.
+    pub fn assert_record_unreadable(&self) {
+        self.assert_problem(500, "record-unreadable");
+        assert_eq!(self.header("x-should-retry"), Some("false"), "{self:?}");
+        assert_eq!(
+            self.header("stripe-should-retry"),
+            Some("false"),
+            "{self:?}"
+        );
+        assert_eq!(self.header("retry-after"), None, "{self:?}");
+        assert_eq!(self.header("retry-after-ms"), None, "{self:?}");
+        let detail = self.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            detail.contains("keys show") && detail.contains("keys forget"),
+            "{detail}"
+        );
+    }
+
     pub fn problem(&self) -> String {
         assert_eq!(
             self.header("content-type"),

@@ -25,7 +25,7 @@
 //! they are; packed ones unpack whatever `compression` says now, so turning
 //! it off loses nothing. A packed response that does not unpack (a flipped
 //! byte fails the checksum, a dictionary no longer configured) is a corrupt
-//! record: the middleware answers 503 and never executes the request behind
+//! record: the middleware answers 500 `record-unreadable` and never executes the request behind
 //! it again.
 //!
 //! The local replay cache sits above this wrapper and keeps unpacked

@@ -64,11 +64,12 @@ use self::tables::{
 use self::writer::{storage, Waited, WriteError, Writer};
 pub use self::writer::{MAX_GROUP, MAX_QUEUED};
 use super::{
-    check_owner, scan_after, Begin, BeginOutcome, Removal, Removed, ScanCursor, ScanPage, Store,
-    StoreError,
+    check_owner, scan_after, Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor,
+    ScanPage, Store, StoreError,
 };
 use crate::core::{
     decide_begin, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
+    RecordMeta,
 };
 
 /// The database file inside the configured directory.
@@ -360,6 +361,56 @@ impl Store for EmbeddedStore {
             })
         })
         .await
+    }
+
+    /// In key order (the records table's), in one read transaction, from
+    /// the front of each encoding alone (see [`Store::list`]).
+    async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
+        let after = scan_after(cursor)?;
+        let now = self.clock.now_millis();
+        let (max_examined, max_bytes) = (want.max_examined.max(1), want.max_bytes);
+        // Read on the blocking pool, up to what one page may examine; the
+        // filter, which may hold anything, runs here.
+        let (found, more) = self
+            .blocking(move |db| {
+                let txn = db.begin_read().map_err(db_error)?;
+                let table = txn.open_table(RECORDS).map_err(db_error)?;
+                let range = match &after {
+                    Some(after) => table.range::<&[u8; 32]>((
+                        std::ops::Bound::Excluded(after.as_bytes()),
+                        std::ops::Bound::Unbounded,
+                    )),
+                    None => table.range::<&[u8; 32]>(..),
+                }
+                .map_err(db_error)?;
+                let (mut found, mut bytes) = (Vec::new(), 0);
+                for entry in range {
+                    if found.len() >= max_examined || bytes >= max_bytes {
+                        return Ok((found, true));
+                    }
+                    let (key, value) = entry.map_err(db_error)?;
+                    let key = RecordKey::from_bytes(*key.value());
+                    let value = value.value();
+                    bytes += value.len();
+                    let front = &value[..value.len().min(RecordMeta::ENCODED_FRONT_MAX)];
+                    found.push((key, RecordMeta::read(front).map_err(|e| e.to_string())));
+                }
+                Ok((found, false))
+            })
+            .await?;
+        let mut page = ListPage::default();
+        let mut next = found.last().map(|(key, _)| *key).filter(|_| more);
+        for (i, (key, read)) in found.iter().enumerate() {
+            if page.held() >= want.limit.max(1) {
+                // Full before the end of what was read: on from the last
+                // record filed.
+                next = i.checked_sub(1).and_then(|j| found.get(j)).map(|(k, _)| *k);
+                break;
+            }
+            page.file(want, *key, read.clone(), now);
+        }
+        page.next = next.map(|key| ScanCursor::new(key.to_hex()));
+        Ok(page)
     }
 
     /// In key order (the records table's), each page after the last key of

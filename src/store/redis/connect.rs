@@ -621,29 +621,9 @@ fn append_pem(pem: &mut Vec<u8>, cert: &[u8]) {
     pem.extend_from_slice(b"-----END CERTIFICATE-----\n");
 }
 
-/// `url` without its userinfo, for messages.
-/// A Redis URL fit to print: the password of `redis://user:password@host`
-/// hidden, and text that is not a URL not shown at all (where a password
-/// would be in it is anyone's guess). The one redaction of Redis URLs, for
-/// errors, logs and `idemproxy check` alike.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (None, _) => "<not shown>".into(),
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let userinfo = &url[scheme_end + 3..at];
-            match userinfo.find(':') {
-                Some(colon) => format!(
-                    "{}{}:<redacted>{}",
-                    &url[..scheme_end + 3],
-                    &userinfo[..colon],
-                    &url[at..]
-                ),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
-    }
-}
+/// A Redis URL fit to print: the one redaction of URLs (see
+/// [`crate::core::redact`]), for errors, logs and `idemproxy check` alike.
+pub use crate::core::redact_url;
 
 /// The one check of a Redis URL's scheme before connecting, naming `at`.
 pub fn check_url(at: &str, url: &str) -> Result<(), String> {

@@ -110,11 +110,13 @@ use self::claim::{claim_unless_held, decide_read, swap};
 use self::connect::{Conn, LoopConnections};
 use self::removals::RemovalChannel;
 use self::value::{
-    claim_id, pexpire_ms, read_stored, stored_completed, stored_expires_at, unexpected, Reply,
+    claim_id, pexpire_ms, read_stored, read_stored_meta, stored_completed, stored_expires_at,
+    unexpected, Reply, META_FRONT_LEN,
 };
 use super::RemovalWatcher;
 use super::{
-    Begin, BeginOutcome, Removal, Removed, ScanCursor, ScanPage, SharedStore, Store, StoreError,
+    Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor, ScanPage, SharedStore,
+    Store, StoreError,
 };
 use crate::core::{
     new_claim, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
@@ -137,6 +139,9 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 /// Reads of a key that a guarded removal makes before it gives up: each
 /// one after the first follows a value that changed under `remove.lua`.
 const REMOVE_ATTEMPTS: usize = 5;
+
+/// `SCAN` steps one page of a listing takes at most ([`Store::list`]).
+const MAX_SCAN_STEPS: usize = 1000;
 
 /// How many times `begin` reads a key, each read after the first following
 /// a `swap` that found it changed. Each change means another proxy wrote the
@@ -366,6 +371,88 @@ impl RedisStore {
             .await
             .map_err(redis_error)?;
         Ok(deleted == 1)
+    }
+
+    /// One `SCAN` step of a walk from `cursor` (see [`Store::scan`]): the
+    /// record keys it met with their Redis names, and the cursor after it
+    /// (`None`: the walk is over).
+    async fn scan_keys(
+        &self,
+        cursor: &ScanCursor,
+        count: usize,
+    ) -> Result<(Vec<(RecordKey, String)>, Option<String>), StoreError> {
+        let bad_cursor = || StoreError::InvalidCursor(cursor.as_str().to_owned());
+        let mut parts = cursor.as_str().splitn(3, ':');
+        let (node, position, layout) = match (parts.next(), parts.next(), parts.next()) {
+            (Some(""), None, None) => (0, "0", None),
+            (Some(position), None, None) => (0, position, None),
+            (Some(node), Some(position), layout) => (
+                node.parse::<usize>().map_err(|_| bad_cursor())?,
+                position,
+                layout,
+            ),
+            _ => return Err(bad_cursor()),
+        };
+        let position = position.parse::<u64>().map_err(|_| bad_cursor())?;
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(position)
+            .arg("MATCH")
+            .arg(format!("{}*", glob_escaped(&self.prefix)))
+            .arg("COUNT")
+            .arg(count.max(1));
+        let mut conn = self.conn();
+        let (reply, next) = match &mut conn {
+            Conn::Cluster(cluster) => {
+                let primaries = cluster_primaries(cluster).await?;
+                let now_layout = primaries_layout(&primaries);
+                let Some((host, port)) = primaries
+                    .get(node)
+                    .filter(|_| layout.is_none_or(|began| began == now_layout))
+                else {
+                    return Err(StoreError::WalkInterrupted(format!(
+                        "the cluster's primaries changed since the walk began (a failover, or a node added or removed): now {}",
+                        primaries
+                            .iter()
+                            .map(|(host, port)| format!("{host}:{port}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
+                };
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                });
+                let reply = cluster
+                    .route_command(scan, routing)
+                    .await
+                    .map_err(redis_error)?;
+                let (position, keys): (u64, Vec<String>) =
+                    redis::from_redis_value(reply).map_err(|e| unexpected(&e.to_string()))?;
+                let next = match position {
+                    0 if node + 1 < primaries.len() => Some(format!("{}:0:{now_layout}", node + 1)),
+                    0 => None,
+                    position => Some(format!("{node}:{position}:{now_layout}")),
+                };
+                (keys, next)
+            }
+            _ if layout.is_some() => return Err(bad_cursor()),
+            _ => {
+                let (position, keys): (u64, Vec<String>) =
+                    scan.query_async(&mut conn).await.map_err(redis_error)?;
+                (keys, (position != 0).then(|| position.to_string()))
+            }
+        };
+        let keys = reply
+            .into_iter()
+            .filter_map(|name| {
+                let key = name
+                    .strip_prefix(self.prefix.as_str())
+                    .and_then(|tagged| tagged.strip_prefix('{')?.strip_suffix('}'))
+                    .and_then(RecordKey::from_hex)?;
+                Some((key, name))
+            })
+            .collect();
+        Ok((keys, next))
     }
 
     /// Reads the time from `clock` instead of the wall clock.
@@ -604,6 +691,96 @@ impl Store for RedisStore {
         self.removals.follow(invalidator);
     }
 
+    /// The walk of [`Self::scan`], reading the front of each value alone
+    /// (`GETRANGE`, never the stored response). A `SCAN` step may meet more
+    /// keys than the page has room for: the cursor then carries the rest
+    /// of them (`<scan cursor>|<hex>,<hex>…`, `end` for a scan cursor when
+    /// `SCAN` was over), which the next page reads first, so no record is
+    /// passed over. `SCAN`'s `COUNT` follows the room left (8 to 32), which
+    /// keeps that rest, and the cursor, short.
+    async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
+        let bad_cursor = || StoreError::InvalidCursor(cursor.as_str().to_owned());
+        let (position, rest) = match cursor.as_str().split_once('|') {
+            Some((position, rest)) => (position, rest),
+            None => (cursor.as_str(), ""),
+        };
+        let mut position = (position != "end").then(|| ScanCursor::new(position.to_owned()));
+        let mut pending = std::collections::VecDeque::new();
+        for hex in rest.split(',').filter(|hex| !hex.is_empty()) {
+            pending.push_back(RecordKey::from_hex(hex).ok_or_else(bad_cursor)?);
+        }
+        let now = self.clock.now_millis();
+        let mut page = ListPage::default();
+        let (mut bytes, mut steps) = (0, 0);
+        // A keyspace mostly of other keys than this prefix's can take many
+        // `SCAN` steps per record found: bounded too.
+        while !want.full(page.held(), page.examined, bytes) && steps < MAX_SCAN_STEPS {
+            let room = want
+                .limit
+                .saturating_sub(page.held())
+                .min(want.max_examined.saturating_sub(page.examined))
+                .max(1);
+            if pending.is_empty() {
+                let Some(at) = position.take() else {
+                    break;
+                };
+                steps += 1;
+                let (keys, next) = self.scan_keys(&at, room.clamp(8, 32)).await?;
+                pending.extend(keys.into_iter().map(|(key, _)| key));
+                position = next.map(ScanCursor::new);
+                continue;
+            }
+            // Read at once (pipelined), as many as the page may still
+            // hold; what it has no room for goes back.
+            let chunk: Vec<RecordKey> = pending.drain(..room.min(pending.len()).min(500)).collect();
+            let fronts = futures_util::future::join_all(chunk.iter().map(|key| {
+                let (mut conn, name) = (self.conn(), self.redis_key(key));
+                async move {
+                    redis::cmd("GETRANGE")
+                        .arg(name)
+                        .arg(0)
+                        .arg(META_FRONT_LEN - 1)
+                        .query_async::<Vec<u8>>(&mut conn)
+                        .await
+                }
+            }))
+            .await;
+            for (i, (key, front)) in chunk.iter().zip(fronts).enumerate() {
+                if want.full(page.held(), page.examined, bytes) {
+                    for key in chunk[i..].iter().rev() {
+                        pending.push_front(*key);
+                    }
+                    break;
+                }
+                let read = match front {
+                    // Expired or removed since SCAN saw it.
+                    Ok(front) if front.is_empty() => continue,
+                    Ok(front) => {
+                        bytes += front.len();
+                        read_stored_meta(&front)
+                    }
+                    Err(e) => Err(redis_error(e)),
+                };
+                match read {
+                    Ok(meta) => page.file(want, *key, Ok(meta), now),
+                    Err(StoreError::Corrupt(why)) => page.file(want, *key, Err(why), now),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        if !pending.is_empty() || position.is_some() {
+            let at = position.as_ref().map_or("end", ScanCursor::as_str);
+            let rest: Vec<String> = pending.iter().map(RecordKey::to_hex).collect();
+            let text = if rest.is_empty() {
+                at.to_owned()
+            } else {
+                format!("{at}|{}", rest.join(","))
+            };
+            page.next = Some(ScanCursor::new(text));
+        }
+        Ok(page)
+    }
+
     /// `SCAN` with the prefix as its pattern (never `KEYS`, which blocks
     /// Redis for the whole keyspace), then a `GET` per key found. On a
     /// cluster, every primary in turn (ordered by address): the cursor
@@ -612,83 +789,13 @@ impl Store for RedisStore {
     /// move the walk to another node or past one in silence; it ends the
     /// walk with [`StoreError::WalkInterrupted`] instead.
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
-        let bad_cursor = || StoreError::InvalidCursor(cursor.as_str().to_owned());
-        let mut parts = cursor.as_str().splitn(3, ':');
-        let (node, position, layout) = match (parts.next(), parts.next(), parts.next()) {
-            (Some(""), None, None) => (0, "0", None),
-            (Some(position), None, None) => (0, position, None),
-            (Some(node), Some(position), layout) => (
-                node.parse::<usize>().map_err(|_| bad_cursor())?,
-                position,
-                layout,
-            ),
-            _ => return Err(bad_cursor()),
-        };
-        let position = position.parse::<u64>().map_err(|_| bad_cursor())?;
-        let mut scan = redis::cmd("SCAN");
-        scan.arg(position)
-            .arg("MATCH")
-            .arg(format!("{}*", glob_escaped(&self.prefix)))
-            .arg("COUNT")
-            .arg(count.max(1));
-        let mut conn = self.conn();
-        let (reply, next) = match &mut conn {
-            Conn::Cluster(cluster) => {
-                let primaries = cluster_primaries(cluster).await?;
-                let now_layout = primaries_layout(&primaries);
-                let Some((host, port)) = primaries
-                    .get(node)
-                    .filter(|_| layout.is_none_or(|began| began == now_layout))
-                else {
-                    return Err(StoreError::WalkInterrupted(format!(
-                        "the cluster's primaries changed since the walk began (a failover, or a node added or removed): now {}",
-                        primaries
-                            .iter()
-                            .map(|(host, port)| format!("{host}:{port}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )));
-                };
-                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                    host: host.clone(),
-                    port: *port,
-                });
-                let reply = cluster
-                    .route_command(scan, routing)
-                    .await
-                    .map_err(redis_error)?;
-                let (position, keys): (u64, Vec<String>) =
-                    redis::from_redis_value(reply).map_err(|e| unexpected(&e.to_string()))?;
-                let next = match position {
-                    0 if node + 1 < primaries.len() => Some(format!("{}:0:{now_layout}", node + 1)),
-                    0 => None,
-                    position => Some(format!("{node}:{position}:{now_layout}")),
-                };
-                (keys, next)
-            }
-            _ if layout.is_some() => return Err(bad_cursor()),
-            _ => {
-                let (position, keys): (u64, Vec<String>) =
-                    scan.query_async(&mut conn).await.map_err(redis_error)?;
-                (keys, (position != 0).then(|| position.to_string()))
-            }
-        };
+        let (keys, next) = self.scan_keys(cursor, count).await?;
         let now = self.clock.now_millis();
         let mut page = ScanPage {
-            records: Vec::with_capacity(reply.len()),
+            records: Vec::with_capacity(keys.len()),
             unreadable: Vec::new(),
             next: next.map(ScanCursor::new),
         };
-        let keys: Vec<(RecordKey, String)> = reply
-            .into_iter()
-            .filter_map(|name| {
-                let key = name
-                    .strip_prefix(self.prefix.as_str())
-                    .and_then(|tagged| tagged.strip_prefix('{')?.strip_suffix('}'))
-                    .and_then(RecordKey::from_hex)?;
-                Some((key, name))
-            })
-            .collect();
         // All at once: the connection pipelines them, so a page costs
         // about one round trip, not one per key (500 of them to a Redis a
         // millisecond away would outlast any timeout).

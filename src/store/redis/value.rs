@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use redis::Value;
 
-use crate::core::{CompletedRecord, PendingRecord, Record, UnixMillis};
+use crate::core::{CompletedRecord, KeyState, PendingRecord, Record, RecordMeta, UnixMillis};
 use crate::store::StoreError;
 
 /// Longest relative expiry handed to `PX`. Redis refuses expiries that
@@ -84,6 +84,30 @@ pub(super) fn read_stored(value: &Bytes) -> Result<Record, StoreError> {
         return Err(corrupt("the header of a record disagrees with the record"));
     }
     Ok(record)
+}
+
+/// How much of a stored value [`read_stored_meta`] reads: the header and
+/// the front of the record.
+pub(super) const META_FRONT_LEN: usize = HEADER_LEN + RecordMeta::ENCODED_FRONT_MAX;
+
+/// The metadata of the record a stored value's first [`META_FRONT_LEN`]
+/// bytes (`front`) begin, checked against its header as [`read_stored`]
+/// checks a whole record (a claim's token aside, which a listing does not
+/// show).
+pub(super) fn read_stored_meta(front: &[u8]) -> Result<RecordMeta, StoreError> {
+    let (Some(expires_at), Some(record)) = (stored_expires_at(front), front.get(HEADER_LEN..))
+    else {
+        return Err(corrupt("the value is not a record"));
+    };
+    let meta = RecordMeta::read(record).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let state = match meta.state {
+        KeyState::Pending => b'p',
+        KeyState::Completed => b'c',
+    };
+    if front.first() != Some(&state) || meta.expires_at != expires_at {
+        return Err(corrupt("the header of a record disagrees with the record"));
+    }
+    Ok(meta)
 }
 
 /// A script reply: a status word, then its values in order.
@@ -209,6 +233,11 @@ mod tests {
                 Err(StoreError::Corrupt(_))
             ));
         }
+        for bad in [&other_state[..], &other_expiry, b"hello"] {
+            assert!(matches!(read_stored_meta(bad), Err(StoreError::Corrupt(_))));
+        }
+        let meta = read_stored_meta(&value[..value.len().min(META_FRONT_LEN)]).expect("meta");
+        assert_eq!(meta.expires_at, 99);
         assert_eq!(stored_expires_at(b"hello"), None);
         assert_eq!(stored_expires_at(&garbage), Some(99));
     }
