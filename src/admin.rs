@@ -563,6 +563,12 @@ async fn lookup_key(
         .scope
         .scope(&parts)
         .map_err(|e| bad(format!("`headers`: {e}")))?;
+    // An observe-mode route keeps its records in a namespace of its own,
+    // apart from the enforced ones (DESIGN §1 "Namespaces").
+    let scope = match policy.observe {
+        Some(_) => crate::idempotency::observe::ObserveRoute::records_scope(&scope),
+        None => scope,
+    };
     read(&state, RecordKey::new(&scope, key.as_str())).await
 }
 

@@ -932,3 +932,38 @@ async fn a_listing_reads_no_stored_response_and_is_bounded_by_bytes() {
         proxy.shutdown().await;
     }
 }
+
+/// An observe-mode route keeps its records apart from enforced ones
+/// (DESIGN §1 "Namespaces"); the operator's lookup by raw key must find
+/// them there, not answer "no record" for a key the route has seen.
+#[tokio::test]
+async fn lookup_finds_the_record_of_an_observe_mode_route() {
+    let upstream = TestUpstream::start().await;
+    let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
+    c.routes = vec![
+        RouteConfig {
+            name: "observed".into(),
+            path: "/v1/observed".into(),
+            mode: Some(idemproxy::config::Mode::Observe),
+            ..RouteConfig::default()
+        },
+        RouteConfig {
+            name: "payments".into(),
+            path: "/v1/payments".into(),
+            ..RouteConfig::default()
+        },
+    ];
+    let proxy = TestProxy::start(c).await;
+    let client = TestClient::new();
+    let done = post(&client, &proxy, "/v1/observed", "k-obs", TENANT_A).await;
+    assert_eq!(done.status, 201, "{done:?}");
+
+    let admin = Admin::bearer(&proxy);
+    let lookup = |route: &str| json!({"key": "k-obs", "route": route, "headers": {"authorization": TENANT_A}});
+    let found = admin.lookup(lookup("observed")).await;
+    assert_eq!(found.status, 200, "{found:?}");
+    assert_eq!(found.json()["state"], "completed", "{found:?}");
+    // The same key looked up on the enforced route is another namespace.
+    let absent = admin.lookup(lookup("payments")).await;
+    absent.assert_problem(404, "key-not-found");
+}
