@@ -685,6 +685,20 @@ mod tests {
     }
 
     #[test]
+    fn a_route_may_not_take_the_defaults_name() {
+        let mut c = Config::load(None, env(&[]), &FlagOverrides::default()).expect("defaults load");
+        c.routes = vec![RouteConfig {
+            name: "default".into(),
+            path: "/v1/tools".into(),
+            ..RouteConfig::default()
+        }];
+        let err = c.validate().expect_err("`default` is taken").to_string();
+        assert!(err.contains("routes[0].name: `default`"), "{err}");
+        c.routes[0].name = "tools".into();
+        c.validate().expect("another name is fine");
+    }
+
+    #[test]
     fn defaults_are_valid_and_match_the_design() {
         let c = Config::load(None, env(&[]), &FlagOverrides::default()).expect("defaults load");
         assert_eq!(c.listen.to_string(), "127.0.0.1:8080");

@@ -177,6 +177,13 @@ impl Config {
             let at = format!("routes[{i}]");
             if route.name.is_empty() {
                 problems.push(format!("{at}.name: must be set"));
+            } else if route.name == "default" {
+                // `[idempotency]` is the route `default` (metrics, logs, the
+                // admin lookup, derived keys): a route of that name would
+                // share its namespace.
+                problems.push(format!(
+                    "{at}.name: `default` is the name of the `[idempotency]` defaults; choose another"
+                ));
             } else if !names.insert(route.name.as_str()) {
                 problems.push(format!("{at}.name: `{}` is used twice", route.name));
             }

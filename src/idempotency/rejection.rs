@@ -243,7 +243,7 @@ impl Rejection {
                     .into()
             }
             Rejection::InvalidToken { why } => format!(
-                "The bearer token did not verify ({why}); nothing was claimed or forwarded. \
+                "The bearer token was not accepted ({why}); nothing was claimed or forwarded. \
                  Retry with the same key and a valid token."
             ),
             Rejection::MissingIdentity => "This route requires a caller identity (a bearer token \
