@@ -87,6 +87,28 @@ async fn a_reused_key_with_a_different_body_is_409_once_completed() {
     assert_eq!(upstream.executions("/v1/orders"), 1);
 }
 
+/// Two amounts no double tells apart (23 digits, past 64 bits) are still
+/// two requests: the second must not get the first one's answer.
+#[tokio::test]
+async fn a_reused_key_with_a_number_no_double_holds_is_409() {
+    let upstream = TestUpstream::start().await;
+    let proxy = TestProxy::start(config(&upstream.url())).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders");
+    let original = r#"{"amount":12345678901234567890123}"#;
+
+    let first = client.post_json(&url, "k", original).await;
+    assert_eq!(first.status, 201);
+    let reused = client
+        .post_json(&url, "k", r#"{"amount":12345678901234567890124}"#)
+        .await;
+    assert_key_reused(&reused, 409, "completed");
+    let replay = client.post_json(&url, "k", original).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reused_key_with_a_different_body_is_409_while_pending() {
     let upstream = TestUpstream::start().await;

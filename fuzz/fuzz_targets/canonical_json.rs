@@ -6,8 +6,9 @@
 //!   uses): where both accept the body, the bytes are equal.
 //! - What it accepts is exactly what it documents: JSON text serde_json
 //!   accepts, minus I-JSON violations (duplicate member names, integer
-//!   literals beyond ±2^53). Numbers beyond the double range (`1e400`) are
-//!   refused by serde_json already.
+//!   literals beyond ±2^53, other number literals whose value is not that
+//!   of the shortest decimal their double writes as). Numbers beyond the
+//!   double range (`1e400`) are refused by serde_json already.
 //! - `FingerprintRules::fingerprint` never panics and is deterministic:
 //!   the same request twice, from the memo and from fresh rules, gives the
 //!   same fingerprint; whitespace appended to a JSON body (which takes it
@@ -22,6 +23,11 @@
 //! - Integer literals beyond ±2^53: the reference canonicalizes the nearest
 //!   double; `canonical_json` refuses the body (2026-12-02 change, so two
 //!   64-bit ids never fingerprint alike). Checked as a refusal.
+//! - Other literals that round (`1.00000000000000000001`, `1e-400`,
+//!   `4.9e-324`): likewise refused since 2026-12-04, so that no two
+//!   numbers share a canonical form. serde_json's visitors see only the
+//!   double, so the scan takes the literals from the text and decides with
+//!   ryu-js, the writer RFC 8785 names. Checked as a refusal.
 //! - Canonical output re-read: a double of 2^53 or more is written as an
 //!   integer literal (`9007199254740994.0` -> `9007199254740994`), which,
 //!   read again, is such a literal and is refused. So `canonical_json` of
@@ -70,7 +76,7 @@ fuzz_target!(|data: &[u8]| {
         (Some(_), Err(e), _) => panic!("accepted a body serde_json refuses: {e}"),
         (None, Ok(_), Some(scan)) => assert!(
             scan.duplicate || scan.inexact,
-            "refused I-JSON (no duplicate name, no integer beyond 2^53)"
+            "refused I-JSON (no duplicate name, no number that rounds)"
         ),
         _ => {}
     }
@@ -207,24 +213,101 @@ fn fingerprints(body: &[u8], canonical: Option<&[u8]>) {
 }
 
 /// What serde_json reads in a body, as far as I-JSON goes: whether some
-/// object repeats a member name, and whether some integer literal is
-/// beyond ±2^53. `None` when serde_json refuses the text.
+/// object repeats a member name, and whether some number literal is not
+/// exact (see [`exact`]). `None` when serde_json refuses the text.
 #[derive(Default)]
 struct Scan {
     duplicate: bool,
     inexact: bool,
+    /// The number literals not yet visited, last first.
+    literals: Vec<String>,
 }
 
 const EXACT_INTEGERS: u64 = 1 << 53;
 
 impl Scan {
     fn of(body: &[u8]) -> Option<Scan> {
-        let mut scan = Scan::default();
+        let mut scan = Scan {
+            literals: literals(body),
+            ..Scan::default()
+        };
+        scan.literals.reverse();
         let mut de = serde_json::Deserializer::from_slice(body);
         ScanSeed(&mut scan).deserialize(&mut de).ok()?;
         de.end().ok()?;
         Some(scan)
     }
+
+    fn number(&mut self, value: f64) {
+        let literal = self.literals.pop().unwrap_or_default();
+        self.inexact |= !exact(&literal, value);
+    }
+}
+
+/// The number literals in `body`, in order: right for any text serde_json
+/// accepts, where only they start with `-` or a digit outside strings.
+fn literals(body: &[u8]) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut at = 0;
+    while let Some(&b) = body.get(at) {
+        at += 1;
+        match b {
+            b'"' => {
+                while let Some(&c) = body.get(at) {
+                    at += 1;
+                    match c {
+                        b'\\' => at += 1,
+                        b'"' => break,
+                        _ => {}
+                    }
+                }
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = at - 1;
+                while let Some(b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E') = body.get(at) {
+                    at += 1;
+                }
+                found.push(String::from_utf8_lossy(&body[start..at]).into_owned());
+            }
+            _ => {}
+        }
+    }
+    found
+}
+
+/// Whether `literal`, read as `value`, is a number of I-JSON: an integer
+/// literal up to 2^53 in magnitude, or a decimal with the value of the
+/// shortest decimal that reads as `value` (what RFC 8785 writes).
+fn exact(literal: &str, value: f64) -> bool {
+    let unsigned = literal.trim_start_matches('-');
+    if !unsigned.contains(['.', 'e', 'E']) {
+        return unsigned
+            .parse::<u64>()
+            .is_ok_and(|magnitude| magnitude <= EXACT_INTEGERS);
+    }
+    let mut buffer = ryu_js::Buffer::new();
+    normalized(unsigned) == normalized(buffer.format(value.abs()))
+}
+
+/// A decimal as its significant digits and the power of ten of the last
+/// one; zero as no digits.
+fn normalized(decimal: &str) -> (String, i128) {
+    let (mantissa, exponent) = match decimal.split_once(['e', 'E']) {
+        Some((mantissa, exponent)) => {
+            let far = if exponent.starts_with('-') { -1 } else { 1 } * 10i128.pow(30);
+            (mantissa, exponent.parse::<i128>().unwrap_or(far))
+        }
+        None => (decimal, 0),
+    };
+    let (int, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = format!("{int}{fraction}");
+    let digits = digits.trim_start_matches('0');
+    let significant = digits.trim_end_matches('0');
+    if significant.is_empty() {
+        return (String::new(), 0);
+    }
+    let exponent = exponent - fraction.len() as i128 + (digits.len() - significant.len()) as i128;
+    (significant.to_owned(), exponent)
 }
 
 struct ScanSeed<'a>(&'a mut Scan);
@@ -249,12 +332,12 @@ impl<'de> Visitor<'de> for ScanSeed<'_> {
     }
 
     fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-        self.0.inexact |= v.unsigned_abs() > EXACT_INTEGERS;
+        self.0.number(v as f64);
         Ok(())
     }
 
     fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-        self.0.inexact |= v > EXACT_INTEGERS;
+        self.0.number(v as f64);
         Ok(())
     }
 
@@ -262,6 +345,7 @@ impl<'de> Visitor<'de> for ScanSeed<'_> {
         // As `serde_json::Value` does: no infinities (serde_json reports
         // those as errors before a visitor sees them anyway).
         if v.is_finite() {
+            self.0.number(v);
             Ok(())
         } else {
             Err(E::custom("number out of range"))

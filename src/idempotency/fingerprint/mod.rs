@@ -43,11 +43,11 @@
 //! and `1e0` fingerprint alike. An integer literal beyond ±2^53, which a
 //! double cannot hold exactly (a 64-bit id, say), makes the body not
 //! I-JSON, so it is hashed raw: two ids past 2^53 never fingerprint alike.
-//! Literals beyond 64 bits and decimals with more than 15 significant
-//! digits still round to the nearest double (serde_json reads them as
-//! doubles), so two bodies differing only past that precision fingerprint
-//! alike. APIs that need exact big numbers send them as strings, which JCS
-//! keeps exact.
+//! So does any other literal whose value is not that of its double's
+//! canonical form (`1.00000000000000000001`, `1e-400`, `4.9e-324`,
+//! `333333333.33333329`): it would fingerprint like the number the double
+//! writes as. APIs that need exact big numbers send them as strings, which
+//! JCS keeps exact.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -1040,12 +1040,30 @@ mod tests {
             ),
             Some(br#"{"amount":5,"meta":{}}"#.to_vec())
         );
-        // Literals beyond 64 bits reach the parser as doubles already: the
-        // nearest double, per RFC 8785 §3.2.2.3.
-        assert_eq!(
-            canon("[123456789012345678901234567890]"),
-            "[1.2345678901234568e+29]"
-        );
+        // Literals beyond 64 bits, or that round (too many digits, or
+        // underflow), would share their double's canonical form with
+        // other numbers: not I-JSON either, raw. The same double written
+        // as it writes is canonical.
+        for (rounds, written) in [
+            ("123456789012345678901234567890", "1.2345678901234568e+29"),
+            ("-9223372036854775809", "-9.223372036854776e18"),
+            ("1.00000000000000000001", "1"),
+            ("0.1000000000000000055511151231257827", "0.1"),
+            ("1e-400", "0"),
+            ("4.9e-324", "5e-324"),
+        ] {
+            assert_eq!(
+                canonical_json(format!("[{rounds}]").as_bytes(), &[]),
+                None,
+                "{rounds}"
+            );
+            assert!(canonical_json(format!("[{written}]").as_bytes(), &[]).is_some());
+            assert_ne!(
+                fp(&r, &p, &format!(r#"{{"amount":{rounds}}}"#)),
+                fp(&r, &p, &format!(r#"{{"amount":{written}}}"#)),
+                "{rounds}"
+            );
+        }
         assert_eq!(
             canon("[1e21, 1e20, 1e-6, 1e-7]"),
             "[1e+21,100000000000000000000,0.000001,1e-7]"
@@ -1062,9 +1080,19 @@ mod tests {
   "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
   "literals": [null, true, false]
 }"#;
+        let expected = r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#;
+        // `333333333.33333329` is not the value of the double it reads as
+        // (which writes as `333333333.3333333`), so the body is hashed raw
+        // rather than made alike to one with the other number; the writer
+        // still gives the RFC's output for it.
+        assert_eq!(canonical_json(input.as_bytes(), &[]), None);
+        let doc = Document::parse(input.as_bytes()).expect("JSON");
+        let mut out = Vec::new();
+        doc.write(&mut out);
+        assert_eq!(String::from_utf8(out).expect("UTF-8"), expected);
         assert_eq!(
-            canon(input),
-            r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#
+            canon(&input.replace("333333333.33333329", "333333333.3333333")),
+            expected
         );
     }
 
@@ -1100,12 +1128,14 @@ mod tests {
             ("-1.7976931348623157e308", "-1.7976931348623157e+308"),
             ("9007199254740992", "9007199254740992"),
             ("-9007199254740992", "-9007199254740992"),
-            ("295147905179352830000", "295147905179352830000"),
+            // Integer literals past 2^53 are not I-JSON: the same doubles
+            // as decimals.
+            ("2.9514790517935283e20", "295147905179352830000"),
             ("9.999999999999997e22", "9.999999999999997e+22"),
             ("1e23", "1e+23"),
             ("1.0000000000000001e23", "1.0000000000000001e+23"),
-            ("999999999999999700000", "999999999999999700000"),
-            ("999999999999999900000", "999999999999999900000"),
+            ("9.999999999999997e20", "999999999999999700000"),
+            ("9.999999999999999e20", "999999999999999900000"),
             ("1e21", "1e+21"),
             ("9.999999999999997e-7", "9.999999999999997e-7"),
             ("0.000001", "0.000001"),
@@ -1317,9 +1347,17 @@ mod tests {
             ),
             (
                 &[],
-                "[1e21,1e-7,-0.0,123456789012345678901,0.1,5e-324,-1.5e300,\
+                "[1e21,1e-7,-0.0,1.2345678901234568e20,0.1,5e-324,-1.5e300,\
                  9007199254740992,-9007199254740992,4.50,1E30,-0,1e20]",
                 "ff80341d549b86516abfe0b3310d896c65b5b24034113941478783e627656a1d",
+            ),
+            // Before 2026-12-04 `123456789012345678901` above (past 64
+            // bits) and literals that round were canonicalized as their
+            // nearest double; now raw.
+            (
+                &[],
+                "[1e21,123456789012345678901,1.00000000000000000001]",
+                "6b47b72d49265520fac5f729081504afed36f21d7fd43efd720a4a6c12b6abec",
             ),
             // An integer literal past 2^53: not I-JSON, hashed raw (since
             // 2026-12-02; canonicalized as its nearest double before).

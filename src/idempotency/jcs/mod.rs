@@ -62,7 +62,7 @@ enum Entry<'a> {
     Bool(bool),
     /// Every JSON number is an IEEE 754 double in RFC 8785 (§3.2.2.3).
     Number(f64),
-    /// An integer literal a double cannot hold exactly (see
+    /// A number literal whose canonical form would not be its value (see
     /// [`EXACT_INTEGERS`](parse::EXACT_INTEGERS)): the document is not
     /// I-JSON unless an ignore pointer removes it ([`Document::is_exact`]).
     Inexact(f64),
@@ -87,9 +87,10 @@ enum Entry<'a> {
 }
 
 impl Document<'_> {
-    /// False while the document still holds an integer literal a double
-    /// cannot hold exactly: it is not I-JSON, and its canonical form would
-    /// make `9007199254740993` and `9007199254740992` alike. Checked after
+    /// False while the document still holds a number literal whose
+    /// canonical form is not its value: it is not I-JSON, and its canonical
+    /// form would make `9007199254740993` and `9007199254740992` (or `1e-400`
+    /// and `0`) alike. Checked after
     /// the ignore pointers are removed, so that such a number in an ignored
     /// member (a nanosecond timestamp) does not matter. Free for documents
     /// without one.

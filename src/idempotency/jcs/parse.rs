@@ -37,9 +37,10 @@ impl std::error::Error for ParseError {}
 impl<'a> Document<'a> {
     /// Parses `body` as I-JSON (RFC 7493): JSON text that serde_json
     /// accepts, without duplicate object names (parsers disagree on which
-    /// one wins) and without numbers beyond the double range. Integers a
-    /// double cannot hold exactly (beyond ±2^53, see [`EXACT_INTEGERS`]) are
-    /// kept apart: see [`Document::is_exact`].
+    /// one wins) and without numbers beyond the double range. Numbers whose
+    /// canonical form would not be their value (integers beyond ±2^53, see
+    /// [`EXACT_INTEGERS`], and decimals that round) are kept apart: see
+    /// [`Document::is_exact`].
     pub(crate) fn parse(body: &'a [u8]) -> Result<Self, ParseError> {
         // Validated as UTF-8 once, whole, so that a string without escapes
         // is a slice of it as it stands. A body that is not UTF-8 is not
@@ -77,10 +78,13 @@ impl<'a> Document<'a> {
 /// common) would be answered with the first request's response instead
 /// of 409. I-JSON (RFC 7493 §2.2) leaves such numbers out; like a body
 /// with duplicate names, a body with one (outside the ignored members) is
-/// hashed as raw bytes, which can only err towards a 409. (Literals beyond
-/// 64 bits, negative ones beyond -2^63, and decimals with more than 15
-/// significant digits, still round: serde_json handed them over as
-/// doubles already, and the parser keeps to what it did.)
+/// hashed as raw bytes, which can only err towards a 409. Any size and
+/// sign: a literal past 64 bits is still an integer past 2^53.
+///
+/// Other literals round the same way (`1.00000000000000000001` reads as
+/// 1, `1e-400` as 0, `4.9e-324` as `5e-324`): one counts as a number
+/// only if its value is that of its double's canonical form, so that no
+/// two different numbers share one (see [`writes_as`]).
 const EXACT_INTEGERS: u64 = 1 << 53;
 
 /// How many containers may be open at once: serde_json's recursion limit
@@ -402,7 +406,8 @@ impl<'a> Parser<'a> {
         if exponent {
             (scale, at) = exponent_of(bytes, at + 1, scale)?;
         }
-        if !fraction && !exponent {
+        let integer = !fraction && !exponent;
+        if integer {
             // 19 digits always fit a u64, 21 never do.
             let magnitude = match int_digits {
                 ..=19 => Some(mantissa),
@@ -421,20 +426,34 @@ impl<'a> Parser<'a> {
         if !magnitude.is_finite() {
             return Err(error(start, "number out of range"));
         }
-        self.tape
-            .push(Entry::Number(if negative { -magnitude } else { magnitude }));
+        let value = if negative { -magnitude } else { magnitude };
+        // An integer literal that does not fit 64 bits is past 2^53. In
+        // the normal range (below it doubles have fewer digits), a decimal
+        // of at most `DBL_DIG` digits is the only one that short to read
+        // as its double, so it is what that double writes as; and zero
+        // digits read as zero. Only the rest, long literals and results
+        // that underflowed, are compared digit by digit.
+        let exact = !integer
+            && (significant <= DBL_DIG && (magnitude.is_normal() || mantissa == 0)
+                || writes_as(text.get(int_start..at).unwrap_or_default(), magnitude));
+        if exact {
+            self.tape.push(Entry::Number(value));
+        } else {
+            self.inexact = true;
+            self.tape.push(Entry::Inexact(value));
+        }
         Ok(at)
     }
 
-    /// An integer literal that fits 64 bits, as serde_json hands it over:
-    /// a `u64`, an `i64`, or (for `-0` and below -2^63) already a double.
+    /// An integer literal that fits 64 bits, as the double serde_json
+    /// reads it as (for `-0` and below -2^63 it hands over a double, the
+    /// same one).
     #[inline(always)]
     fn integer(&mut self, negative: bool, magnitude: u64) {
         match (negative, magnitude) {
             (false, m) => self.push_integer(m, m as f64),
             (true, 0) => self.tape.push(Entry::Number(-0.0)),
-            (true, m) if m <= 1 << 63 => self.push_integer(m, -(m as f64)),
-            (true, m) => self.tape.push(Entry::Number(-(m as f64))),
+            (true, m) => self.push_integer(m, -(m as f64)),
         }
     }
 
@@ -608,6 +627,95 @@ fn exact_integer(digits: &[u8]) -> Option<u64> {
     })
 }
 
+/// Significant digits a decimal may have and still be the only decimal
+/// that short to read as its double, in the normal range (`DBL_DIG`).
+const DBL_DIG: usize = 15;
+
+/// Whether `literal` (unsigned) has the value of what `value`, the double
+/// it reads as, writes as in RFC 8785 (the shortest decimal that reads as
+/// it). If every literal does, two with the same canonical form have the
+/// same value; one that does not would share its canonical form with
+/// another number.
+#[inline(never)]
+fn writes_as(literal: &str, value: f64) -> bool {
+    let mut buffer = ryu_js::Buffer::new();
+    let written = if value == 0.0 {
+        "0"
+    } else {
+        buffer.format_finite(value)
+    };
+    Decimal::of(literal.as_bytes()) == Decimal::of(written.as_bytes())
+}
+
+/// A decimal literal (unsigned, valid) by its value: its digits without
+/// leading or trailing zeros, and the power of ten of the last one, so
+/// that equal values compare equal however written. Exponents saturate:
+/// that far out, the literal read as zero or infinity already.
+#[derive(Debug)]
+struct Decimal<'t> {
+    int: &'t [u8],
+    fraction: &'t [u8],
+    /// Leading zeros, then the significant digits.
+    lead: usize,
+    len: usize,
+    exponent: i64,
+}
+
+impl<'t> Decimal<'t> {
+    fn of(text: &'t [u8]) -> Self {
+        let digits = |from: &'t [u8]| {
+            let n = from
+                .iter()
+                .position(|b| !b.is_ascii_digit())
+                .unwrap_or(from.len());
+            from.split_at(n)
+        };
+        let (int, rest) = digits(text);
+        let (fraction, rest) = match rest.split_first() {
+            Some((b'.', rest)) => digits(rest),
+            _ => (&[][..], rest),
+        };
+        let exponent = match rest.first() {
+            Some(b'e' | b'E') => exponent_of(rest, 1, 0).map_or(0, |(e, _)| e),
+            _ => 0,
+        };
+        let all = || int.iter().chain(fraction);
+        let total = int.len() + fraction.len();
+        let lead = all().take_while(|&&d| d == b'0').count();
+        let trail = if lead < total {
+            all().rev().take_while(|&&d| d == b'0').count()
+        } else {
+            0
+        };
+        let places = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        Decimal {
+            int,
+            fraction,
+            lead,
+            len: total - lead - trail,
+            exponent: exponent
+                .saturating_sub(places(fraction.len()))
+                .saturating_add(places(trail)),
+        }
+    }
+
+    fn significant(&self) -> impl Iterator<Item = &u8> + '_ {
+        self.int
+            .iter()
+            .chain(self.fraction)
+            .skip(self.lead)
+            .take(self.len)
+    }
+}
+
+impl PartialEq for Decimal<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len
+            && (self.len == 0
+                || self.exponent == other.exponent && self.significant().eq(other.significant()))
+    }
+}
+
 /// Powers of ten a double holds exactly.
 const POW10: [f64; 23] = [
     1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
@@ -693,6 +801,11 @@ fn plain_run(bytes: &[u8], from: usize) -> usize {
 /// The parser this one replaced: serde_json validates and tokenizes, and
 /// visitors append each value to the tape. Kept as the oracle the
 /// differential tests hold [`Document::parse`] to.
+///
+/// Visitors see a number's double, not its literal, which decides whether
+/// it is exact: the oracle takes the literals from the text on its own
+/// (`literals`) and decides as plainly as it can (`exact`), sharing no
+/// code with the parser's fast path or [`writes_as`].
 #[cfg(test)]
 mod oracle {
     use std::borrow::Cow;
@@ -704,13 +817,14 @@ mod oracle {
     use super::EXACT_INTEGERS;
 
     pub(super) fn parse(body: &[u8]) -> Result<Document<'_>, serde_json::Error> {
+        let text = std::str::from_utf8(body).map_err(de::Error::custom)?;
         let mut builder = Builder {
             tape: Vec::with_capacity(body.len() / 8),
             names: Vec::with_capacity(16),
             order: Vec::with_capacity(body.len() / 16),
             inexact: false,
+            literals: literals(text).into_iter(),
         };
-        let text = std::str::from_utf8(body).map_err(de::Error::custom)?;
         let mut de = serde_json::Deserializer::from_str(text);
         EntrySeed(&mut builder).deserialize(&mut de)?;
         // What `serde_json::from_slice` does after the value: only
@@ -728,6 +842,78 @@ mod oracle {
         names: Vec<usize>,
         order: Vec<usize>,
         inexact: bool,
+        /// The number literals not yet visited, in document order.
+        literals: std::vec::IntoIter<&'de str>,
+    }
+
+    /// The number literals in `text`, in order. Right for any text
+    /// serde_json accepts (where only they start with `-` or a digit
+    /// outside strings); on other text the oracle fails anyway.
+    fn literals(text: &str) -> Vec<&str> {
+        let bytes = text.as_bytes();
+        let mut found = Vec::new();
+        let mut at = 0;
+        while let Some(&b) = bytes.get(at) {
+            at += 1;
+            match b {
+                b'"' => {
+                    while let Some(&c) = bytes.get(at) {
+                        at += 1;
+                        match c {
+                            b'\\' => at += 1,
+                            b'"' => break,
+                            _ => {}
+                        }
+                    }
+                }
+                b'-' | b'0'..=b'9' => {
+                    let start = at - 1;
+                    while let Some(b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E') = bytes.get(at) {
+                        at += 1;
+                    }
+                    found.extend(text.get(start..at));
+                }
+                _ => {}
+            }
+        }
+        found
+    }
+
+    /// Whether `literal`, read as `value`, is a number of I-JSON as the
+    /// parser defines it: an integer literal up to 2^53 in magnitude, or
+    /// a decimal whose value is that of the shortest decimal reading as
+    /// `value`, compared digit by digit.
+    fn exact(literal: &str, value: f64) -> bool {
+        let unsigned = literal.trim_start_matches('-');
+        if !unsigned.contains(['.', 'e', 'E']) {
+            return unsigned
+                .parse::<u64>()
+                .is_ok_and(|magnitude| magnitude <= EXACT_INTEGERS);
+        }
+        let mut buffer = ryu_js::Buffer::new();
+        normalized(unsigned) == normalized(buffer.format(value.abs()))
+    }
+
+    /// A decimal as its significant digits and the power of ten of the
+    /// last one; zero as no digits.
+    fn normalized(decimal: &str) -> (String, i128) {
+        let (mantissa, exponent) = match decimal.split_once(['e', 'E']) {
+            Some((mantissa, exponent)) => {
+                let far = if exponent.starts_with('-') { -1 } else { 1 } * 10i128.pow(30);
+                (mantissa, exponent.parse::<i128>().unwrap_or(far))
+            }
+            None => (decimal, 0),
+        };
+        let (int, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        let digits = format!("{int}{fraction}");
+        let digits = digits.trim_start_matches('0');
+        let significant = digits.trim_end_matches('0');
+        if significant.is_empty() {
+            return (String::new(), 0);
+        }
+        let places = |n: usize| i128::try_from(n).unwrap_or(i128::MAX);
+        let exponent = exponent - places(fraction.len()) + places(digits.len() - significant.len());
+        (significant.to_owned(), exponent)
     }
 
     impl<'de> Builder<'de> {
@@ -746,12 +932,13 @@ mod oracle {
             Ok(())
         }
 
-        fn push_integer<E>(self, magnitude: u64, value: f64) -> Result<(), E> {
-            if magnitude > EXACT_INTEGERS {
-                self.0.inexact = true;
-                return self.push(Entry::Inexact(value));
+        fn push_number<E>(self, value: f64) -> Result<(), E> {
+            let literal = self.0.literals.next().unwrap_or_default();
+            if exact(literal, value) {
+                return self.push(Entry::Number(value));
             }
-            self.push(Entry::Number(value))
+            self.0.inexact = true;
+            self.push(Entry::Inexact(value))
         }
     }
 
@@ -775,16 +962,16 @@ mod oracle {
         }
 
         fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-            self.push_integer(v.unsigned_abs(), v as f64)
+            self.push_number(v as f64)
         }
 
         fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-            self.push_integer(v, v as f64)
+            self.push_number(v as f64)
         }
 
         fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
             if v.is_finite() {
-                self.push(Entry::Number(v))
+                self.push_number(v)
             } else {
                 Err(E::custom("number out of range"))
             }
@@ -907,6 +1094,10 @@ mod tests {
             "-9007199254740993",
             r#"{"to_account": 18446744073709551615}"#,
             "[-9223372036854775808]",
+            "-9223372036854775809",
+            "123456789012345678901234567890",
+            // Written as a decimal, still not the double's value.
+            "9007199254740993.0",
         ] {
             let doc = Document::parse(text.as_bytes()).expect(text);
             assert!(!doc.is_exact(), "{text}");
@@ -914,11 +1105,89 @@ mod tests {
         assert!(Document::parse(b"[1, 2.5, {\"a\": -9007199254740992}]")
             .expect("JSON")
             .is_exact());
-        // Written as a double, the sender chose a double.
+        // Written as a decimal that a double holds, the sender chose a
+        // double.
         assert_eq!(
-            canonical("[9007199254740993.0, 1e21]"),
-            "[9007199254740992,1e+21]"
+            canonical("[9007199254740992.0, 9007199254740994e0, 1e21]"),
+            "[9007199254740992,9007199254740994,1e+21]"
         );
+    }
+
+    /// What a fingerprint hashes for `json`: its canonical form, or (not
+    /// I-JSON) the bytes as sent.
+    fn hashed_as(json: &str) -> Result<String, String> {
+        let doc = Document::parse(json.as_bytes()).expect(json);
+        if !doc.is_exact() {
+            return Err(json.to_owned());
+        }
+        let mut out = Vec::new();
+        doc.write(&mut out);
+        Ok(String::from_utf8(out).expect("UTF-8"))
+    }
+
+    #[test]
+    fn numbers_no_double_tells_apart_are_hashed_apart() {
+        // The second of each pair reads as the same double as the first;
+        // the first is not what that double writes as, so it is not I-JSON.
+        for (inexact, other) in [
+            ("12345678901234567890123", "12345678901234567890124"),
+            ("12345678901234567890124", "12345678901234567890123"),
+            ("-9223372036854775809", "-9223372036854775810"),
+            ("-18446744073709551617", "-18446744073709551616"),
+            ("0.1000000000000000055511151231257827", "0.1"),
+            ("1.00000000000000000001", "1"),
+            ("1.0000000000000001", "1"),
+            ("0.30000000000000004441", "0.30000000000000004"),
+            ("1e-400", "0"),
+            ("-1e-400", "-0"),
+            ("0.0000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000001", "0"),
+            ("4.9e-324", "5e-324"),
+            ("2.4703282292062328e-324", "5e-324"),
+            ("1.2345e-320", "1.2347e-320"),
+            ("123456789012345678e-3", "123456789012345.67"),
+            ("1.7976931348623158e308", "1.7976931348623157e308"),
+            ("9007199254740993.0", "9007199254740992"),
+            ("9007199254740993e0", "9007199254740992"),
+        ] {
+            for wrap in ["{}", "{\"amount\":{}}", "[1,{},\"x\"]"] {
+                let (a, b) = (wrap.replace("{}", inexact), wrap.replace("{}", other));
+                let doc = Document::parse(a.as_bytes()).expect(&a);
+                assert!(!doc.is_exact(), "{a}");
+                assert_ne!(hashed_as(&a), hashed_as(&b), "{a} vs {b}");
+            }
+        }
+        // An ignored member may hold one (see `Document::is_exact`).
+        let mut doc = Document::parse(br#"{"a":1,"ts":1.00000000000000000001}"#).expect("JSON");
+        let root = doc.root();
+        assert!(doc.remove_member(root, "ts"));
+        assert!(doc.is_exact());
+    }
+
+    #[test]
+    fn numbers_that_write_as_they_read_stay_canonical() {
+        for (json, written) in [
+            ("0.30000000000000004", "0.30000000000000004"),
+            ("1e21", "1e+21"),
+            ("1e23", "1e+23"),
+            ("123.456", "123.456"),
+            ("-0.0", "0"),
+            ("-0", "0"),
+            ("0.000e999999999999999999", "0"),
+            ("0.00000000000000000000", "0"),
+            ("1E+2", "100"),
+            ("100.000000000000000000000", "100"),
+            ("0.100000000000000000000", "0.1"),
+            ("1.5e-5", "0.000015"),
+            ("5e-324", "5e-324"),
+            ("-2.2250738585072014e-308", "-2.2250738585072014e-308"),
+            ("2.225073858507201e-308", "2.225073858507201e-308"),
+            ("1.7976931348623157e308", "1.7976931348623157e+308"),
+            ("9007199254740992.0", "9007199254740992"),
+            ("9007199254740994.0", "9007199254740994"),
+            ("9007199254740992", "9007199254740992"),
+        ] {
+            assert_eq!(hashed_as(json), Ok(written.to_owned()), "{json}");
+        }
     }
 
     #[test]
@@ -1059,33 +1328,41 @@ mod tests {
             ("1E400", None),
             ("-1e400", None),
             ("1e999999999999999999999", None),
-            ("1e-400", number(0.0)),
-            ("-1e-999999999999999999999", number(-0.0)),
-            ("4.9e-324", number(f64::from_bits(1))),
-            ("2.4703282292062327e-324", number(0.0)),
-            ("2.4703282292062328e-324", number(f64::from_bits(1))),
+            // The double, but not a number of I-JSON: it is not what
+            // the double writes as.
+            ("1e-400", inexact(0.0)),
+            ("-1e-999999999999999999999", inexact(-0.0)),
+            ("4.9e-324", inexact(f64::from_bits(1))),
+            ("5e-324", number(f64::from_bits(1))),
+            ("2.4703282292062327e-324", inexact(0.0)),
+            ("2.4703282292062328e-324", inexact(f64::from_bits(1))),
             ("1.7976931348623157e308", number(f64::MAX)),
-            ("1.7976931348623158e308", number(f64::MAX)),
+            ("1.7976931348623158e308", inexact(f64::MAX)),
             ("1.7976931348623159e308", None),
             ("9007199254740992", number(two53)),
             ("9007199254740993", inexact(two53)),
             ("-9007199254740993", inexact(-two53)),
-            ("9007199254740993.0", number(two53)),
-            ("9007199254740993e0", number(two53)),
+            ("9007199254740993.0", inexact(two53)),
+            ("9007199254740993e0", inexact(two53)),
+            ("9007199254740994.0", number(two53 + 2.0)),
             (
                 "9007199254740993.000000000000000000000000000001",
-                number(two53 + 2.0),
+                inexact(two53 + 2.0),
             ),
             ("18446744073709551615", inexact(u64::MAX as f64)),
-            // Past 64 bits serde_json reads a double, never marked inexact.
-            ("18446744073709551616", number(2f64.powi(64))),
+            // Past 64 bits serde_json reads a double: still an integer.
+            ("18446744073709551616", inexact(2f64.powi(64))),
             ("-9223372036854775808", inexact(i64::MIN as f64)),
             // And so below -2^63, though it fits a u64.
-            ("-9223372036854775809", number(-(2f64.powi(63)))),
-            ("-18446744073709551615", number(-(u64::MAX as f64))),
-            ("-18446744073709551616", number(-(2f64.powi(64)))),
+            ("-9223372036854775809", inexact(-(2f64.powi(63)))),
+            ("-18446744073709551615", inexact(-(u64::MAX as f64))),
+            ("-18446744073709551616", inexact(-(2f64.powi(64)))),
             ("9".repeat(309).as_str(), None),
-            ("9".repeat(308).as_str(), number(1e308)),
+            ("9".repeat(308).as_str(), inexact(1e308)),
+            ("1e308", number(1e308)),
+            ("0.30000000000000004", number(0.1 + 0.2)),
+            ("0.1000000000000000055511151231257827", inexact(0.1)),
+            ("0.10000000000000000000", number(0.1)),
             ("123.456e-2", number(1.23456)),
             ("1E+2", number(100.0)),
             ("0.1", number(0.1)),
