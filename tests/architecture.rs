@@ -19,12 +19,16 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("observe", &["core", "http"]),
     ("store", &["core"]),
     ("forward", &["core", "http", "observe"]),
+    ("request", &["core"]),
     ("mcp", &[]),
-    ("idempotency", &["core", "http", "observe", "store", "mcp"]),
+    (
+        "idempotency",
+        &["core", "http", "observe", "store", "request", "mcp"],
+    ),
     ("server", &["core", "http", "observe", "forward"]),
     (
         "admin",
-        &["core", "http", "observe", "store", "idempotency"],
+        &["core", "http", "observe", "store", "request", "idempotency"],
     ),
 ];
 

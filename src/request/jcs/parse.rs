@@ -700,8 +700,8 @@ mod oracle {
 
     use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
-    use super::super::{name_at, utf16_cmp, Document, Entry};
     use super::EXACT_INTEGERS;
+    use crate::request::jcs::{name_at, utf16_cmp, Document, Entry};
 
     pub(super) fn parse(body: &[u8]) -> Result<Document<'_>, serde_json::Error> {
         let mut builder = Builder {
@@ -890,7 +890,7 @@ mod oracle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::jcs::tests::canonical;
+    use crate::request::jcs::tests::canonical;
     use proptest::prelude::*;
     use proptest::sample::{select, Index};
 
