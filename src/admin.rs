@@ -21,11 +21,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
+use crate::core::ClientCertificate;
 use crate::core::{from_millis, KeyState, Outcome, OutcomeMeta, Record, RecordKey, RecordMeta};
-use crate::http::{ClientCertificate, Problem};
-use crate::idempotency::identity::bearer;
+use crate::http::Problem;
 use crate::idempotency::Policies;
 use crate::observe::metrics::Metrics;
+use crate::request::identity::bearer;
 use crate::store::{ListWant, Removal, Removed, SharedStore, StoreError};
 
 #[derive(Clone)]
@@ -543,7 +544,7 @@ async fn lookup_key(
     })?;
     let value = axum::http::HeaderValue::from_str(&lookup.key)
         .map_err(|_| bad("`key` is not a valid header value".into()))?;
-    let key = crate::idempotency::key::parse_key(&value).map_err(|e| bad(e.to_string()))?;
+    let key = crate::request::key::parse_key(&value).map_err(|e| bad(e.to_string()))?;
     let mut request = axum::http::Request::builder();
     for (name, value) in &lookup.headers {
         request = request.header(name.as_str(), value.as_str());

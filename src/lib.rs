@@ -29,6 +29,7 @@ mod http;
 pub mod idempotency;
 pub mod mcp;
 pub mod observe;
+pub mod request;
 pub mod server;
 mod settings;
 pub mod store;

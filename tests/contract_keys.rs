@@ -7,7 +7,7 @@ use std::str::FromStr;
 
 use http::Method;
 use idemproxy::config::RouteConfig;
-use idemproxy::idempotency::key::{IdempotencyKey, InvalidKey};
+use idemproxy::request::key::{IdempotencyKey, InvalidKey};
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::raw;
 use support::upstream::TestUpstream;

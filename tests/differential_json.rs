@@ -23,8 +23,8 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 
 use http::Request;
-use idemproxy::idempotency::key::IdempotencyKey;
-use idemproxy::idempotency::key_source::{KeyRefusal, KeyRules};
+use idemproxy::request::key::IdempotencyKey;
+use idemproxy::request::key_source::{KeyRefusal, KeyRules};
 use support::proxy::{config, TestClient, TestProxy};
 use support::upstream::TestUpstream;
 

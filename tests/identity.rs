@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use http::Method;
 use idemproxy::config::{Anonymous, RouteConfig};
-use idemproxy::idempotency::identity::{IdentitySettings, TokenVerifier};
+use idemproxy::request::identity::{IdentitySettings, TokenVerifier};
 use serde_json::json;
 use support::proxy::{config, TestClient, TestProxy};
 use support::tokens::{at, jwks, Signer};

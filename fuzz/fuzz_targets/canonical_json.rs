@@ -41,7 +41,7 @@ use std::fmt;
 use std::sync::OnceLock;
 
 use http::request::Parts;
-use idemproxy::idempotency::fingerprint::{canonical_json, FingerprintRules};
+use idemproxy::request::fingerprint::{canonical_json, FingerprintRules};
 use libfuzzer_sys::fuzz_target;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 

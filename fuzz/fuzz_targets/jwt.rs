@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use idemproxy::idempotency::identity::{bearer, IdentitySettings, TokenVerifier};
+use idemproxy::request::identity::{bearer, IdentitySettings, TokenVerifier};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Map, Value};
 

@@ -5,7 +5,7 @@
 #![no_main]
 
 use http::HeaderValue;
-use idemproxy::idempotency::key::{parse_key, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
+use idemproxy::request::key::{parse_key, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

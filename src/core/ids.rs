@@ -1,6 +1,6 @@
 //! The identities every layer passes around: the store key of a (scope,
-//! key) pair, the fingerprint of a request and the fencing token of a
-//! claim. Raw keys and credentials never get past these hashes.
+//! key) pair, the fingerprint of a request, the fencing token of a claim
+//! and the client certificate a connection verified. Raw keys and credentials never get past these hashes.
 
 use std::fmt;
 
@@ -108,6 +108,14 @@ impl fmt::Debug for FencingToken {
         write!(f, "FencingToken({:08x})", (self.0 >> 96) as u32)
     }
 }
+
+/// The SHA-256 of the client certificate a connection's TLS handshake
+/// verified against `[tls] client_ca_file` (the leaf, DER). The server puts
+/// it on every request of the connection (a request extension); the
+/// `client_cert` scope and the admin API read it. Absent on plain-text
+/// connections and when no certificate was sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ClientCertificate(pub(crate) [u8; 32]);
 
 #[cfg(test)]
 mod tests {

@@ -4,8 +4,6 @@
 
 use http::{HeaderMap, HeaderName};
 
-/// The caller's key (draft-ietf-httpapi-idempotency-key-header).
-pub(crate) const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 /// The request id, generated when absent and returned to the client.
 pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// `true` on every answer served from a stored record.

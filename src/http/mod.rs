@@ -7,5 +7,5 @@ pub(crate) mod extensions;
 pub(crate) mod headers;
 pub(crate) mod problem;
 
-pub(crate) use extensions::{ClientCertificate, CloseDelimited};
+pub(crate) use extensions::CloseDelimited;
 pub(crate) use problem::Problem;

@@ -19,14 +19,11 @@ use tower::{Service, ServiceExt};
 
 use super::body::{holding, read_request_body};
 use super::detach::DetachOnDrop;
-use super::key::IdempotencyKey;
-use super::key_source::KeyRefusal;
 use super::layer::Settings;
 use super::mcp_call::McpCall;
 use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policy};
 use super::rejection::Rejection;
 use super::replay::replay;
-use super::scope::ScopeError;
 use super::settle::Settling;
 use super::store_call::{owned_begin, release_unanswered_claim, timed};
 use crate::core::{
@@ -34,6 +31,9 @@ use crate::core::{
     UnknownCause, UpstreamFailure,
 };
 use crate::observe::{trace, RequestLog, RequestOutcome};
+use crate::request::key::IdempotencyKey;
+use crate::request::key_source::KeyRefusal;
+use crate::request::scope::ScopeError;
 use crate::store::StoreError;
 
 /// One covered request, from its body to its stored outcome.

@@ -26,8 +26,6 @@ use tower::{Service, ServiceExt};
 
 use super::body::{channel_body, holding, BodySender};
 use super::exchange::{uncompressed, Claim, Exchange, Responder};
-use super::fingerprint::canonical_json;
-use super::key::{parse_key, IdempotencyKey, InvalidKey};
 use super::mcp_catalog::{consult_shared_catalog, share_catalog_after};
 use super::policy::McpRoute;
 use super::rejection::Rejection;
@@ -35,13 +33,16 @@ use crate::core::{
     from_millis, CompletedRecord, FencingToken, Fingerprint, Outcome, StoredResponse, UnknownCause,
     UpstreamFailure,
 };
-use crate::http::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_ORIGINAL_DATE, IDEMPOTENT_REPLAYED};
+use crate::http::headers::{IDEMPOTENCY_ORIGINAL_DATE, IDEMPOTENT_REPLAYED};
 use crate::mcp::message::{answer_to, KeySource};
 use crate::mcp::{
     encode, render, tool_error, Answer, BatchItem, EventParser, Framing, McpRequest, Protection,
     RunningCall,
 };
 use crate::observe::RequestOutcome;
+use crate::request::fingerprint::canonical_json;
+use crate::request::key::IDEMPOTENCY_KEY;
+use crate::request::key::{parse_key, IdempotencyKey, InvalidKey};
 
 /// Bumping this moves every MCP key to a new fingerprint (retries of
 /// calls made before would be refused as reused keys). v2: the request

@@ -17,20 +17,15 @@
 //! - `settle`: completing or releasing the key, retried while it can be;
 //! - `replay`: the answer to a retry, from the stored record.
 //!
-//! And what they are made of: [`key`] (a key's form), [`key_source`]
-//! (where it comes from: `key_from`, `derive_key`), [`fingerprint`] (over
-//! [`jcs`], RFC 8785) and [`scope`] (what "the same request" and "the same
-//! caller" mean), [`policy`] (per-route settings), [`body`] (bounded
-//! reading and relaying), [`rejection`] (the proxy's own answers).
+//! And what they are made of: [`policy`] (per-route settings), [`body`]
+//! (bounded reading and relaying), [`rejection`] (the proxy's own answers,
+//! including to a request [`crate::request`] could not read). What a
+//! request is (its key, key source, scope, identity and fingerprint) lives
+//! in [`crate::request`], which this layer reads and never the other way.
 
 mod body;
 mod detach;
 mod exchange;
-pub mod fingerprint;
-pub mod identity;
-mod jcs;
-pub mod key;
-pub mod key_source;
 mod layer;
 mod mcp_call;
 pub mod mcp_catalog;
@@ -39,7 +34,6 @@ pub mod policy;
 mod rejection;
 mod relay;
 mod replay;
-pub mod scope;
 mod service;
 mod settle;
 mod store_call;

@@ -26,12 +26,12 @@ use tower::Service;
 
 use super::body::{read_or_keep, ReadOrKeep};
 use super::exchange::{Claim, Exchange, Responder};
-use super::key::IdempotencyKey;
-use super::key_source::KeyRefusal;
 use super::rejection::Rejection;
 use crate::core::{BeginOutcome, Fingerprint, RecordKey, UpstreamFailure};
 use crate::http::headers::content_length;
 use crate::observe::RequestOutcome;
+use crate::request::key::IdempotencyKey;
+use crate::request::key_source::KeyRefusal;
 
 /// How many requests a route remembers.
 pub const REMEMBERED: usize = 100_000;

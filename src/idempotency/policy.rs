@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use http::Method;
 
-use super::fingerprint::FingerprintRules;
-use super::key_source::KeyRules;
 use super::mcp_catalog::SharedCatalog;
 use super::observe::ObserveRoute;
-use super::scope::ScopeRules;
 use crate::core::OnStale;
 use crate::mcp::{SessionCalls, ToolCatalog, ToolRules};
+use crate::request::fingerprint::FingerprintRules;
+use crate::request::key_source::KeyRules;
+use crate::request::scope::ScopeRules;
 
 /// Which status codes the proxy's own answers use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -12,11 +12,11 @@ use axum::body::Body;
 use http::header::RETRY_AFTER;
 use http::{HeaderValue, Response, StatusCode};
 
-use super::key::InvalidKey;
 use super::policy::Profile;
 use crate::core::{KeyState, UnknownCause};
 use crate::http::headers::{RETRY_AFTER_MS, STRIPE_SHOULD_RETRY, X_SHOULD_RETRY};
 use crate::http::Problem;
+use crate::request::key::InvalidKey;
 
 /// Why the proxy answered by itself instead of with the upstream's response.
 #[derive(Debug, Clone, PartialEq, Eq)]

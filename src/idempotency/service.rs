@@ -35,12 +35,12 @@ use tracing::Span;
 
 use super::body::holding;
 use super::exchange::Exchange;
-use super::key_source::HeadKey;
 use super::layer::Settings;
 use super::policy::{Policy, Profile};
 use super::rejection::Rejection;
 use crate::core::UpstreamFailure;
 use crate::observe::{trace, RequestLog, RequestOutcome};
+use crate::request::key_source::HeadKey;
 
 /// The middleware service. `S` forwards a request to the upstream; its
 /// error says whether the request could have executed

@@ -31,8 +31,8 @@ use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::TcpListener;
 use tower::{Service, ServiceExt};
 
+use crate::core::ClientCertificate;
 use crate::forward::ClientInfo;
-use crate::http::ClientCertificate;
 pub use tls::{tls_acceptor, ClientCertificates, TLS_HANDSHAKE_TIMEOUT};
 pub use tokio_rustls::TlsAcceptor;
 pub use workers::Workers;

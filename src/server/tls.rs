@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
-use crate::http::ClientCertificate;
+use crate::core::ClientCertificate;
 
 /// A client gets this long to finish its TLS handshake.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

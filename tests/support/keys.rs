@@ -9,8 +9,8 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{Method, Request};
 use idemproxy::core::{Begin, BeginOutcome, FencingToken, Fingerprint, OnStale, RecordKey};
-use idemproxy::idempotency::fingerprint::FingerprintRules;
-use idemproxy::idempotency::scope::ScopeRules;
+use idemproxy::request::fingerprint::FingerprintRules;
+use idemproxy::request::scope::ScopeRules;
 use idemproxy::store::SharedStore;
 
 /// The head of a request as the proxy sees it: `target` is the path and

@@ -37,8 +37,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use super::fingerprint::{canonical_json, validate_pointer};
-use super::key::{parse_key, IdempotencyKey, InvalidKey};
-use crate::http::headers::IDEMPOTENCY_KEY;
+use super::key::{parse_key, IdempotencyKey, InvalidKey, IDEMPOTENCY_KEY};
 
 /// Bumping this moves every derived key (retries of calls made before
 /// would execute again). v2 hashes the route's name in.

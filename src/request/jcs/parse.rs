@@ -813,8 +813,8 @@ mod oracle {
 
     use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
-    use super::super::{name_at, utf16_cmp, Document, Entry};
     use super::EXACT_INTEGERS;
+    use crate::request::jcs::{name_at, utf16_cmp, Document, Entry};
 
     pub(super) fn parse(body: &[u8]) -> Result<Document<'_>, serde_json::Error> {
         let text = std::str::from_utf8(body).map_err(de::Error::custom)?;
@@ -1077,7 +1077,7 @@ mod oracle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::jcs::tests::canonical;
+    use crate::request::jcs::tests::canonical;
     use proptest::prelude::*;
     use proptest::sample::{select, Index};
 

@@ -204,7 +204,7 @@ fn write_string<S: Sink + ?Sized>(s: &str, out: &mut S) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::jcs::tests::canonical;
+    use crate::request::jcs::tests::canonical;
     use proptest::prelude::*;
 
     fn number(value: f64) -> String {

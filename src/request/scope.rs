@@ -28,7 +28,7 @@ use http::HeaderName;
 use sha2::{Digest, Sha256};
 
 use super::identity::{bearer, TokenVerifier};
-use crate::http::ClientCertificate;
+use crate::core::ClientCertificate;
 
 /// Bumping this moves every key to a new namespace (all stored records
 /// become unreachable); do it only with the record format.
