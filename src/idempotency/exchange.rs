@@ -600,7 +600,9 @@ where
             expires_at: now.saturating_add(millis(self.policy.ttl)),
             outcome,
         };
-        self.settle(claim, token, Settling::complete(record)).await;
+        let completion = Box::new(self.settings.store.prepare(&claim.key, record));
+        self.settle(claim, token, Settling::Complete(completion))
+            .await;
     }
 
     fn upstream_done(&mut self, started: Instant) {

@@ -4,7 +4,6 @@
 //! settling call is retried: briefly while the client waits, then in the
 //! background until the claim's lease ends.
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -144,11 +143,12 @@ fn settle_backoff(attempt: u32) -> Duration {
 
 /// What a request that holds a key still has to tell the store.
 pub(super) enum Settling {
-    /// The record, and its encoding once the store made it: every try
-    /// sends the bytes of the first (see [`Store::prepare`]), so a retry
+    /// The record, encoded once before the first try (see
+    /// [`Store::prepare`]): every try sends the same bytes, so a retry
     /// whose first reply was lost is found to be the same write, and
-    /// still waits for the replicas.
-    Complete(CompletedRecord, Box<OnceLock<Completion>>),
+    /// still waits for the replicas. An encoding that failed fails every
+    /// try alike.
+    Complete(Box<Result<Completion, StoreError>>),
     Release,
 }
 
@@ -160,10 +160,6 @@ impl Settling {
         }
     }
 
-    pub(super) fn complete(record: CompletedRecord) -> Settling {
-        Settling::Complete(record, Box::default())
-    }
-
     async fn call(
         &self,
         store: &dyn Store,
@@ -171,16 +167,10 @@ impl Settling {
         token: FencingToken,
     ) -> Result<(), StoreError> {
         match self {
-            Settling::Complete(record, prepared) => {
-                let completion = match prepared.get() {
-                    Some(completion) => completion,
-                    None => {
-                        let completion = store.prepare(key, record.clone())?;
-                        prepared.get_or_init(|| completion)
-                    }
-                };
-                store.complete_prepared(key, token, completion).await
-            }
+            Settling::Complete(prepared) => match prepared.as_ref() {
+                Ok(completion) => store.complete_prepared(key, token, completion).await,
+                Err(e) => Err(e.clone()),
+            },
             Settling::Release => store.release(key, token).await,
         }
     }
@@ -207,8 +197,10 @@ async fn settled(
             true
         }
         Err(StoreError::Fenced) => {
-            if let Settling::Complete(record, _) = settling {
-                fenced(settings, key, record).await;
+            if let Settling::Complete(prepared) = settling {
+                if let Ok(completion) = prepared.as_ref() {
+                    fenced(settings, key, &completion.record).await;
+                }
             }
             true
         }
