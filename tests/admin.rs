@@ -793,11 +793,12 @@ async fn listed_stores(
     let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
     c.store.local_cache_entries = 0;
     let prefix = support::redis_server::unique_prefix("listing");
-    let redis_c = support::proxy::redis_config(
-        &upstream.url(),
-        &tokio::task::block_in_place(|| support::redis_server::shared().url()),
-        &prefix,
-    );
+    // Off the runtime's thread: these tests run on one thread, as the
+    // log-capturing test in this binary needs (see its comment).
+    let redis_url = tokio::task::spawn_blocking(|| support::redis_server::shared().url())
+        .await
+        .expect("the shared Redis starts");
+    let redis_c = support::proxy::redis_config(&upstream.url(), &redis_url, &prefix);
     let redis = idemproxy::store::redis::open(&redis_c.store)
         .await
         .expect("redis");
@@ -844,7 +845,7 @@ async fn pages(admin: &Admin<'_>, limit: usize) -> Vec<Vec<String>> {
 /// `GET /v1/keys?limit=N` holds at most N keys per page, on every store,
 /// and its `next_cursor` walks the rest: every key once. Before, a page
 /// held a whole store page (up to 500) whatever the limit.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn a_listing_page_holds_at_most_its_limit_and_the_cursor_walks_the_rest() {
     let upstream = TestUpstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
@@ -876,7 +877,7 @@ async fn a_listing_page_holds_at_most_its_limit_and_the_cursor_walks_the_rest() 
 /// (`GETRANGE`), not 20 MB (`GET`), and the embedded store, which reads
 /// whole values, stops a page once 4 MiB were read and goes on with a
 /// cursor. Before, both read every body in full, and a page held all.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn a_listing_reads_no_stored_response_and_is_bounded_by_bytes() {
     const BODY: usize = 2_000_000;
     let upstream = TestUpstream::start().await;
@@ -892,17 +893,18 @@ async fn a_listing_reads_no_stored_response_and_is_bounded_by_bytes() {
         all.sort();
         let proxy = TestProxy::start_with_store(c, store).await;
         let admin = Admin::bearer(&proxy);
-        let sent = || {
-            support::redis_server::shared()
-                .cli(&["INFO", "stats"])
+        let sent = || async {
+            tokio::task::spawn_blocking(|| support::redis_server::shared().cli(&["INFO", "stats"]))
+                .await
+                .expect("redis-cli")
                 .lines()
                 .find_map(|l| l.strip_prefix("total_net_output_bytes:"))
                 .and_then(|n| n.trim().parse::<u64>().ok())
                 .expect("total_net_output_bytes")
         };
-        let before = tokio::task::block_in_place(sent);
+        let before = sent().await;
         let listed = admin.call(Method::GET, "/v1/keys?limit=100", "").await;
-        let after = tokio::task::block_in_place(sent);
+        let after = sent().await;
         assert_eq!(listed.status, 200, "{listed:?}");
         let page = listed.json();
         let keys = page["keys"].as_array().expect("keys");
