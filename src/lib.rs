@@ -50,7 +50,7 @@ use tower_http::request_id::{
     PropagateRequestId, PropagateRequestIdLayer, SetRequestId, SetRequestIdLayer,
 };
 
-use admin::AdminState;
+use admin::{AdminState, AdminToken};
 pub use config::Config;
 use config::{ConfigError, StoreKind, UpstreamConfig};
 use forward::{Forward, Upstream};
@@ -156,8 +156,7 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
         store_timeout: config.store.timeout,
         metrics: metrics.clone(),
         policies: Arc::new(policies),
-        token_digest: AdminState::token_digest(config.admin_token.as_deref()),
-        failures: Arc::default(),
+        token: Arc::new(AdminToken::new(config.admin_token.as_deref())),
     });
     let tls = config
         .tls

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use idemproxy::config::{Config, FlagOverrides, LogFormat, StoreKind};
+use idemproxy::config::{Config, ConfigError, FlagOverrides, LogFormat, StoreKind};
 use idemproxy::observe::log_format::{JsonLines, PlainFields, PlainLines};
 use idemproxy::observe::log_writer::{BatchedWriter, FlushGuard};
 use idemproxy::observe::otlp::{self, TraceExport, TraceGuard};
@@ -122,75 +122,34 @@ fn main() -> ExitCode {
         Some(Command::Keys(command)) => return block_on(idemproxy::tools::keys::run(command)),
         Some(Command::DemoApi) => {
             let listen = cli.flags.listen.unwrap_or(([127, 0, 0, 1], 3000).into());
-            return block_on(async move {
-                let listener = tokio::net::TcpListener::bind(listen).await?;
-                println!("demo payments API on http://{listen}");
-                axum::serve(listener, idemproxy::demo::router())
-                    .with_graceful_shutdown(shutdown_signal())
-                    .await?;
-                Ok(())
-            });
+            return block_on(serve_demo_api(listen));
         }
         _ => {}
     }
-    let flags = FlagOverrides {
-        listen: cli.flags.listen,
-        admin_listen: cli.flags.admin_listen,
-        upstream_url: cli.flags.upstream,
-        store_kind: cli.flags.store,
-        store_path: cli.flags.store_path,
-        redis_url: cli.flags.redis_url,
-    };
     let demo = matches!(cli.command, Some(Command::Demo));
-    let flags = if demo {
-        // The demo's upstream is its own API; its store is a local directory.
-        FlagOverrides {
-            store_path: flags.store_path.or(Some("idemproxy-demo-data".into())),
-            ..flags
-        }
-    } else {
-        flags
-    };
-    let loaded = Config::load_from_process(cli.flags.config.as_deref(), &flags)
-        .and_then(|config| idemproxy::validate(&config).map(|()| config));
-    let config = match loaded {
+    let config = match load_config(&cli.flags, demo) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("idemproxy: {e}");
             return ExitCode::from(2);
         }
     };
-    if matches!(cli.command, Some(Command::Check)) {
-        print!("{}", idemproxy::effective_toml(&config));
-        for variable in &config.ignored_env {
-            eprintln!("ignored {variable}: it names no configuration field");
-        }
-        eprintln!("configuration is valid");
-        return ExitCode::SUCCESS;
-    }
-    if let Some(Command::Store(StoreCommand::TrainDictionary {
-        out,
-        from_dir,
-        samples,
-        size,
-    })) = cli.command
-    {
-        let options = idemproxy::tools::TrainOptions {
+    match cli.command {
+        Some(Command::Check) => return check(&config),
+        Some(Command::Store(StoreCommand::TrainDictionary {
+            out,
             from_dir,
             samples,
-            max_len: size,
-        };
-        return block_on(async move {
-            let report = idemproxy::tools::train_dictionary(&config, &options).await?;
-            std::fs::write(&out, &report.dictionary)
-                .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
-            print!("{report}");
-            println!(
-                "wrote {}; set store.compression_dictionary to it (and keep the one it replaces in previous_compression_dictionaries until its records expired)",
-                out.display()
-            );
-            Ok(())
-        });
+            size,
+        })) => {
+            let options = idemproxy::tools::TrainOptions {
+                from_dir,
+                samples,
+                max_len: size,
+            };
+            return block_on(train_dictionary(config, options, out));
+        }
+        _ => {}
     }
     let _telemetry = match init_telemetry(&config) {
         Ok(telemetry) => telemetry,
@@ -209,6 +168,65 @@ fn main() -> ExitCode {
             idemproxy::run(config, shutdown_signal()).await
         }
     })
+}
+
+/// The demo payments API alone (`idemproxy demo-api`), for a proxy run
+/// apart to stand in front of.
+async fn serve_demo_api(listen: SocketAddr) -> Result<(), idemproxy::Error> {
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    println!("demo payments API on http://{listen}");
+    axum::serve(listener, idemproxy::demo::router())
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+/// The configuration from the file, the environment and `flags`,
+/// validated. The demo's upstream is its own API and its store a local
+/// directory.
+fn load_config(flags: &Flags, demo: bool) -> Result<Config, ConfigError> {
+    let mut overrides = FlagOverrides {
+        listen: flags.listen,
+        admin_listen: flags.admin_listen,
+        upstream_url: flags.upstream.clone(),
+        store_kind: flags.store,
+        store_path: flags.store_path.clone(),
+        redis_url: flags.redis_url.clone(),
+    };
+    if demo {
+        overrides.store_path = overrides.store_path.or(Some("idemproxy-demo-data".into()));
+    }
+    let config = Config::load_from_process(flags.config.as_deref(), &overrides)?;
+    idemproxy::validate(&config)?;
+    Ok(config)
+}
+
+/// `idemproxy check`: the effective configuration, and what was ignored.
+fn check(config: &Config) -> ExitCode {
+    print!("{}", idemproxy::effective_toml(config));
+    for variable in &config.ignored_env {
+        eprintln!("ignored {variable}: it names no configuration field");
+    }
+    eprintln!("configuration is valid");
+    ExitCode::SUCCESS
+}
+
+/// `idemproxy store train-dictionary`: trains on the store's records (or
+/// a directory of samples) and writes the dictionary to `out`.
+async fn train_dictionary(
+    config: Config,
+    options: idemproxy::tools::TrainOptions,
+    out: PathBuf,
+) -> Result<(), idemproxy::Error> {
+    let report = idemproxy::tools::train_dictionary(&config, &options).await?;
+    std::fs::write(&out, &report.dictionary)
+        .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+    print!("{report}");
+    println!(
+        "wrote {}; set store.compression_dictionary to it (and keep the one it replaces in previous_compression_dictionaries until its records expired)",
+        out.display()
+    );
+    Ok(())
 }
 
 fn block_on(work: impl std::future::Future<Output = Result<(), idemproxy::Error>>) -> ExitCode {

@@ -373,19 +373,7 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
             let record = match (hash, key) {
                 (Some(hash), _) => client.show(hash).await?,
                 (None, Some(key)) => {
-                    let headers = headers
-                        .iter()
-                        .map(|header| {
-                            header
-                                .split_once(':')
-                                .map(|(name, value)| {
-                                    (name.trim().to_owned(), value.trim().to_owned())
-                                })
-                                .ok_or_else(|| {
-                                    format!("--header {header:?}: expected `name: value`")
-                                })
-                        })
-                        .collect::<Result<Vec<_>, _>>()?;
+                    let headers = parse_headers(headers)?;
                     client.lookup(key, route.as_deref(), &headers).await?
                 }
                 (None, None) => return Err("give --hash or --key".into()),
@@ -395,30 +383,50 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
         KeysCommand::Forget {
             hash, force, yes, ..
         } => {
-            // Read first, so that a hash that names no record says so, and
-            // so that the question shows what would be forgotten. A record
-            // that does not read is forgotten like any other (it is how an
-            // operator clears one); the question then shows why.
-            let shown = match client.show(hash).await {
-                Ok(record) => render_record(&record),
-                Err(e) if is_refused(&e, "record-unreadable") => format!("{e}\n"),
-                Err(e) => return Err(e),
-            };
-            if !yes && std::io::stdin().is_terminal() {
-                eprint!(
-                    "{shown}Forget this key? Its next retry will execute the request again. [y/N] "
-                );
-                let mut answer = String::new();
-                std::io::stdin().read_line(&mut answer)?;
-                if !matches!(answer.trim(), "y" | "Y" | "yes") {
-                    return Err("not forgotten".into());
-                }
-            }
-            let forgotten = client.forget(hash, *force).await?;
+            let forgotten = forget(&client, hash, *force, *yes).await?;
             print(&forgotten, format!("forgot {hash}\n"));
         }
     }
     Ok(())
+}
+
+/// `keys forget`: reads the record first, so that a hash that names no
+/// record says so and the question shows what would be forgotten. A
+/// record that does not read is forgotten like any other (it is how an
+/// operator clears one); the question then shows why.
+async fn forget(
+    client: &AdminClient,
+    hash: &str,
+    force: bool,
+    yes: bool,
+) -> Result<serde_json::Value, Error> {
+    let shown = match client.show(hash).await {
+        Ok(record) => render_record(&record),
+        Err(e) if is_refused(&e, "record-unreadable") => format!("{e}\n"),
+        Err(e) => return Err(e),
+    };
+    if !yes && std::io::stdin().is_terminal() {
+        eprint!("{shown}Forget this key? Its next retry will execute the request again. [y/N] ");
+        let mut answer = String::new();
+        std::io::stdin().read_line(&mut answer)?;
+        if !matches!(answer.trim(), "y" | "Y" | "yes") {
+            return Err("not forgotten".into());
+        }
+    }
+    client.forget(hash, force).await
+}
+
+/// `--header "name: value"` options, as (name, value) pairs.
+fn parse_headers(headers: &[String]) -> Result<Vec<(String, String)>, Error> {
+    headers
+        .iter()
+        .map(|header| {
+            header
+                .split_once(':')
+                .map(|(name, value)| (name.trim().to_owned(), value.trim().to_owned()))
+                .ok_or_else(|| format!("--header {header:?}: expected `name: value`").into())
+        })
+        .collect()
 }
 
 #[cfg(test)]

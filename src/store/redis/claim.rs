@@ -4,7 +4,7 @@
 
 use bytes::Bytes;
 
-use super::connect::Conn;
+use super::connections::Conn;
 use super::value::{pexpire_ms, stored, stored_pending};
 use super::{redis_error, SCRIPTS};
 use crate::core::{decide_begin, Begin, BeginOutcome, PendingRecord, Record, UnixMillis};

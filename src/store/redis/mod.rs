@@ -81,7 +81,7 @@
 //! multiplexed connection; it reconnects by itself). Cluster: the async
 //! cluster connection (one multiplexed connection per node). Each traffic
 //! worker gets connections of its own, opened on its event loop (see
-//! [`LoopConnections`](connect::LoopConnections)); everything else shares
+//! [`LoopConnections`](connections::LoopConnections)); everything else shares
 //! the connections opened at startup. Connection attempts and
 //! responses have timeouts of their own, so nothing waits forever even
 //! without the caller's `store.timeout`; a dead Redis surfaces as
@@ -91,9 +91,12 @@
 
 mod claim;
 mod connect;
+mod connections;
 mod removals;
+mod remove;
 mod sentinel;
 mod value;
+mod walk;
 
 pub use connect::{check_url, redact_url};
 
@@ -107,20 +110,15 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr
 use redis::{RedisError, Script, Value};
 
 use self::claim::{claim_unless_held, decide_read, swap};
-use self::connect::{Conn, LoopConnections};
+use self::connections::{Conn, LoopConnections};
 use self::removals::RemovalChannel;
-use self::value::{
-    claim_id, pexpire_ms, read_stored, read_stored_meta, stored_completed, stored_expires_at,
-    unexpected, Reply, META_FRONT_LEN,
-};
+use self::value::{claim_id, pexpire_ms, read_stored, stored_completed, unexpected, Reply};
 use super::RemovalWatcher;
 use super::{
     Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor, ScanPage, SharedStore,
     Store, StoreError,
 };
-use crate::core::{
-    new_claim, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
-};
+use crate::core::{new_claim, Clock, CompletedRecord, FencingToken, Record, RecordKey};
 
 struct Scripts {
     settle: Script,
@@ -139,9 +137,6 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 /// Reads of a key that a guarded removal makes before it gives up: each
 /// one after the first follows a value that changed under `remove.lua`.
 const REMOVE_ATTEMPTS: usize = 5;
-
-/// `SCAN` steps one page of a listing takes at most ([`Store::list`]).
-const MAX_SCAN_STEPS: usize = 1000;
 
 /// How many times `begin` reads a key, each read after the first following
 /// a `swap` that found it changed. Each change means another proxy wrote the
@@ -263,196 +258,6 @@ impl RedisStore {
     /// [`LoopConnections`]).
     fn conn(&self) -> Conn {
         self.loops.current().unwrap_or_else(|| self.shared.clone())
-    }
-
-    /// Tells the other replicas' caches that `key` was removed. The record
-    /// is gone whatever happens here, so a failure is logged, not returned:
-    /// a replica that missed the message replays from its cache for at
-    /// most the cache's `max_age` (an operator who retries the removal
-    /// announces it again).
-    async fn announce_removal(&self, key: &RecordKey) {
-        let published = redis::cmd("PUBLISH")
-            .arg(self.removals.name())
-            .arg(&key.as_bytes()[..])
-            .query_async::<i64>(&mut self.conn())
-            .await;
-        if let Err(e) = &published {
-            tracing::warn!(
-                key = %key.hex(),
-                error = %e,
-                "removed, but other replicas were not told: their local caches may replay it for up to a minute"
-            );
-        }
-    }
-
-    /// Deletes `key`'s record unless `removal` keeps it, and announces the
-    /// removal to the other replicas' caches.
-    async fn remove_and_announce(
-        &self,
-        key: &RecordKey,
-        removal: Removal,
-    ) -> Result<Removed, StoreError> {
-        let removed = self.delete_read(key, removal).await?;
-        // A running claim left in place changed nothing to announce. Any
-        // other answer is announced even when nothing was there: a removal
-        // whose answer was lost (its caller timed out after the deletion
-        // ran) is retried, finds nothing, and must still reach the other
-        // replicas' caches.
-        if !matches!(removed, Removed::Leased { .. }) {
-            self.announce_removal(key).await;
-        }
-        Ok(removed)
-    }
-
-    /// Deletes what the key holds, whatever it is (`Removal::Any`), or
-    /// anything but a running claim (`Removal::UnlessLeased`). Either way
-    /// the key is read, then deleted only if it still holds what was read
-    /// (`remove.lua`): a request that claimed the key after the read keeps
-    /// its claim, and a deletion sent again (its connection broke before
-    /// the reply) finds the value changed instead of deleting a newer
-    /// claim. A key that changed under the script is read again.
-    async fn delete_read(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
-        let name = self.redis_key(key);
-        for _ in 0..REMOVE_ATTEMPTS {
-            let now = self.clock.now_millis();
-            let read: Result<Option<Vec<u8>>, RedisError> = redis::cmd("GET")
-                .arg(&name)
-                .query_async(&mut self.conn())
-                .await;
-            let value = match read {
-                Ok(None) => return Ok(Removed::Absent),
-                Ok(Some(value)) => Bytes::from(value),
-                // Not a string, so no record of this store's, nor a claim.
-                Err(e) if e.code() == Some("WRONGTYPE") => {
-                    if self.delete_foreign(&name).await? {
-                        return Ok(Removed::Deleted);
-                    }
-                    continue;
-                }
-                Err(e) => return Err(redis_error(e)),
-            };
-            // A value that does not decode is no running claim: removing it
-            // is how an operator clears it.
-            let running = read_stored(&value)
-                .ok()
-                .and_then(|record| running_lease(&record, now));
-            if let (Removal::UnlessLeased, Some(until)) = (removal, running) {
-                return Ok(Removed::Leased { until });
-            }
-            let deleted: i64 = SCRIPTS
-                .remove
-                .key(&name)
-                .arg(&value[..])
-                .invoke_async(&mut self.conn())
-                .await
-                .map_err(redis_error)?;
-            if deleted == 1 {
-                // A value without a readable expiry counts as live.
-                return Ok(if stored_expires_at(&value).is_none_or(|exp| exp > now) {
-                    Removed::Deleted
-                } else {
-                    Removed::Absent
-                });
-            }
-        }
-        Err(StoreError::Unavailable(format!(
-            "the key changed under each of {REMOVE_ATTEMPTS} attempts to remove it: it is in use, try again"
-        )))
-    }
-
-    /// Deletes a key that holds no string (a hash of an earlier build, or
-    /// anything else) if it still holds none (`remove_foreign.lua`): a
-    /// claim written since it was read is a string, and is left alone.
-    async fn delete_foreign(&self, name: &str) -> Result<bool, StoreError> {
-        let deleted: i64 = SCRIPTS
-            .remove_foreign
-            .key(name)
-            .invoke_async(&mut self.conn())
-            .await
-            .map_err(redis_error)?;
-        Ok(deleted == 1)
-    }
-
-    /// One `SCAN` step of a walk from `cursor` (see [`Store::scan`]): the
-    /// record keys it met with their Redis names, and the cursor after it
-    /// (`None`: the walk is over).
-    async fn scan_keys(
-        &self,
-        cursor: &ScanCursor,
-        count: usize,
-    ) -> Result<(Vec<(RecordKey, String)>, Option<String>), StoreError> {
-        let bad_cursor = || StoreError::InvalidCursor(cursor.as_str().to_owned());
-        let mut parts = cursor.as_str().splitn(3, ':');
-        let (node, position, layout) = match (parts.next(), parts.next(), parts.next()) {
-            (Some(""), None, None) => (0, "0", None),
-            (Some(position), None, None) => (0, position, None),
-            (Some(node), Some(position), layout) => (
-                node.parse::<usize>().map_err(|_| bad_cursor())?,
-                position,
-                layout,
-            ),
-            _ => return Err(bad_cursor()),
-        };
-        let position = position.parse::<u64>().map_err(|_| bad_cursor())?;
-        let mut scan = redis::cmd("SCAN");
-        scan.arg(position)
-            .arg("MATCH")
-            .arg(format!("{}*", glob_escaped(&self.prefix)))
-            .arg("COUNT")
-            .arg(count.max(1));
-        let mut conn = self.conn();
-        let (reply, next) = match &mut conn {
-            Conn::Cluster(cluster) => {
-                let primaries = cluster_primaries(cluster).await?;
-                let now_layout = primaries_layout(&primaries);
-                let Some((host, port)) = primaries
-                    .get(node)
-                    .filter(|_| layout.is_none_or(|began| began == now_layout))
-                else {
-                    return Err(StoreError::WalkInterrupted(format!(
-                        "the cluster's primaries changed since the walk began (a failover, or a node added or removed): now {}",
-                        primaries
-                            .iter()
-                            .map(|(host, port)| format!("{host}:{port}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )));
-                };
-                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                    host: host.clone(),
-                    port: *port,
-                });
-                let reply = cluster
-                    .route_command(scan, routing)
-                    .await
-                    .map_err(redis_error)?;
-                let (position, keys): (u64, Vec<String>) =
-                    redis::from_redis_value(reply).map_err(|e| unexpected(&e.to_string()))?;
-                let next = match position {
-                    0 if node + 1 < primaries.len() => Some(format!("{}:0:{now_layout}", node + 1)),
-                    0 => None,
-                    position => Some(format!("{node}:{position}:{now_layout}")),
-                };
-                (keys, next)
-            }
-            _ if layout.is_some() => return Err(bad_cursor()),
-            _ => {
-                let (position, keys): (u64, Vec<String>) =
-                    scan.query_async(&mut conn).await.map_err(redis_error)?;
-                (keys, (position != 0).then(|| position.to_string()))
-            }
-        };
-        let keys = reply
-            .into_iter()
-            .filter_map(|name| {
-                let key = name
-                    .strip_prefix(self.prefix.as_str())
-                    .and_then(|tagged| tagged.strip_prefix('{')?.strip_suffix('}'))
-                    .and_then(RecordKey::from_hex)?;
-                Some((key, name))
-            })
-            .collect();
-        Ok((keys, next))
     }
 
     /// Reads the time from `clock` instead of the wall clock.
@@ -691,141 +496,12 @@ impl Store for RedisStore {
         self.removals.follow(invalidator);
     }
 
-    /// The walk of [`Self::scan`], reading the front of each value alone
-    /// (`GETRANGE`, never the stored response). A `SCAN` step may meet more
-    /// keys than the page has room for: the cursor then carries the rest
-    /// of them (`<scan cursor>|<hex>,<hex>…`, `end` for a scan cursor when
-    /// `SCAN` was over), which the next page reads first, so no record is
-    /// passed over. `SCAN`'s `COUNT` follows the room left (8 to 32), which
-    /// keeps that rest, and the cursor, short.
     async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
-        let bad_cursor = || StoreError::InvalidCursor(cursor.as_str().to_owned());
-        let (position, rest) = match cursor.as_str().split_once('|') {
-            Some((position, rest)) => (position, rest),
-            None => (cursor.as_str(), ""),
-        };
-        let mut position = (position != "end").then(|| ScanCursor::new(position.to_owned()));
-        let mut pending = std::collections::VecDeque::new();
-        for hex in rest.split(',').filter(|hex| !hex.is_empty()) {
-            pending.push_back(RecordKey::from_hex(hex).ok_or_else(bad_cursor)?);
-        }
-        let now = self.clock.now_millis();
-        let mut page = ListPage::default();
-        let (mut bytes, mut steps) = (0, 0);
-        // A keyspace mostly of other keys than this prefix's can take many
-        // `SCAN` steps per record found: bounded too.
-        while !want.full(page.held(), page.examined, bytes) && steps < MAX_SCAN_STEPS {
-            let room = want
-                .limit
-                .saturating_sub(page.held())
-                .min(want.max_examined.saturating_sub(page.examined))
-                .max(1);
-            if pending.is_empty() {
-                let Some(at) = position.take() else {
-                    break;
-                };
-                steps += 1;
-                let (keys, next) = self.scan_keys(&at, room.clamp(8, 32)).await?;
-                pending.extend(keys.into_iter().map(|(key, _)| key));
-                position = next.map(ScanCursor::new);
-                continue;
-            }
-            // Read at once (pipelined), as many as the page may still
-            // hold; what it has no room for goes back.
-            let chunk: Vec<RecordKey> = pending.drain(..room.min(pending.len()).min(500)).collect();
-            let fronts = futures_util::future::join_all(chunk.iter().map(|key| {
-                let (mut conn, name) = (self.conn(), self.redis_key(key));
-                async move {
-                    redis::cmd("GETRANGE")
-                        .arg(name)
-                        .arg(0)
-                        .arg(META_FRONT_LEN - 1)
-                        .query_async::<Vec<u8>>(&mut conn)
-                        .await
-                }
-            }))
-            .await;
-            for (i, (key, front)) in chunk.iter().zip(fronts).enumerate() {
-                if want.full(page.held(), page.examined, bytes) {
-                    for key in chunk[i..].iter().rev() {
-                        pending.push_front(*key);
-                    }
-                    break;
-                }
-                let read = match front {
-                    // Expired or removed since SCAN saw it.
-                    Ok(front) if front.is_empty() => continue,
-                    Ok(front) => {
-                        bytes += front.len();
-                        read_stored_meta(&front)
-                    }
-                    Err(e) => Err(redis_error(e)),
-                };
-                match read {
-                    Ok(meta) => page.file(want, *key, Ok(meta), now),
-                    Err(StoreError::Corrupt(why)) => page.file(want, *key, Err(why), now),
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        if !pending.is_empty() || position.is_some() {
-            let at = position.as_ref().map_or("end", ScanCursor::as_str);
-            let rest: Vec<String> = pending.iter().map(RecordKey::to_hex).collect();
-            let text = if rest.is_empty() {
-                at.to_owned()
-            } else {
-                format!("{at}|{}", rest.join(","))
-            };
-            page.next = Some(ScanCursor::new(text));
-        }
-        Ok(page)
+        self.list_page(cursor, want).await
     }
 
-    /// `SCAN` with the prefix as its pattern (never `KEYS`, which blocks
-    /// Redis for the whole keyspace), then a `GET` per key found. On a
-    /// cluster, every primary in turn (ordered by address): the cursor
-    /// names the node, its `SCAN` cursor, and the set of primaries the walk
-    /// began on. A failover or a node added or removed since then would
-    /// move the walk to another node or past one in silence; it ends the
-    /// walk with [`StoreError::WalkInterrupted`] instead.
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
-        let (keys, next) = self.scan_keys(cursor, count).await?;
-        let now = self.clock.now_millis();
-        let mut page = ScanPage {
-            records: Vec::with_capacity(keys.len()),
-            unreadable: Vec::new(),
-            next: next.map(ScanCursor::new),
-        };
-        // All at once: the connection pipelines them, so a page costs
-        // about one round trip, not one per key (500 of them to a Redis a
-        // millisecond away would outlast any timeout).
-        let values = futures_util::future::join_all(keys.iter().map(|(_, name)| {
-            let mut conn = self.conn();
-            async move {
-                redis::cmd("GET")
-                    .arg(name)
-                    .query_async::<Option<Vec<u8>>>(&mut conn)
-                    .await
-            }
-        }))
-        .await;
-        for ((key, _), value) in keys.into_iter().zip(values) {
-            // A key that does not read is listed apart, not fatal to the
-            // page: one bad value must not hide every other record.
-            let read = match value {
-                Ok(Some(value)) => read_stored(&Bytes::from(value)),
-                // Expired or removed since SCAN saw it.
-                Ok(None) => continue,
-                Err(e) => Err(redis_error(e)),
-            };
-            match read {
-                Ok(record) if record.expires_at() > now => page.records.push((key, record)),
-                Ok(_expired) => {}
-                Err(StoreError::Corrupt(why)) => page.unreadable.push((key, why)),
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(page)
+        self.scan_page(cursor, count).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -838,65 +514,6 @@ impl Store for RedisStore {
     fn kind(&self) -> &'static str {
         self.kind
     }
-}
-
-/// A short name for a set of primaries (sorted by address), carried in a
-/// cluster walk's cursor: 16 hex digits of a SHA-256, the same in every
-/// process, so any replica can go on with a walk another began.
-fn primaries_layout(primaries: &[(String, u16)]) -> String {
-    use sha2::{Digest, Sha256};
-    let mut hash = Sha256::new();
-    for (host, port) in primaries {
-        hash.update(format!("{host}:{port},"));
-    }
-    hex::encode(&hash.finalize()[..8])
-}
-
-/// `text` with the characters a `SCAN` pattern treats specially escaped.
-fn glob_escaped(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 4);
-    for c in text.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\' | '^') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// The cluster's primaries that are up and serve slots, as `(host, port)`
-/// ordered by address, from `CLUSTER NODES` (any node answers for all). A
-/// master without slots holds no records, and the connection may not know
-/// it yet (it learns nodes from the slot map): a walk passes it by.
-async fn cluster_primaries(
-    cluster: &mut redis::cluster_async::ClusterConnection,
-) -> Result<Vec<(String, u16)>, StoreError> {
-    let reply = cluster
-        .route_command(
-            redis::cmd("CLUSTER").arg("NODES").clone(),
-            RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
-        )
-        .await
-        .map_err(redis_error)?;
-    let text: String = redis::from_redis_value(reply).map_err(|e| unexpected(&e.to_string()))?;
-    let mut primaries: Vec<(String, u16)> = text
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let address = fields.nth(1)?;
-            let flags = fields.next()?;
-            // Then master id, ping, pong, epoch, link state, and its
-            // slots, if any.
-            let serves = fields.nth(5).is_some();
-            let up = flags.split(',').any(|f| f == "master")
-                && !flags.split(',').any(|f| f == "fail" || f == "noaddr")
-                && serves;
-            let (host, port) = address.split(['@', ',']).next()?.rsplit_once(':')?;
-            up.then(|| Some((host.to_owned(), port.parse().ok()?)))?
-        })
-        .collect();
-    primaries.sort();
-    Ok(primaries)
 }
 
 /// A failed command. A value of the wrong type under a record key (for the

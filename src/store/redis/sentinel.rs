@@ -6,7 +6,7 @@
 //! node answers `READONLY` because it was demoted, or `MASTERDOWN`), the
 //! Sentinels are asked again for the primary, a connection is opened to
 //! what they name, and the call is sent once more (every command this
-//! store sends is safe to repeat: see [`super::connect::Conn`]). Callers
+//! store sends is safe to repeat: see [`super::connections::Conn`]). Callers
 //! that saw the same connection fail share one lookup. While the
 //! Sentinels still name the dead primary (before they agree on the
 //! failover), calls fail and their requests are answered 503: nothing is

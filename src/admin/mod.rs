@@ -19,14 +19,16 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 
+mod auth;
+
+pub use self::auth::{AdminToken, Peer};
+use self::auth::{TokenRefusal, FAILURE_WINDOW, MAX_FAILURES};
 use crate::core::ClientCertificate;
 use crate::core::{from_millis, KeyState, Outcome, OutcomeMeta, Record, RecordKey, RecordMeta};
 use crate::http::Problem;
 use crate::idempotency::Policies;
 use crate::observe::metrics::Metrics;
-use crate::request::identity::bearer;
 use crate::store::{ListWant, Removal, Removed, SharedStore, StoreError};
 
 #[derive(Clone)]
@@ -35,110 +37,17 @@ pub struct AdminState {
     pub store_timeout: Duration,
     pub metrics: Arc<Metrics>,
     pub policies: Arc<Policies>,
-    /// SHA-256 of the configured token, so comparisons take the same time
-    /// whatever the guess. `None`: the key API is refused.
-    pub token_digest: Option<[u8; 32]>,
+    /// Who may use the key API.
+    pub token: Arc<AdminToken>,
     /// The traffic's executions: closed once the proxy drains, which
     /// `/readyz` reports so that a load balancer stops sending traffic the
     /// proxy would only answer 503 `shutting-down`.
     pub tasks: tokio_util::task::TaskTracker,
-    /// Failed attempts at the key API, for its rate limit.
-    pub failures: Arc<FailedAttempts>,
-}
-
-/// Failed attempts at the admin token allowed per peer and window: past
-/// them that peer's wrong tokens are answered 429 until its window ends,
-/// so the token cannot be guessed at line rate. Only failures count, and
-/// only the failing peer's: the right token is checked first and never
-/// refused, so nobody who can reach the admin port can lock the operators
-/// out by failing on purpose. With tokens of at least 32 bytes (checked at
-/// startup) guessing is hopeless anyway; this keeps a misbehaving script
-/// from hammering the listener.
-const MAX_FAILURES: u32 = 100;
-const FAILURE_WINDOW: Duration = Duration::from_secs(10);
-
-/// Peers whose failures are remembered at once. A table that is full even
-/// after forgetting ended windows counts a new peer as over its limit:
-/// many addresses failing together (an IPv6 range) cannot push out the
-/// one being limited, and costs nobody with the right token anything.
-const MAX_PEERS: usize = 4096;
-
-/// Who failed: the peer's address, an IPv6 peer by its /64 (one host
-/// commonly holds the whole prefix). `None` when the listener gave no
-/// address (the router served without connection info, as in unit tests).
-type PeerId = Option<std::net::IpAddr>;
-
-/// The failures of each peer's current window.
-#[derive(Debug, Default)]
-pub struct FailedAttempts(
-    std::sync::Mutex<std::collections::HashMap<PeerId, (std::time::Instant, u32)>>,
-);
-
-impl FailedAttempts {
-    fn peers(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<PeerId, (std::time::Instant, u32)>>
-    {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Counts one failure of `peer`; whether it is over the limit, this
-    /// one included.
-    fn failed(&self, peer: PeerId) -> bool {
-        let mut peers = self.peers();
-        let now = std::time::Instant::now();
-        if !peers.contains_key(&peer) && peers.len() >= MAX_PEERS {
-            peers.retain(|_, (started, _)| now.duration_since(*started) < FAILURE_WINDOW);
-            if peers.len() >= MAX_PEERS {
-                return true;
-            }
-        }
-        let (started, failures) = peers.entry(peer).or_insert((now, 0));
-        if now.duration_since(*started) >= FAILURE_WINDOW {
-            (*started, *failures) = (now, 0);
-        }
-        *failures = failures.saturating_add(1);
-        *failures > MAX_FAILURES
-    }
-}
-
-/// The admin connection's peer, from the listener's connection info.
-#[derive(Debug)]
-pub struct Peer(PeerId);
-
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Peer {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut axum::http::request::Parts,
-        _: &S,
-    ) -> Result<Self, Self::Rejection> {
-        let ip = parts
-            .extensions
-            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-            .map(|info| match info.0.ip().to_canonical() {
-                std::net::IpAddr::V6(v6) => {
-                    let mut octets = v6.octets();
-                    octets[8..].fill(0);
-                    std::net::IpAddr::V6(octets.into())
-                }
-                v4 => v4,
-            });
-        Ok(Peer(ip))
-    }
 }
 
 impl std::fmt::Debug for AdminState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AdminState").finish_non_exhaustive()
-    }
-}
-
-impl AdminState {
-    pub fn token_digest(token: Option<&str>) -> Option<[u8; 32]> {
-        token.map(|t| Sha256::digest(t.as_bytes()).into())
     }
 }
 
@@ -196,6 +105,36 @@ struct AdminProblem {
     detail: String,
 }
 
+impl From<TokenRefusal> for AdminProblem {
+    fn from(refusal: TokenRefusal) -> Self {
+        let (status, slug, detail) = match refusal {
+            TokenRefusal::Disabled => (
+                StatusCode::FORBIDDEN,
+                "admin-disabled",
+                "The key API is disabled: set admin_token (or IDEMPROXY_ADMIN_TOKEN).".into(),
+            ),
+            TokenRefusal::RateLimited => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "admin-rate-limited",
+                format!(
+                    "More than {MAX_FAILURES} failed attempts at the admin token from this address within {}s; try again shortly.",
+                    FAILURE_WINDOW.as_secs()
+                ),
+            ),
+            TokenRefusal::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "admin-unauthorized",
+                "A valid `Authorization: Bearer <admin_token>` header is required.".into(),
+            ),
+        };
+        AdminProblem {
+            status,
+            slug,
+            detail,
+        }
+    }
+}
+
 impl IntoResponse for AdminProblem {
     fn into_response(self) -> Response {
         let title = self.status.canonical_reason().unwrap_or("Error");
@@ -212,47 +151,6 @@ impl IntoResponse for AdminProblem {
         }
         response
     }
-}
-
-fn authorize(state: &AdminState, peer: &Peer, headers: &HeaderMap) -> Result<(), AdminProblem> {
-    let Some(expected) = state.token_digest else {
-        return Err(AdminProblem {
-            status: StatusCode::FORBIDDEN,
-            slug: "admin-disabled",
-            detail: "The key API is disabled: set admin_token (or IDEMPROXY_ADMIN_TOKEN).".into(),
-        });
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| bearer(v.as_bytes()));
-    // Digests compared in constant time: how long the comparison takes
-    // says nothing of how much of a guess was right.
-    let ok = given.is_some_and(|g| {
-        let digest: [u8; 32] = Sha256::digest(g.as_bytes()).into();
-        let differing = digest
-            .iter()
-            .zip(expected.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
-        std::hint::black_box(differing) == 0
-    });
-    if ok {
-        return Ok(());
-    }
-    if state.failures.failed(peer.0) {
-        return Err(AdminProblem {
-            status: StatusCode::TOO_MANY_REQUESTS,
-            slug: "admin-rate-limited",
-            detail: format!(
-                "More than {MAX_FAILURES} failed attempts at the admin token from this address within {}s; try again shortly.",
-                FAILURE_WINDOW.as_secs()
-            ),
-        });
-    }
-    Err(AdminProblem {
-        status: StatusCode::UNAUTHORIZED,
-        slug: "admin-unauthorized",
-        detail: "A valid `Authorization: Bearer <admin_token>` header is required.".into(),
-    })
 }
 
 fn parse_hash(hash: &str) -> Result<RecordKey, AdminProblem> {
@@ -304,7 +202,7 @@ async fn show_key(
     headers: HeaderMap,
     Path(hash): Path<String>,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &peer, &headers)?;
+    state.token.check(&peer, &headers)?;
     read(&state, parse_hash(&hash)?).await
 }
 
@@ -315,7 +213,7 @@ async fn delete_key(
     Path(hash): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &peer, &headers)?;
+    state.token.check(&peer, &headers)?;
     let key = parse_hash(&hash)?;
     // A claim whose lease runs is a request executing now (or one whose
     // proxy died moments ago): deleted, its retry would execute while the
@@ -434,7 +332,7 @@ async fn list_keys(
     // read, and a bad one is a problem+json like every answer here.
     query: Result<Query<ListQuery>, QueryRejection>,
 ) -> Result<Json<Value>, AdminProblem> {
-    authorize(&state, &peer, &headers)?;
+    state.token.check(&peer, &headers)?;
     let bad = |detail: String| AdminProblem {
         status: StatusCode::BAD_REQUEST,
         slug: "invalid-list",
@@ -528,7 +426,7 @@ async fn lookup_key(
 ) -> Result<Json<Value>, AdminProblem> {
     // The body is parsed only once the caller is authenticated, and a bad
     // one is a problem+json like every other answer of the key API.
-    authorize(&state, &peer, &headers)?;
+    state.token.check(&peer, &headers)?;
     let bad = |detail: String| AdminProblem {
         status: StatusCode::BAD_REQUEST,
         slug: "invalid-lookup",
