@@ -632,3 +632,156 @@ fn strongly_connected(edges: &[BTreeSet<usize>]) -> Vec<Vec<usize>> {
     }
     s.out
 }
+
+/// Non-test lines a source file may hold, and lines a function may span
+/// (issue 38): a reader holds each on one screen or two.
+const MAX_FILE_LINES: usize = 600;
+const MAX_FN_LINES: usize = 80;
+
+/// Files (`path`) and functions (`path::name`) over those limits, not yet
+/// split: a ratchet like [`KNOWN_CYCLE`], that only shrinks.
+const TOO_LONG: &[&str] = &[
+    "src/config/mod.rs",
+    "src/idempotency/exchange.rs",
+    "src/idempotency/exchange.rs::run",
+    "src/idempotency/mcp_call.rs",
+    "src/idempotency/mcp_call.rs::list_tools",
+    "src/idempotency/mcp_call.rs::relay_events",
+    "src/idempotency/mcp_call.rs::start_mcp",
+    "src/idempotency/rejection.rs::detail",
+    "src/idempotency/service.rs::call",
+    "src/mcp/message.rs::parse",
+    "src/request/jcs/parse.rs",
+    "src/request/jcs/parse.rs::close_object",
+    "src/request/jcs/parse.rs::document",
+];
+
+/// Every source file of the workspace, under `src/` and each member's
+/// `crates/*/src/`, keyed by its path from the repository root.
+fn workspace_sources() -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut roots = vec![root.join("src")];
+    if let Ok(members) = std::fs::read_dir(root.join("crates")) {
+        for member in members {
+            let src = member.expect("a directory entry").path().join("src");
+            if src.is_dir() {
+                roots.push(src);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    for src in roots {
+        for file in rust_files(&src) {
+            let name = file
+                .strip_prefix(root)
+                .expect("under the repository")
+                .to_string_lossy()
+                .replace('\\', "/");
+            let text = std::fs::read_to_string(&file).expect("read a source file");
+            files.push((name, text));
+        }
+    }
+    files
+}
+
+#[test]
+fn files_and_functions_fit_on_a_screen() {
+    let mut too_long = BTreeSet::new();
+    for (name, text) in workspace_sources() {
+        too_long.extend(overlong(&name, &text));
+    }
+    let known: BTreeSet<String> = TOO_LONG.iter().map(|f| f.to_string()).collect();
+    let new: Vec<_> = too_long.difference(&known).collect();
+    let fixed: Vec<_> = known.difference(&too_long).collect();
+    assert!(
+        new.is_empty(),
+        "over {MAX_FILE_LINES} non-test lines (a file) or {MAX_FN_LINES} lines (a function): {new:?}"
+    );
+    assert!(
+        fixed.is_empty(),
+        "within the limits now, take them off TOO_LONG: {fixed:?}"
+    );
+}
+
+/// What of `text` is over the limits: the file itself (`name`), counting
+/// the lines before its `#[cfg(test)] mod`, and each function
+/// (`name::function`) from its `fn` line to the `}` at its indentation.
+fn overlong(name: &str, text: &str) -> Vec<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let code = lines
+        .windows(2)
+        .position(|pair| {
+            pair[0].trim() == "#[cfg(test)]" && {
+                let next = pair[1].trim_start();
+                next.starts_with("mod ") || next.starts_with("pub(crate) mod ")
+            }
+        })
+        .unwrap_or(lines.len());
+    let mut found = Vec::new();
+    if code > MAX_FILE_LINES {
+        found.push(name.to_owned());
+    }
+    for (start, line) in lines[..code].iter().enumerate() {
+        let Some(function) = function_name(line) else {
+            continue;
+        };
+        let indent = &line[..line.len() - line.trim_start().len()];
+        let end = lines[start + 1..code]
+            .iter()
+            .position(|l| l.strip_prefix(indent) == Some("}"))
+            .map(|offset| start + 1 + offset);
+        if end.is_some_and(|end| end - start + 1 > MAX_FN_LINES) {
+            found.push(format!("{name}::{function}"));
+        }
+    }
+    found
+}
+
+/// The name of the function `line` begins with a body, if it does.
+fn function_name(line: &str) -> Option<&str> {
+    let mut rest = line.trim_start();
+    if rest.starts_with("//") || rest.trim_end().ends_with(';') {
+        return None;
+    }
+    if let Some(after) = rest.strip_prefix("pub") {
+        rest = match after.strip_prefix('(') {
+            Some(scope) => scope.split_once(')')?.1,
+            None => after,
+        }
+        .trim_start();
+    }
+    for qualifier in ["const ", "async ", "unsafe "] {
+        rest = rest.strip_prefix(qualifier).unwrap_or(rest);
+    }
+    let name = rest.strip_prefix("fn ")?;
+    let end = name
+        .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .unwrap_or(name.len());
+    (end > 0).then(|| &name[..end])
+}
+
+/// The checker on planted sources: a long function and a long file are
+/// found, a long test module and a declaration are not.
+#[test]
+fn an_overlong_file_or_function_is_found() {
+    let body = |n: usize| "    let x = 1;\n".repeat(n);
+    let long_fn = format!("pub(crate) async fn long() {{\n{}}}\n", body(MAX_FN_LINES));
+    assert_eq!(overlong("a.rs", &long_fn), ["a.rs::long"]);
+    let short_fn = format!("fn short() {{\n{}}}\n", body(MAX_FN_LINES - 2));
+    assert!(overlong("a.rs", &short_fn).is_empty());
+    let nested = format!(
+        "impl A {{\n    fn inner() {{\n    {}    }}\n}}\n",
+        body(MAX_FN_LINES)
+    );
+    assert_eq!(overlong("a.rs", &nested), ["a.rs::inner"]);
+    let long_file = "const A: u8 = 1;\n".repeat(MAX_FILE_LINES + 1);
+    assert_eq!(overlong("a.rs", &long_file), ["a.rs"]);
+    let long_tests = format!(
+        "fn f() {{}}\n#[cfg(test)]\nmod tests {{\n{}fn long() {{\n{}}}\n}}\n",
+        "const A: u8 = 1;\n".repeat(MAX_FILE_LINES),
+        body(MAX_FN_LINES)
+    );
+    assert!(overlong("a.rs", &long_tests).is_empty());
+    assert!(function_name("    fn declared(&self);").is_none());
+    assert!(function_name("    // fn commented() {").is_none());
+}
