@@ -16,9 +16,9 @@
 #   FUZZ_SANITIZER=X    cargo-fuzz sanitizer: none (default) or address.
 #                       idemproxy forbids unsafe code, so AddressSanitizer
 #                       only watches its dependencies; without it the build
-#                       takes ~2 min less (of ~7 on 2 cores) and targets run
-#                       ~5x faster. Debug assertions and overflow checks
-#                       stay on either way. Use address for long local runs.
+#                       is shorter and targets run ~5x faster. Debug
+#                       assertions and overflow checks stay on either way.
+#                       Use address for long local runs.
 #   CARGO_BUILD_JOBS=N  parallel compile jobs, as for any cargo build
 set -euo pipefail
 

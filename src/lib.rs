@@ -22,20 +22,23 @@
 
 pub mod admin;
 pub mod config;
-pub mod core;
 pub mod demo;
 pub mod forward;
 mod http;
 pub mod idempotency;
 pub mod mcp;
 pub mod observe;
-pub mod request;
 pub mod server;
 mod settings;
 pub mod store;
 #[cfg(test)]
 mod testing;
 pub mod tools;
+
+// The pure layers live in crates/idemproxy-core (its docs say why); named
+// here as they always were, `crate::core::…` and `idemproxy::request::…`.
+// `mcp` re-exports that crate's and adds what waits on tokio.
+pub use idemproxy_core::{core, request};
 
 use std::future::Future;
 use std::sync::Arc;

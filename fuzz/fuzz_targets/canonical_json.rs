@@ -1,5 +1,6 @@
 //! JSON canonicalization and request fingerprints
-//! (src/idempotency/fingerprint/mod.rs over src/idempotency/jcs/).
+//! (crates/idemproxy-core/src/request/fingerprint/mod.rs over
+//! crates/idemproxy-core/src/request/jcs/).
 //!
 //! - `canonical_json(body, &[])` never panics, and is differential-tested
 //!   against `serde_json_canonicalizer` (the test oracle the crate itself
@@ -41,7 +42,7 @@ use std::fmt;
 use std::sync::OnceLock;
 
 use http::request::Parts;
-use idemproxy::request::fingerprint::{canonical_json, FingerprintRules};
+use idemproxy_core::request::fingerprint::{canonical_json, FingerprintRules};
 use libfuzzer_sys::fuzz_target;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 

@@ -1,5 +1,5 @@
-//! Bearer tokens (src/idempotency/identity.rs): `bearer` and
-//! `TokenVerifier::verify` never panic on any input, and nothing verifies
+//! Bearer tokens (crates/idemproxy-core/src/request/identity.rs): `bearer`
+//! and `TokenVerifier::verify` never panic on any input, and nothing verifies
 //! that the key set's owners did not sign.
 //!
 //! The verifier holds the key set of `fixtures/jwt.json`: an Ed25519, a
@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use idemproxy::request::identity::{bearer, IdentitySettings, TokenVerifier};
+use idemproxy_core::request::identity::{bearer, IdentitySettings, TokenVerifier};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Map, Value};
 

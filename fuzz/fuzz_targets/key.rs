@@ -1,11 +1,12 @@
-//! `Idempotency-Key` parsing (src/idempotency/key.rs): `parse_key` on any
-//! header value and `IdempotencyKey::from_str` on any text never panic, and
-//! what they accept and refuse obeys the rules that file documents.
+//! `Idempotency-Key` parsing (crates/idemproxy-core/src/request/key.rs):
+//! `parse_key` on any header value and `IdempotencyKey::from_str` on any
+//! text never panic, and what they accept and refuse obeys the rules that
+//! file documents.
 
 #![no_main]
 
 use http::HeaderValue;
-use idemproxy::request::key::{parse_key, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
+use idemproxy_core::request::key::{parse_key, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

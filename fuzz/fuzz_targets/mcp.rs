@@ -1,5 +1,6 @@
-//! The MCP route's message handling (src/mcp/): `McpRequest::parse`,
-//! `answer_to` and the incremental SSE parser never panic on any bytes.
+//! The MCP route's message handling (crates/idemproxy-core/src/mcp/):
+//! `McpRequest::parse`, `answer_to` and the incremental SSE parser never
+//! panic on any bytes.
 //!
 //! - `EventParser`: "Splits a stream of chunks into events", keeping each
 //!   event's bytes. The events (raw bytes, data, id) and the bytes left
@@ -20,9 +21,9 @@
 
 #![no_main]
 
-use idemproxy::mcp::message::{answer_to, Answer, KeySource};
 use bytes::Bytes;
-use idemproxy::mcp::{Event, EventParser, McpRequest};
+use idemproxy_core::mcp::message::{answer_to, Answer, KeySource};
+use idemproxy_core::mcp::{Event, EventParser, McpRequest};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 

@@ -1,5 +1,5 @@
-//! The packed layout of stored responses (src/store/compression/): what a
-//! store hands back is bytes anyone with access to Redis or the data file
+//! The packed layout of stored responses (crates/idemproxy-core/src/packed/): what
+//! a store hands back is bytes anyone with access to Redis or the data file
 //! could have written, zstd frames included, so unpacking must report,
 //! never panic, and never allocate past its ceiling.
 //!
@@ -14,7 +14,7 @@
 use std::sync::OnceLock;
 
 use bytes::Bytes;
-use idemproxy::store::compression::{Dictionary, Packer};
+use idemproxy_core::packed::{Dictionary, Packer};
 use libfuzzer_sys::fuzz_target;
 
 /// The ceiling on what a frame may declare: small, so that a frame

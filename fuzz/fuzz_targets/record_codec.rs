@@ -1,4 +1,4 @@
-//! The record codec (src/core/record.rs): what a store hands back is bytes
+//! The record codec (crates/idemproxy-core/src/core/record.rs): what a store hands back is bytes
 //! anyone with access to Redis or the data file could have written, so
 //! decoding must report, never panic.
 //!
@@ -19,7 +19,7 @@
 #![no_main]
 
 use bytes::Bytes;
-use idemproxy::core::{
+use idemproxy_core::core::{
     DecodeError, Outcome, PendingRecord, Record, StoredResponse, FORMAT_VERSION,
 };
 use libfuzzer_sys::fuzz_target;

@@ -275,7 +275,7 @@ impl Metrics {
     }
 
     /// Brings `log_lines_dropped_total` up to `total`, the log writer's own
-    /// count ([`crate::log_writer::dropped_lines`]).
+    /// count ([`crate::observe::log_writer::dropped_lines`]).
     pub fn sync_log_lines_dropped(&self, total: u64) {
         self.log_lines_dropped
             .inner()

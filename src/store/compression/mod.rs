@@ -30,12 +30,15 @@
 //!
 //! The local replay cache sits above this wrapper and keeps unpacked
 //! responses: a cached replay costs no decompression.
+//!
+//! The packed layout and its codec ([`Packer`], [`Dictionary`]) are pure
+//! and live in `idemproxy_core::packed`, where the fuzz targets reach them
+//! without building the proxy; this module adds the store wrapper and
+//! dictionary training.
 
-mod dictionary;
-mod packer;
-
-pub use dictionary::{train, Dictionary, DictionaryId};
-pub use packer::{payload, Packer, UnpackError, KNOWN_NAMES, LEVEL};
+pub use idemproxy_core::packed::{
+    payload, Dictionary, DictionaryId, Packer, UnpackError, KNOWN_NAMES, LEVEL,
+};
 
 use super::codec::{CodecStore, OutcomeCodec};
 use super::StoreError;
@@ -66,4 +69,16 @@ impl OutcomeCodec for Packer {
                 .map_err(|e| format!("a packed response that does not unpack: {e}")),
         )
     }
+}
+
+/// Trains a dictionary of at most `max_len` bytes from `samples` (zstd's
+/// COVER trainer). zstd wants about a hundred times the dictionary's size
+/// in samples; it refuses far fewer, which the error says.
+pub fn train<S: AsRef<[u8]>>(samples: &[S], max_len: usize) -> Result<Vec<u8>, String> {
+    zstd::dict::from_samples(samples, max_len).map_err(|e| {
+        format!(
+            "zstd could not train a dictionary from {} samples ({e}); give it more samples",
+            samples.len()
+        )
+    })
 }

@@ -33,7 +33,7 @@
 //! - `begin` is one `SET key claim NX GET PX lease+ttl` (Redis 7.0 or later):
 //!   it claims a free key, and otherwise leaves the key alone and returns
 //!   what it holds, which the proxy decides on with
-//!   [`decide_begin`](super::decide_begin), like every store. No script
+//!   [`decide_begin`](crate::core::decide_begin), like every store. No script
 //!   runs, so a replay costs Redis one plain command. Only when the answer
 //!   is a record to replace (expired by the proxies' clock, or a claim whose
 //!   holder died) does a second call follow: `swap.lua` replaces the value

@@ -9,8 +9,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// they are shared by processes: restarts of the embedded store, replicas
 /// on Redis. Cheap to copy.
 ///
-/// [`Clock::wall`] in production. [`Clock::tokio`] follows tokio's clock
-/// from the wall time at which it was made: under `tokio::time::pause()` it
+/// [`Clock::wall`] in production. `Clock::tokio` (with this crate's
+/// `tokio` feature, which the proxy turns on) follows tokio's clock from
+/// the wall time at which it was made: under `tokio::time::pause()` it
 /// stands still until the test advances it, together with every sleep and
 /// timeout of the request path, so a lease can run out without waiting
 /// for it.
@@ -21,6 +22,7 @@ pub struct Clock(Source);
 enum Source {
     #[default]
     Wall,
+    #[cfg(feature = "tokio")]
     Tokio {
         origin_millis: UnixMillis,
         origin: tokio::time::Instant,
@@ -34,6 +36,7 @@ impl Clock {
     }
 
     /// Wall time now, advancing as tokio's clock does from here on.
+    #[cfg(feature = "tokio")]
     pub fn tokio() -> Self {
         Self(Source::Tokio {
             origin_millis: now_millis(),
@@ -44,6 +47,7 @@ impl Clock {
     /// `origin_millis` now, advancing as tokio's clock does from here on:
     /// for a test that reads records written at a known instant (a fixture
     /// from an earlier build) as if it were then.
+    #[cfg(feature = "tokio")]
     pub fn tokio_from(origin_millis: UnixMillis) -> Self {
         Self(Source::Tokio {
             origin_millis,
@@ -55,6 +59,7 @@ impl Clock {
     pub fn now_millis(&self) -> UnixMillis {
         match self.0 {
             Source::Wall => now_millis(),
+            #[cfg(feature = "tokio")]
             Source::Tokio {
                 origin_millis,
                 origin,
@@ -98,6 +103,7 @@ pub fn millis(d: Duration) -> u64 {
 mod tests {
     use super::*;
 
+    #[cfg(feature = "tokio")]
     #[tokio::test(start_paused = true)]
     async fn a_tokio_clock_moves_only_with_tokio_time() {
         let clock = Clock::tokio();

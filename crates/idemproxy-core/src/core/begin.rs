@@ -133,7 +133,7 @@ pub fn decide_begin(
     }
 }
 
-/// Which records [`Store::remove`] deletes.
+/// Which records the proxy's `Store::remove` deletes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Removal {
     /// Whatever the record holds (the admin API's `?force=true`).
@@ -144,7 +144,7 @@ pub enum Removal {
     UnlessLeased,
 }
 
-/// What [`Store::remove`] did.
+/// What the proxy's `Store::remove` did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Removed {
     /// A live record was there and is gone.

@@ -27,7 +27,7 @@ use std::str::FromStr;
 use http::{HeaderName, HeaderValue};
 
 /// The caller's key (draft-ietf-httpapi-idempotency-key-header).
-pub(crate) const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// The longest key accepted, in characters (keys are ASCII, so also bytes).
 pub const MAX_KEY_LEN: usize = 255;

@@ -16,8 +16,7 @@ pub use begin::{
 };
 pub use clock::{from_millis, millis, now_millis, to_millis, Clock, UnixMillis, LAST_DATE_MILLIS};
 pub use failure::UpstreamFailure;
-pub(crate) use ids::ClientCertificate;
-pub use ids::{FencingToken, Fingerprint, KeyHex, RecordKey};
+pub use ids::{ClientCertificate, FencingToken, Fingerprint, KeyHex, RecordKey};
 pub use record::{
     CompletedRecord, DecodeError, KeyState, Outcome, OutcomeMeta, PendingRecord, Record,
     RecordMeta, StoredResponse, UnknownCause, FORMAT_VERSION,

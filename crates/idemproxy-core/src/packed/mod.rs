@@ -1,5 +1,8 @@
 //! The packed layout of a stored response, and the codec that writes and
-//! reads it (see the [`super`] docs for why and when).
+//! reads it: what `store.compression` stores (DESIGN §2; the main crate's
+//! `store::compression` wraps a store in it and says why and when). Pure:
+//! zstd and postcard over bytes, no store and no I/O but
+//! [`Dictionary::load`]'s one file read.
 //!
 //! ```text
 //! packed   = layout payload                       layout 1: payload as is
@@ -23,8 +26,11 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use zstd::zstd_safe::{self, CCtx, CParameter, DCtx};
 
-use super::dictionary::{Dictionary, DictionaryId};
 use crate::core::StoredResponse;
+
+mod dictionary;
+
+pub use dictionary::{Dictionary, DictionaryId};
 
 const LAYOUT_PLAIN: u8 = 1;
 const LAYOUT_ZSTD: u8 = 2;

@@ -115,7 +115,7 @@ impl fmt::Debug for FencingToken {
 /// `client_cert` scope and the admin API read it. Absent on plain-text
 /// connections and when no certificate was sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct ClientCertificate(pub(crate) [u8; 32]);
+pub struct ClientCertificate(pub [u8; 32]);
 
 #[cfg(test)]
 mod tests {

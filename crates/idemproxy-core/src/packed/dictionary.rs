@@ -1,12 +1,13 @@
 //! zstd dictionaries (`store.compression_dictionary`): loaded from a file,
-//! named by an id derived from their bytes, trained from samples.
+//! named by an id derived from their bytes (trained from samples by the
+//! main crate's `store::compression::train`).
 
 use std::path::Path;
 
 use sha2::{Digest, Sha256};
 use zstd::zstd_safe::{CDict, DDict};
 
-use super::packer::LEVEL;
+use super::LEVEL;
 
 /// What a record stores to name the dictionary it was compressed with: the
 /// first four bytes of the SHA-256 of the dictionary file. A different file
@@ -117,16 +118,4 @@ impl Dictionary {
     pub(super) fn decompression(&self) -> &DDict<'static> {
         &self.decompression
     }
-}
-
-/// Trains a dictionary of at most `max_len` bytes from `samples` (zstd's
-/// COVER trainer). zstd wants about a hundred times the dictionary's size
-/// in samples; it refuses far fewer, which the error says.
-pub fn train<S: AsRef<[u8]>>(samples: &[S], max_len: usize) -> Result<Vec<u8>, String> {
-    zstd::dict::from_samples(samples, max_len).map_err(|e| {
-        format!(
-            "zstd could not train a dictionary from {} samples ({e}); give it more samples",
-            samples.len()
-        )
-    })
 }
