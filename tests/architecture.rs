@@ -752,28 +752,19 @@ const TOO_LONG: &[&str] = &[
     "src/idempotency/mcp_call.rs::start_mcp",
     "src/idempotency/rejection.rs::detail",
     "src/idempotency/service.rs::call",
-    "src/mcp/message.rs::parse",
-    "src/request/jcs/parse.rs",
-    "src/request/jcs/parse.rs::close_object",
-    "src/request/jcs/parse.rs::document",
+    "crates/idemproxy-core/src/mcp/message.rs::parse",
+    "crates/idemproxy-core/src/request/jcs/parse.rs",
+    "crates/idemproxy-core/src/request/jcs/parse.rs::close_object",
+    "crates/idemproxy-core/src/request/jcs/parse.rs::document",
 ];
 
-/// Every source file of the workspace, under `src/` and each member's
-/// `crates/*/src/`, keyed by its path from the repository root.
+/// Every source file of [`SOURCES`], keyed by its path from the
+/// repository root.
 fn workspace_sources() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut roots = vec![root.join("src")];
-    if let Ok(members) = std::fs::read_dir(root.join("crates")) {
-        for member in members {
-            let src = member.expect("a directory entry").path().join("src");
-            if src.is_dir() {
-                roots.push(src);
-            }
-        }
-    }
     let mut files = Vec::new();
-    for src in roots {
-        for file in rust_files(&src) {
+    for src in SOURCES {
+        for file in rust_files(&root.join(src)) {
             let name = file
                 .strip_prefix(root)
                 .expect("under the repository")
