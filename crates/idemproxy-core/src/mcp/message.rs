@@ -181,42 +181,66 @@ impl ToolCall {
             Some(Value::Object(arguments)) => arguments.clone(),
             Some(_) => return malformed("`params.arguments` must be an object"),
         };
+        let spelled = match Spelled::read(body) {
+            Ok(spelled) => spelled,
+            Err(why) => return malformed(&why),
+        };
+        McpRequest::Call(ToolCall {
+            id,
+            name,
+            arguments,
+            params: params.clone(),
+            params_members: spelled.params,
+            arguments_members: spelled.arguments,
+            arguments_span: spelled.arguments_span,
+        })
+    }
+}
+
+/// The members of a call's `params` and `params.arguments` as the body
+/// spells them, which splicing the key argument out works from, and where
+/// the arguments are in the body.
+struct Spelled {
+    params: Vec<Member>,
+    arguments: Vec<Member>,
+    arguments_span: Option<Range<usize>>,
+}
+
+impl Spelled {
+    /// Reads them from `body`; why not, when a part is not an object or a
+    /// name is given twice.
+    fn read(body: &[u8]) -> Result<Self, String> {
         // serde_json took the body, so it is UTF-8 and its objects parse
         // again, member by member.
-        let Ok(text) = std::str::from_utf8(body) else {
-            return malformed("the body is not UTF-8");
-        };
-        let Some(top) = members(text, text) else {
-            return malformed("the message is not an object");
-        };
+        let text = std::str::from_utf8(body).map_err(|_| "the body is not UTF-8")?;
+        let top = members(text, text).ok_or("the message is not an object")?;
         // Parsers differ on a name given twice (the first or the last
         // wins): the proxy would key and fingerprint another call than
         // the server runs.
         if let Some(twice) = repeated(&top) {
-            return malformed(&format!("the member `{twice}` is given twice"));
+            return Err(format!("the member `{twice}` is given twice"));
         }
         let raw_params = top
             .iter()
             .find(|(m, _)| m.name == "params")
             .map(|(_, v)| *v);
-        let Some(params_members) = raw_params.and_then(|raw| members(text, raw.get())) else {
-            return malformed("`params` must be an object");
-        };
-        if let Some(twice) = repeated(&params_members) {
-            return malformed(&format!("the member `params.{twice}` is given twice"));
+        let params = raw_params
+            .and_then(|raw| members(text, raw.get()))
+            .ok_or("`params` must be an object")?;
+        if let Some(twice) = repeated(&params) {
+            return Err(format!("the member `params.{twice}` is given twice"));
         }
-        let raw_arguments = params_members
+        let raw_arguments = params
             .iter()
             .find(|(m, _)| m.name == "arguments")
             .map(|(_, v)| *v)
             .filter(|raw| raw.get().starts_with('{'));
-        let (arguments_members, arguments_span) = match raw_arguments {
+        let (arguments, arguments_span) = match raw_arguments {
             Some(raw) => {
-                let Some(members) = members(text, raw.get()) else {
-                    return malformed("`params.arguments` must be an object");
-                };
+                let members =
+                    members(text, raw.get()).ok_or("`params.arguments` must be an object")?;
                 if let Some(twice) = repeated(&members) {
-                    return malformed(&format!(
+                    return Err(format!(
                         "the member `params.arguments.{twice}` is given twice"
                     ));
                 }
@@ -227,13 +251,9 @@ impl ToolCall {
         };
         let strip =
             |members: Vec<(Member, &RawValue)>| members.into_iter().map(|(m, _)| m).collect();
-        McpRequest::Call(ToolCall {
-            id,
-            name,
-            arguments,
-            params: params.clone(),
-            params_members: strip(params_members),
-            arguments_members: strip(arguments_members),
+        Ok(Self {
+            params: strip(params),
+            arguments: strip(arguments),
             arguments_span,
         })
     }

@@ -22,6 +22,7 @@
 //! vectors in `fingerprint.rs`.
 
 mod parse;
+mod scan;
 mod write;
 
 use std::borrow::Cow;

@@ -13,26 +13,12 @@
 //! the same documents on arbitrary and corrupted input.
 
 use std::borrow::Cow;
-use std::fmt;
 
+use super::scan::{
+    digits, error, escaped, exact_integer, exponent_of, fast_double, plain_run, skip_space,
+    slow_double, sort_key, writes_as, ParseError, DBL_DIG,
+};
 use super::{name_at, utf16_cmp, Document, Entry};
-
-/// Why a body is not I-JSON, and where that showed. Only for debugging:
-/// the caller hashes such a body raw whatever the reason.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct ParseError {
-    /// Byte offset into the body.
-    at: usize,
-    reason: &'static str,
-}
-
-impl fmt::Display for ParseError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} at byte {}", self.reason, self.at)
-    }
-}
-
-impl std::error::Error for ParseError {}
 
 impl<'a> Document<'a> {
     /// Parses `body` as I-JSON (RFC 7493): JSON text that serde_json
@@ -45,10 +31,7 @@ impl<'a> Document<'a> {
         // Validated as UTF-8 once, whole, so that a string without escapes
         // is a slice of it as it stands. A body that is not UTF-8 is not
         // JSON text either (RFC 8259 section 8.1).
-        let text = std::str::from_utf8(body).map_err(|e| ParseError {
-            at: e.valid_up_to(),
-            reason: "not UTF-8",
-        })?;
+        let text = std::str::from_utf8(body).map_err(|e| error(e.valid_up_to(), "not UTF-8"))?;
         let mut parser = Parser {
             text,
             // Guesses that save typical bodies most of the regrowing.
@@ -127,32 +110,106 @@ struct LastObject {
     order: [u8; LAST_MAX],
 }
 
+/// The innermost open container while [`Parser::document`] reads: the
+/// position of its header on the tape, how many are open, and whether it
+/// is an object. Copied around rather than kept in the parser, so that it
+/// stays in registers.
+#[derive(Clone, Copy, Default)]
+struct Open {
+    head: usize,
+    depth: usize,
+    in_object: bool,
+}
+
+impl Open {
+    /// The container whose header is at `head`, opened inside this one.
+    #[inline(always)]
+    fn enter(self, head: usize, in_object: bool) -> Self {
+        Self {
+            head,
+            depth: self.depth + 1,
+            in_object,
+        }
+    }
+}
+
+impl LastObject {
+    /// Sorts the names `own` of an object (at least two), refusing a
+    /// duplicate (`at` is for the error); remembers the order they sort
+    /// in if `remember` and their keys all differ.
+    fn sort(
+        &mut self,
+        tape: &[Entry<'_>],
+        own: &mut [(u64, usize)],
+        remember: bool,
+        at: usize,
+    ) -> Result<(), ParseError> {
+        let len = own.len();
+        // The names as they came, to remember the order they sort in.
+        let mut came = [(0, 0); LAST_MAX];
+        if remember {
+            for (to, &from) in came.iter_mut().zip(own.iter()) {
+                *to = from;
+            }
+        }
+        let name = |at| name_at(tape, at);
+        own.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| utf16_cmp(name(a.1), name(b.1))));
+        let mut distinct = true;
+        for (a, b) in own.iter().zip(own.iter().skip(1)) {
+            if a.0 == b.0 {
+                if name(a.1) == name(b.1) {
+                    return Err(error(at, "duplicate object key"));
+                }
+                distinct = false;
+            }
+        }
+        if !(remember && distinct) {
+            return Ok(());
+        }
+        self.len = 0;
+        let came = came.get(..len).unwrap_or_default();
+        for (to, &(key, _)) in self.keys.iter_mut().zip(came) {
+            *to = key;
+        }
+        // Positions grow in document order, so `came` is sorted by them:
+        // each name's index is always found.
+        let mut found = 0;
+        for (to, &(_, at)) in self.order.iter_mut().zip(own.iter()) {
+            let index = came.binary_search_by_key(&at, |&(_, at)| at).ok();
+            if let Some(index) = index.and_then(|i| u8::try_from(i).ok()) {
+                *to = index;
+                found += 1;
+            }
+        }
+        if found == len {
+            self.len = len;
+        }
+        Ok(())
+    }
+}
+
 impl<'a> Parser<'a> {
     /// The whole body: one value, whitespace around it.
     fn document(&mut self) -> Result<(), ParseError> {
         let text = self.text;
         let bytes = text.as_bytes();
         let mut at = 0;
-        // The header of the innermost open container, how many are open,
-        // and whether that one is an object.
-        let mut open = 0;
-        let mut depth = 0;
-        let mut in_object = false;
+        let mut open = Open::default();
         loop {
             // A value starts here.
             at = skip_space(bytes, at);
             match bytes.get(at) {
                 Some(b'"') => at = self.string(text, at + 1, false)?,
                 Some(b'-' | b'0'..=b'9') => at = self.number(text, at)?,
-                Some(b'[' | b'{') if depth == MAX_DEPTH => {
+                Some(b'[' | b'{') if open.depth == MAX_DEPTH => {
                     return Err(error(at, "nested too deep"));
                 }
                 Some(b'[') => {
                     let head = self.tape.len();
-                    self.tape.push(Entry::Array { end: open });
+                    self.tape.push(Entry::Array { end: open.head });
                     at = skip_space(bytes, at + 1);
                     if bytes.get(at) != Some(&b']') {
-                        (open, depth, in_object) = (head, depth + 1, false);
+                        open = open.enter(head, false);
                         continue;
                     }
                     at += 1;
@@ -161,13 +218,13 @@ impl<'a> Parser<'a> {
                 Some(b'{') => {
                     let head = self.tape.len();
                     self.tape.push(Entry::Object {
-                        end: open,
+                        end: open.head,
                         first: self.names.len(),
                         len: 0,
                     });
                     at = skip_space(bytes, at + 1);
                     if bytes.get(at) != Some(&b'}') {
-                        (open, depth, in_object) = (head, depth + 1, true);
+                        open = open.enter(head, true);
                         at = self.member_name(text, at)?;
                         continue;
                     }
@@ -179,38 +236,45 @@ impl<'a> Parser<'a> {
                 Some(b'n') => at = self.literal(bytes, at, b"null", Entry::Null)?,
                 _ => return Err(error(at, "expected a value")),
             }
-            // A value ended here: what follows is a separator, or the end
-            // of its container, which is a value that ended too.
-            loop {
-                at = skip_space(bytes, at);
-                if depth == 0 {
-                    return match bytes.get(at) {
-                        None => Ok(()),
-                        Some(_) => Err(error(at, "trailing characters")),
-                    };
-                }
-                match (bytes.get(at), in_object) {
-                    (Some(b','), false) => {
-                        at += 1;
-                        break;
-                    }
-                    (Some(b','), true) => {
-                        at = self.member_name(text, skip_space(bytes, at + 1))?;
-                        break;
-                    }
-                    (Some(b']'), false) => {
-                        at += 1;
-                        open = self.close_array(open);
-                    }
-                    (Some(b'}'), true) => {
-                        at += 1;
-                        open = self.close_object(open, at)?;
-                    }
-                    _ => return Err(error(at, "expected `,` or the end of the container")),
-                }
-                depth -= 1;
-                in_object = matches!(self.tape.get(open), Some(Entry::Object { .. }));
+            match self.after_value(at, &mut open)? {
+                Some(next) => at = next,
+                None => return Ok(()),
             }
+        }
+    }
+
+    /// What follows a value that ended at `at`: a separator, or the end of
+    /// its container, which is a value that ended too. Where the next
+    /// value starts, or `None` at the end of the document.
+    #[inline(always)]
+    fn after_value(&mut self, mut at: usize, open: &mut Open) -> Result<Option<usize>, ParseError> {
+        let text = self.text;
+        let bytes = text.as_bytes();
+        loop {
+            at = skip_space(bytes, at);
+            if open.depth == 0 {
+                return match bytes.get(at) {
+                    None => Ok(None),
+                    Some(_) => Err(error(at, "trailing characters")),
+                };
+            }
+            match (bytes.get(at), open.in_object) {
+                (Some(b','), false) => return Ok(Some(at + 1)),
+                (Some(b','), true) => {
+                    return self.member_name(text, skip_space(bytes, at + 1)).map(Some);
+                }
+                (Some(b']'), false) => {
+                    at += 1;
+                    open.head = self.close_array(open.head);
+                }
+                (Some(b'}'), true) => {
+                    at += 1;
+                    open.head = self.close_object(open.head, at)?;
+                }
+                _ => return Err(error(at, "expected `,` or the end of the container")),
+            }
+            open.depth -= 1;
+            open.in_object = matches!(self.tape.get(open.head), Some(Entry::Object { .. }));
         }
     }
 
@@ -302,50 +366,10 @@ impl<'a> Parser<'a> {
                     .filter_map(|&i| own.get(usize::from(i)))
                     .map(|&(_, at)| at),
             );
-        } else if len > 1 {
-            // The names as they came, to remember the order they sort in.
-            let mut came = [(0, 0); LAST_MAX];
-            let remember = in_array && len <= LAST_MAX;
-            if remember {
-                for (to, &from) in came.iter_mut().zip(own.iter()) {
-                    *to = from;
-                }
-            }
-            let name = |at| name_at(tape, at);
-            own.sort_unstable_by(|a, b| {
-                a.0.cmp(&b.0).then_with(|| utf16_cmp(name(a.1), name(b.1)))
-            });
-            let mut distinct = true;
-            for (a, b) in own.iter().zip(own.iter().skip(1)) {
-                if a.0 == b.0 {
-                    if name(a.1) == name(b.1) {
-                        return Err(error(at, "duplicate object key"));
-                    }
-                    distinct = false;
-                }
-            }
-            order.extend(own.iter().map(|&(_, at)| at));
-            if remember && distinct {
-                last.len = 0;
-                let came = came.get(..len).unwrap_or_default();
-                for (to, &(key, _)) in last.keys.iter_mut().zip(came) {
-                    *to = key;
-                }
-                // Positions grow in document order, so `came` is sorted by
-                // them: each name's index is always found.
-                let mut found = 0;
-                for (to, &(_, at)) in last.order.iter_mut().zip(own.iter()) {
-                    let index = came.binary_search_by_key(&at, |&(_, at)| at).ok();
-                    if let Some(index) = index.and_then(|i| u8::try_from(i).ok()) {
-                        *to = index;
-                        found += 1;
-                    }
-                }
-                if found == len {
-                    last.len = len;
-                }
-            }
         } else {
+            if len > 1 {
+                last.sort(tape, own, in_array && len <= LAST_MAX, at)?;
+            }
             order.extend(own.iter().map(|&(_, at)| at));
         }
         names.truncate(open);
@@ -468,334 +492,6 @@ impl<'a> Parser<'a> {
             self.tape.push(Entry::Number(value));
         }
     }
-}
-
-/// A string from the end of its first plain run, at `stop`, on: an
-/// escape, or no JSON string at all.
-#[inline(never)]
-fn escaped(text: &str, start: usize, mut stop: usize) -> Result<(Cow<'_, str>, usize), ParseError> {
-    let bytes = text.as_bytes();
-    let mut out = String::with_capacity(stop - start + 16);
-    let mut from = start;
-    loop {
-        let run = text
-            .get(from..stop)
-            .ok_or_else(|| error(stop, "not a character boundary"))?;
-        out.push_str(run);
-        match bytes.get(stop) {
-            Some(b'"') => return Ok((Cow::Owned(out), stop + 1)),
-            Some(b'\\') => {
-                let (c, next) = escape(bytes, stop + 1)?;
-                out.push(c);
-                from = next;
-            }
-            Some(_) => return Err(error(stop, "control character in a string")),
-            None => return Err(error(stop, "unterminated string")),
-        }
-        stop = plain_run(bytes, from);
-    }
-}
-
-/// The character an escape stands for, from just after its backslash,
-/// and the position after it.
-fn escape(bytes: &[u8], at: usize) -> Result<(char, usize), ParseError> {
-    let c = match bytes.get(at) {
-        Some(b'"') => '"',
-        Some(b'\\') => '\\',
-        Some(b'/') => '/',
-        Some(b'b') => '\u{8}',
-        Some(b'f') => '\u{c}',
-        Some(b'n') => '\n',
-        Some(b'r') => '\r',
-        Some(b't') => '\t',
-        Some(b'u') => return unicode_escape(bytes, at + 1),
-        Some(_) => return Err(error(at, "invalid escape")),
-        None => return Err(error(at, "unterminated string")),
-    };
-    Ok((c, at + 1))
-}
-
-/// A `\u` escape, from just after the `u`. Like serde_json reading into
-/// a string, a high surrogate must be followed at once by a low one
-/// (escaped), and a low one must not come first.
-fn unicode_escape(bytes: &[u8], at: usize) -> Result<(char, usize), ParseError> {
-    let unit = hex4(bytes, at)?;
-    let (code, next) = match unit {
-        0xD800..=0xDBFF => {
-            if bytes.get(at + 4..at + 6) != Some(b"\\u") {
-                return Err(error(at, "lone leading surrogate"));
-            }
-            let low = hex4(bytes, at + 6)?;
-            if !(0xDC00..=0xDFFF).contains(&low) {
-                return Err(error(at, "lone leading surrogate"));
-            }
-            (0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00), at + 10)
-        }
-        0xDC00..=0xDFFF => return Err(error(at, "lone trailing surrogate")),
-        _ => (unit, at + 4),
-    };
-    let c = char::from_u32(code).ok_or_else(|| error(at, "invalid code point"))?;
-    Ok((c, next))
-}
-
-fn hex4(bytes: &[u8], at: usize) -> Result<u32, ParseError> {
-    let digits = bytes
-        .get(at..at + 4)
-        .ok_or_else(|| error(at, "unterminated string"))?;
-    let mut unit = 0;
-    for &d in digits {
-        let Some(v) = char::from(d).to_digit(16) else {
-            return Err(error(at, "invalid escape"));
-        };
-        unit = unit << 4 | v;
-    }
-    Ok(unit)
-}
-
-#[cold]
-fn error(at: usize, reason: &'static str) -> ParseError {
-    ParseError { at, reason }
-}
-
-/// The literal from `start` to `end`, without its sign, correctly
-/// rounded, as serde_json's `float_roundtrip` reads it.
-#[inline(never)]
-fn slow_double(text: &str, start: usize, end: usize) -> Result<f64, ParseError> {
-    text.get(start..end)
-        .and_then(|literal| literal.parse::<f64>().ok())
-        .ok_or_else(|| error(start, "invalid number"))
-}
-
-/// The position of the first byte from `at` on that is not whitespace.
-#[inline(always)]
-fn skip_space(bytes: &[u8], mut at: usize) -> usize {
-    while let Some(b' ' | b'\n' | b'\t' | b'\r') = bytes.get(at) {
-        at += 1;
-    }
-    at
-}
-
-/// The digits from `at` on appended to `mantissa` (wrapping), and where
-/// they stop.
-#[inline(always)]
-fn digits(bytes: &[u8], mut at: usize, mut mantissa: u64) -> (u64, usize) {
-    while let Some(&b) = bytes.get(at) {
-        let d = b.wrapping_sub(b'0');
-        if d > 9 {
-            break;
-        }
-        mantissa = mantissa.wrapping_mul(10).wrapping_add(u64::from(d));
-        at += 1;
-    }
-    (mantissa, at)
-}
-
-/// An exponent's sign and digits from `at` on added to `scale`, and where
-/// they stop.
-fn exponent_of(bytes: &[u8], mut at: usize, scale: i64) -> Result<(i64, usize), ParseError> {
-    let negative = bytes.get(at) == Some(&b'-');
-    if matches!(bytes.get(at), Some(b'-' | b'+')) {
-        at += 1;
-    }
-    let first = at;
-    let mut value = 0i64;
-    while let Some(&b) = bytes.get(at) {
-        let d = b.wrapping_sub(b'0');
-        if d > 9 {
-            break;
-        }
-        // Saturates far beyond any double, where only the slow path looks.
-        value = value.saturating_mul(10).saturating_add(i64::from(d));
-        at += 1;
-    }
-    if at == first {
-        return Err(error(at, "expected a digit"));
-    }
-    let scale = if negative {
-        scale.saturating_sub(value)
-    } else {
-        scale.saturating_add(value)
-    };
-    Ok((scale, at))
-}
-
-/// Decimal digits as a `u64`, if it holds them.
-fn exact_integer(digits: &[u8]) -> Option<u64> {
-    digits.iter().try_fold(0u64, |m, &b| {
-        m.checked_mul(10)?
-            .checked_add(u64::from(b.wrapping_sub(b'0')))
-    })
-}
-
-/// Significant digits a decimal may have and still be the only decimal
-/// that short to read as its double, in the normal range (`DBL_DIG`).
-const DBL_DIG: usize = 15;
-
-/// Whether `literal` (unsigned) has the value of what `value`, the double
-/// it reads as, writes as in RFC 8785 (the shortest decimal that reads as
-/// it). If every literal does, two with the same canonical form have the
-/// same value; one that does not would share its canonical form with
-/// another number.
-#[inline(never)]
-fn writes_as(literal: &str, value: f64) -> bool {
-    let mut buffer = ryu_js::Buffer::new();
-    let written = if value == 0.0 {
-        "0"
-    } else {
-        buffer.format_finite(value)
-    };
-    Decimal::of(literal.as_bytes()) == Decimal::of(written.as_bytes())
-}
-
-/// A decimal literal (unsigned, valid) by its value: its digits without
-/// leading or trailing zeros, and the power of ten of the last one, so
-/// that equal values compare equal however written. Exponents saturate:
-/// that far out, the literal read as zero or infinity already.
-#[derive(Debug)]
-struct Decimal<'t> {
-    int: &'t [u8],
-    fraction: &'t [u8],
-    /// Leading zeros, then the significant digits.
-    lead: usize,
-    len: usize,
-    exponent: i64,
-}
-
-impl<'t> Decimal<'t> {
-    fn of(text: &'t [u8]) -> Self {
-        let digits = |from: &'t [u8]| {
-            let n = from
-                .iter()
-                .position(|b| !b.is_ascii_digit())
-                .unwrap_or(from.len());
-            from.split_at(n)
-        };
-        let (int, rest) = digits(text);
-        let (fraction, rest) = match rest.split_first() {
-            Some((b'.', rest)) => digits(rest),
-            _ => (&[][..], rest),
-        };
-        let exponent = match rest.first() {
-            Some(b'e' | b'E') => exponent_of(rest, 1, 0).map_or(0, |(e, _)| e),
-            _ => 0,
-        };
-        let all = || int.iter().chain(fraction);
-        let total = int.len() + fraction.len();
-        let lead = all().take_while(|&&d| d == b'0').count();
-        let trail = if lead < total {
-            all().rev().take_while(|&&d| d == b'0').count()
-        } else {
-            0
-        };
-        let places = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        Decimal {
-            int,
-            fraction,
-            lead,
-            len: total - lead - trail,
-            exponent: exponent
-                .saturating_sub(places(fraction.len()))
-                .saturating_add(places(trail)),
-        }
-    }
-
-    fn significant(&self) -> impl Iterator<Item = &u8> + '_ {
-        self.int
-            .iter()
-            .chain(self.fraction)
-            .skip(self.lead)
-            .take(self.len)
-    }
-}
-
-impl PartialEq for Decimal<'_> {
-    fn eq(&self, other: &Self) -> bool {
-        self.len == other.len
-            && (self.len == 0
-                || self.exponent == other.exponent && self.significant().eq(other.significant()))
-    }
-}
-
-/// Powers of ten a double holds exactly.
-const POW10: [f64; 23] = [
-    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
-    1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
-];
-
-/// `mantissa * 10^scale` when one multiplication or division of two
-/// doubles that hold their operands exactly gives it, correctly rounded
-/// (Clinger's fast path): most decimals in bodies. `None` otherwise, for
-/// `str::parse`, which reads the literal's text again.
-#[inline(always)]
-fn fast_double(mantissa: u64, scale: i64) -> Option<f64> {
-    if mantissa > 1 << 53 {
-        return None;
-    }
-    let m = mantissa as f64;
-    let pow = POW10.get(usize::try_from(scale.unsigned_abs()).ok()?)?;
-    Some(if scale < 0 { m / pow } else { m * pow })
-}
-
-/// Bytes with their high bit set, in a word of eight.
-const HIGH: u64 = u64::MAX / 255 * 0x80;
-
-/// The first eight bytes of a member name as a number that orders names
-/// as [`utf16_cmp`] does, where it tells them apart: so sorting compares
-/// numbers, and strings only for names alike in those bytes (or a prefix
-/// padded with NULs). UTF-8 byte order is UTF-16 order but for U+E000 to
-/// U+FFFF (lead bytes EE, EF), which sort after the surrogate pairs (F0
-/// to F4): they count as F5, F6, which UTF-8 never uses.
-#[inline(always)]
-fn sort_key(name: &[u8]) -> u64 {
-    let key = match name.get(..8).map(<[u8; 8]>::try_from) {
-        Some(Ok(first)) => u64::from_be_bytes(first),
-        _ => name
-            .iter()
-            .fold(0u64, |key, &b| key << 8 | u64::from(b))
-            .checked_shl(8 * (8 - name.len() as u32))
-            .unwrap_or(0),
-    };
-    if key & HIGH == 0 {
-        return key;
-    }
-    u64::from_be_bytes(
-        key.to_be_bytes()
-            .map(|b| if matches!(b, 0xEE | 0xEF) { b + 7 } else { b }),
-    )
-}
-
-/// The position of the first `"`, `\` or control character from `from`
-/// on, or the end of `bytes`: where a string's plain run stops. Eight
-/// bytes at a time (as serde_json does): each test flags the bytes it
-/// matches in their high bits, and a borrow can only flag a byte above
-/// one really matched, so the lowest flag is the answer.
-#[inline(always)]
-fn plain_run(bytes: &[u8], from: usize) -> usize {
-    const ONES: u64 = u64::MAX / 255;
-    let mut at = from;
-    while let Some(chunk) = bytes.get(at..at + 8) {
-        let Ok(chunk) = <[u8; 8]>::try_from(chunk) else {
-            break;
-        };
-        let word = u64::from_le_bytes(chunk);
-        let quote = word ^ (ONES * u64::from(b'"'));
-        let backslash = word ^ (ONES * u64::from(b'\\'));
-        let found = (word.wrapping_sub(ONES * 0x20) & !word
-            | quote.wrapping_sub(ONES) & !quote
-            | backslash.wrapping_sub(ONES) & !backslash)
-            & HIGH;
-        if found != 0 {
-            return at + (found.trailing_zeros() / 8) as usize;
-        }
-        at += 8;
-    }
-    while let Some(&b) = bytes.get(at) {
-        if b == b'"' || b == b'\\' || b < 0x20 {
-            break;
-        }
-        at += 1;
-    }
-    at
 }
 
 /// The parser this one replaced: serde_json validates and tokenizes, and
