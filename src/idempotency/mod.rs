@@ -24,12 +24,17 @@
 //! in [`crate::request`], which this layer reads and never the other way.
 
 mod body;
+mod context;
 mod detach;
+mod dialect;
 mod exchange;
 mod layer;
 mod mcp_call;
 pub mod mcp_catalog;
+mod mcp_catalog_store;
+mod mcp_request;
 pub mod observe;
+mod observe_dialect;
 pub mod policy;
 mod rejection;
 mod relay;
