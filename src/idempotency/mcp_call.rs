@@ -370,17 +370,24 @@ impl McpCall {
             }
         };
         if let Some(tx) = client {
-            if ended.is_some() {
-                let _ = tx.try_send(Err("upstream event stream broke off".into()));
-            } else {
-                let rest = Bytes::copy_from_slice(parser.rest());
-                let mut frames = VecDeque::from([Frame::data(rest)]);
-                if rest_is_empty(&frames) || tx.send_all(&mut frames, deadline).await {
-                    tx.finish();
-                }
-            }
+            end_events(tx, ended.is_some(), parser.rest(), deadline).await;
         }
         holder.cx.log.finish_streamed(outcome);
+    }
+}
+
+/// Ends the client's event stream once the call is settled: with what the
+/// parser still holds (`rest`), or, when the upstream's stream `broke`,
+/// with an error that aborts it.
+async fn end_events(tx: BodySender, broke: bool, rest: &[u8], deadline: Instant) {
+    if broke {
+        let _ = tx.try_send(Err("upstream event stream broke off".into()));
+        return;
+    }
+    let rest = Bytes::copy_from_slice(rest);
+    let mut frames = VecDeque::from([Frame::data(rest)]);
+    if rest_is_empty(&frames) || tx.send_all(&mut frames, deadline).await {
+        tx.finish();
     }
 }
 

@@ -23,6 +23,7 @@ use super::body::holding;
 use super::context::RequestContext;
 use super::dialect::Http;
 use super::exchange::{uncompressed, Exchange};
+use super::layer::Settings;
 use super::mcp_call::{is_event_stream, read_up_to, session_of, McpCall};
 use super::mcp_catalog_store::{consult_shared_catalog, share_catalog_after};
 use super::policy::McpRoute;
@@ -360,32 +361,12 @@ where
             }
         };
         let (mut head, body) = response.into_parts();
-        let rewrite = {
-            let route = route.clone();
-            let route_name = self.cx.policy.route.clone();
-            let settings = self.cx.settings.clone();
-            move |data: &str| -> Option<String> {
-                let mut message: Value = serde_json::from_str(data).ok()?;
-                if message.get("id") != Some(&id) {
-                    return None;
-                }
-                let result = message.get_mut("result")?;
-                for tool in route.rules.shadowed_tools(result) {
-                    tracing::warn!(
-                        route = %route_name,
-                        tool = %tool,
-                        argument = %route.rules.key_argument,
-                        "a protected tool declares the key argument itself: the proxy takes it \
-                         as the idempotency key and strips it, so the server never sees its own \
-                         argument; rename [mcp] key_argument"
-                    );
-                }
-                let before = route.catalog.revision();
-                let rewritten = route.rules.rewrite_listing(result, &route.catalog);
-                share_catalog_after(&settings, &route, before);
-                rewritten.then(|| message.to_string())
-            }
-        };
+        let rewrite = listing_rewrite(
+            route.clone(),
+            self.cx.policy.route.clone(),
+            self.cx.settings.clone(),
+            id,
+        );
         let body = if is_event_stream(&head.headers) {
             head.headers.remove(CONTENT_LENGTH);
             rewrite_events(body, self.cx.policy.max_response_bytes, rewrite)
@@ -431,6 +412,39 @@ where
         let response = Response::from_parts(head, body);
         log.finish(RequestOutcome::Passthrough, &response);
         response.map(|body| holding(body, permit, deadline))
+    }
+}
+
+/// What a `tools/list` answer's message becomes: each protected tool with
+/// the key argument added, once the listing taught the route's catalog
+/// (shared when it learned something); `None` when the message is not
+/// the answer to `id` or needs no change.
+fn listing_rewrite(
+    route: Arc<McpRoute>,
+    route_name: Arc<str>,
+    settings: Arc<Settings>,
+    id: Value,
+) -> impl Fn(&str) -> Option<String> + Send + 'static {
+    move |data: &str| -> Option<String> {
+        let mut message: Value = serde_json::from_str(data).ok()?;
+        if message.get("id") != Some(&id) {
+            return None;
+        }
+        let result = message.get_mut("result")?;
+        for tool in route.rules.shadowed_tools(result) {
+            tracing::warn!(
+                route = %route_name,
+                tool = %tool,
+                argument = %route.rules.key_argument,
+                "a protected tool declares the key argument itself: the proxy takes it \
+                 as the idempotency key and strips it, so the server never sees its own \
+                 argument; rename [mcp] key_argument"
+            );
+        }
+        let before = route.catalog.revision();
+        let rewritten = route.rules.rewrite_listing(result, &route.catalog);
+        share_catalog_after(&settings, &route, before);
+        rewritten.then(|| message.to_string())
     }
 }
 
