@@ -22,7 +22,7 @@ use super::observe::{ObserveRoute, Sighting};
 use super::policy::{Policy, Profile};
 use super::rejection::Rejection;
 use super::settle::Holder;
-use crate::core::{BeginOutcome, CompletedRecord, UpstreamFailure};
+use crate::core::{BeginOutcome, CompletedRecord, RecordKey, UpstreamFailure};
 use crate::http::headers::content_length;
 use crate::observe::RequestOutcome;
 use crate::request::key::IdempotencyKey;
@@ -127,7 +127,7 @@ where
 
     /// Counts a keyless request of `identity`: a duplicate of one seen
     /// within the window, or the first.
-    fn sight_keyless(&mut self, identity: crate::core::RecordKey) -> RequestOutcome {
+    fn sight_keyless(&mut self, identity: RecordKey) -> RequestOutcome {
         self.cx.log.set_key(identity);
         let policy = &self.cx.policy;
         let sighting = match &policy.observe {

@@ -151,7 +151,7 @@ fn settle_backoff(attempt: u32) -> Duration {
 }
 
 /// What a request that holds a key still has to tell the store.
-pub(super) enum Settling {
+enum Settling {
     /// The record, encoded once before the first try (see
     /// [`Store::prepare`]): every try sends the same bytes, so a retry
     /// whose first reply was lost is found to be the same write, and
