@@ -1,68 +1,47 @@
 //! One covered request from its body to its answer: claim the key
-//! (`begin`), then replay, reject, wait, or execute; what executing
-//! forwards and how its outcome is relayed and settled live in [`relay`]
-//! and [`settle`].
+//! (`begin`), then replay, reject, wait, or execute, the same for every
+//! [`Dialect`]; what executing relays and stores is the dialect's
+//! `capture`, and settling the key is [`settle`]'s.
 //!
-//! [`relay`]: super::relay
 //! [`settle`]: super::settle
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use http::{Request, Response};
-use tokio::sync::{oneshot, OwnedSemaphorePermit};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
+use tracing::Span;
 
 use super::body::{holding, read_request_body};
+use super::context::{Claim, RequestContext, Responder};
 use super::detach::DetachOnDrop;
-use super::layer::Settings;
-use super::mcp_call::McpCall;
-use super::policy::{OnAmbiguous, OnInFlight, OnStoreError, Policy};
+use super::dialect::{settle_ambiguous, Dialect, Http};
+use super::policy::{OnInFlight, OnStoreError};
 use super::rejection::Rejection;
-use super::replay::replay;
-use super::settle::Settling;
-use super::store_call::{owned_begin, release_unanswered_claim, timed};
+use super::settle::Holder;
+use super::store_call::{owned_begin, release_unanswered_claim, timed, OwnedBegin};
 use crate::core::{
-    millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey,
-    UnknownCause, UpstreamFailure,
+    Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, RecordKey, UnknownCause,
+    UpstreamFailure,
 };
-use crate::observe::{trace, RequestLog, RequestOutcome};
+use crate::observe::{trace, RequestOutcome};
 use crate::request::key::IdempotencyKey;
 use crate::request::key_source::KeyRefusal;
 use crate::request::scope::ScopeError;
 use crate::store::StoreError;
 
-/// One covered request, from its body to its stored outcome.
-pub(super) struct Exchange<S> {
-    pub(super) settings: Arc<Settings>,
-    pub(super) policy: Arc<Policy>,
+/// One covered request, from its body to its stored outcome, answered in
+/// dialect `D`.
+pub(super) struct Exchange<S, D> {
     pub(super) inner: S,
-    pub(super) log: RequestLog,
-    /// Held until the exchange ends (see `Settings::in_flight`), or handed
-    /// to the task that settles its key late (`settle_late`).
-    pub(super) permit: OwnedSemaphorePermit,
-    /// Set for a protected MCP `tools/call`: how its answers are made.
-    pub(super) mcp: Option<McpCall>,
+    pub(super) dialect: D,
+    pub(super) cx: RequestContext,
 }
-
-/// The identity of a covered request, carried into the task that runs it.
-#[derive(Clone, Copy)]
-pub(super) struct Claim {
-    /// When the request arrived: the record's `created_at`.
-    pub(super) arrived_at: u64,
-    pub(super) key: RecordKey,
-    pub(super) fingerprint: Fingerprint,
-    /// When the claim this request holds is presumed dead, counted from
-    /// the instant it asked for the key (no later than the store's own
-    /// `now`): set when `begin` acquires the key.
-    pub(super) lease_ends: Instant,
-}
-
-pub(super) type Responder = oneshot::Sender<Response<Body>>;
 
 /// How a duplicate waits for the request in flight under its key
 /// (`on_in_flight = "wait"`): polling `begin`, with a growing pause.
@@ -102,7 +81,22 @@ impl Waiting {
     }
 }
 
-impl<S> Exchange<S>
+impl<S, D> Exchange<S, D> {
+    pub(super) fn new(inner: S, cx: RequestContext, dialect: D) -> Self {
+        Self { inner, dialect, cx }
+    }
+
+    /// The same request, answered in `dialect` from now on.
+    pub(super) fn speaking<E>(self, dialect: E) -> Exchange<S, E> {
+        Exchange {
+            inner: self.inner,
+            dialect,
+            cx: self.cx,
+        }
+    }
+}
+
+impl<S> Exchange<S, Http>
 where
     S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
     S::Error: Into<UpstreamFailure>,
@@ -118,9 +112,6 @@ where
         key: Option<IdempotencyKey>,
     ) -> Response<Body> {
         let (parts, body) = req.into_parts();
-        if self.policy.observe.is_some() {
-            return self.start_observed(parts, body, key).await;
-        }
         // Who calls, before reading a body for a caller that cannot say.
         let scope = match self.scope_of(&parts) {
             Ok(scope) => scope,
@@ -132,7 +123,7 @@ where
         };
         let key = match key
             .map(Ok)
-            .or_else(|| self.policy.keys.from_request(&parts, &body).transpose())
+            .or_else(|| self.cx.policy.keys.from_request(&parts, &body).transpose())
         {
             Some(Ok(key)) => key,
             Some(Err(KeyRefusal::Invalid(invalid))) => {
@@ -141,7 +132,7 @@ where
             Some(Err(KeyRefusal::UnreadableBody { at })) => {
                 return self.reject(RequestOutcome::BadBody, Rejection::InvalidBody { at })
             }
-            None if self.policy.require_key => {
+            None if self.cx.policy.require_key => {
                 return self.reject(RequestOutcome::MissingKey, Rejection::MissingKey)
             }
             None => {
@@ -150,11 +141,19 @@ where
                     .await
             }
         };
-        let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
+        let fingerprint = self.cx.policy.fingerprint.fingerprint(&parts, &body);
         let request = Request::from_parts(parts, Body::from(body));
         self.claim_and_run(&scope, &key, fingerprint, request).await
     }
+}
 
+impl<S, D> Exchange<S, D>
+where
+    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Error: Into<UpstreamFailure>,
+    S::Future: Send + 'static,
+    D: Dialect,
+{
     /// Forwards a request the proxy does not protect, as it came, and
     /// counts it as `outcome`.
     pub(super) async fn forward_untouched(
@@ -163,16 +162,16 @@ where
         body: Body,
         outcome: RequestOutcome,
     ) -> Response<Body> {
-        let deadline = Instant::now() + self.settings.upstream_timeout;
+        let deadline = Instant::now() + self.cx.settings.upstream_timeout;
         let request = Request::from_parts(parts, body);
-        let response = match self.inner.clone().oneshot(request).await {
+        let response = match self.inner.oneshot(request).await {
             Ok(response) => response,
             Err(e) => Rejection::PassthroughFailed {
                 timeout: e.into().is_timeout(),
             }
-            .into_response(self.policy.profile),
+            .into_response(self.cx.policy.profile),
         };
-        let Self { log, permit, .. } = self;
+        let RequestContext { log, permit, .. } = self.cx;
         log.finish(outcome, &response);
         response.map(|body| holding(body, permit, deadline))
     }
@@ -183,7 +182,7 @@ where
         &self,
         parts: &http::request::Parts,
     ) -> Result<[u8; 32], (RequestOutcome, Rejection)> {
-        let rejection = match self.policy.scope.scope(parts) {
+        let rejection = match self.cx.policy.scope.scope(parts) {
             Ok(scope) => return Ok(scope),
             Err(ScopeError::InvalidToken(why)) => Rejection::InvalidToken { why },
             Err(ScopeError::MissingIdentity) => Rejection::MissingIdentity,
@@ -200,9 +199,9 @@ where
     ) -> impl Future<Output = Result<bytes::Bytes, (RequestOutcome, Rejection)>> + Send + 'static
     {
         // Owns what it needs: the exchange is not `Sync`.
-        let timeout = self.settings.request_body_timeout;
+        let timeout = self.cx.settings.request_body_timeout;
         let declared = crate::http::headers::content_length(&parts.headers);
-        let read = read_request_body(declared, body, self.policy.max_request_bytes);
+        let read = read_request_body(declared, body, self.cx.policy.max_request_bytes);
         async move {
             let rejection = match tokio::time::timeout(timeout, read).await {
                 Ok(Ok(body)) => return Ok(body),
@@ -210,6 +209,25 @@ where
                 Err(_elapsed) => Rejection::BodyTimeout { timeout },
             };
             Err((RequestOutcome::BadBody, rejection))
+        }
+    }
+
+    /// The claim `key` in `scope` makes for a request of `fingerprint`
+    /// arriving now, before the store is asked.
+    pub(super) fn claim(
+        &mut self,
+        scope: &[u8; 32],
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+    ) -> Claim {
+        let record_key = RecordKey::new(scope, key.as_str());
+        self.cx.log.set_key(record_key);
+        Claim {
+            arrived_at: self.cx.settings.clock.now_millis(),
+            key: record_key,
+            fingerprint,
+            // No claim yet.
+            lease_ends: Instant::now(),
         }
     }
 
@@ -222,65 +240,16 @@ where
         fingerprint: Fingerprint,
         request: Request<Body>,
     ) -> Response<Body> {
-        let record_key = RecordKey::new(scope, key.as_str());
-        self.log.set_key(record_key);
-        let claim = Claim {
-            arrived_at: self.settings.clock.now_millis(),
-            key: record_key,
-            fingerprint,
-            // No claim yet.
-            lease_ends: Instant::now(),
-        };
-        let (respond, mut answer) = oneshot::channel();
-        let tasks = self.settings.tasks.clone();
-        // The request's span goes with the run, into its own task too.
-        let span = self.log.span().clone();
-        let mut run = DetachOnDrop::new(trace::boxed_in(
-            span,
-            tasks.track_future(self.run(claim, request, respond)),
-        ));
-        let answer = std::future::poll_fn(|cx| {
-            run.poll(cx);
-            Pin::new(&mut answer).poll(cx)
-        })
-        .await;
-        // Whatever the run still does after answering (storing a streamed
-        // body) goes on in a task of its own, as it would if the client left.
-        drop(run);
-        answer.unwrap_or_else(|_| Rejection::Internal.into_response(Default::default()))
+        let claim = self.claim(scope, key, fingerprint);
+        let tasks = self.cx.settings.tasks.clone();
+        let span = self.cx.log.span().clone();
+        until_answered(&tasks, span, |respond| self.run(claim, request, respond)).await
     }
 
     pub(super) fn reject(self, outcome: RequestOutcome, rejection: Rejection) -> Response<Body> {
-        let response = self.render(rejection);
-        self.log.finish(outcome, &response);
+        let response = self.dialect.refuse(rejection, self.cx.policy.profile);
+        self.cx.log.finish(outcome, &response);
         response
-    }
-
-    /// Sends `response` to the client (if it still listens) and logs.
-    pub(super) fn answer(
-        self,
-        respond: Responder,
-        outcome: RequestOutcome,
-        response: Response<Body>,
-    ) {
-        self.log.finish(outcome, &response);
-        let _ = respond.send(response);
-    }
-
-    /// Answers with a response of the upstream's whose body may still be
-    /// arriving, as a passthrough's does: the body holds the request's
-    /// `max_in_flight` slot until it is done and is cut off at `deadline`,
-    /// so an upstream that stalls mid-body cannot hold either for good.
-    pub(super) fn answer_relayed(
-        self,
-        respond: Responder,
-        outcome: RequestOutcome,
-        response: Response<Body>,
-        deadline: Instant,
-    ) {
-        let Self { log, permit, .. } = self;
-        log.finish(outcome, &response);
-        let _ = respond.send(response.map(|body| holding(body, permit, deadline)));
     }
 
     pub(super) fn answer_rejection(
@@ -289,64 +258,75 @@ where
         outcome: RequestOutcome,
         rejection: Rejection,
     ) {
-        let response = self.render(rejection);
-        self.answer(respond, outcome, response);
+        let response = self.dialect.refuse(rejection, self.cx.policy.profile);
+        self.cx.answer(respond, outcome, response);
     }
 
-    /// A refusal as this request's client reads it: a problem, or for an
-    /// MCP tool call, a tool result the model can act on.
-    fn render(&self, rejection: Rejection) -> Response<Body> {
-        match self
-            .mcp
-            .as_ref()
-            .and_then(|call| call.rejection(&rejection))
-        {
-            Some(response) => response,
-            None => rejection.into_response(self.policy.profile),
+    /// The `begin` that claims `claim`'s key for this request.
+    pub(super) fn begin_of(&self, claim: &Claim) -> Begin {
+        let policy = &self.cx.policy;
+        Begin {
+            key: claim.key,
+            fingerprint: claim.fingerprint,
+            lease: policy.lease,
+            ttl: policy.ttl,
+            on_stale: policy.on_stale,
+            token: FencingToken::random(),
         }
     }
 
-    /// The answer to a retry from the key's completed record.
-    fn replay(&self, record: &CompletedRecord) -> Response<Body> {
-        match &self.mcp {
-            Some(call) => call.replay(record),
-            None => replay(record, &self.policy),
+    /// Asks the store for the key: when it was asked (the lease counts
+    /// from then), the call (which may outlive this wait), its answer.
+    pub(super) async fn ask(
+        &mut self,
+        begin: &Begin,
+    ) -> (Instant, OwnedBegin, Result<BeginOutcome, StoreError>) {
+        let asked_at = Instant::now();
+        let mut call = owned_begin(&self.cx.settings.store, begin);
+        let cx = &mut self.cx;
+        let begun = timed(&cx.settings, &mut cx.log, "begin", |_| &mut call).await;
+        (asked_at, call, begun)
+    }
+
+    /// The claim once `begin` acquired the key at `asked_at`.
+    pub(super) fn acquired(&self, claim: Claim, asked_at: Instant, took_over: bool) -> Claim {
+        if took_over {
+            self.cx.log.metrics().lease_expired();
+            tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
         }
+        Claim {
+            lease_ends: asked_at + self.cx.policy.lease,
+            ..claim
+        }
+    }
+
+    /// Whether the proxy is draining (the tracker is closed when shutdown
+    /// begins): an execution started now might outlive the drain and be
+    /// cut off holding its key, which would then settle as
+    /// outcome-unknown.
+    pub(super) fn draining(&self) -> bool {
+        self.cx.settings.tasks.is_closed()
     }
 
     /// Claims the key, or answers from what the store holds for it; with
     /// `on_in_flight = "wait"`, asks again until the request in flight is
     /// done or the wait is over.
     async fn run(mut self, claim: Claim, request: Request<Body>, respond: Responder) {
-        let begin = Begin {
-            key: claim.key,
-            fingerprint: claim.fingerprint,
-            lease: self.policy.lease,
-            ttl: self.policy.ttl,
-            on_stale: self.policy.on_stale,
-            token: FencingToken::random(),
-        };
-        let mut waiting = Waiting::new(self.policy.wait_timeout);
+        let begin = self.begin_of(&claim);
+        let mut waiting = Waiting::new(self.cx.policy.wait_timeout);
         loop {
-            // Draining (the tracker is closed when shutdown begins): an
-            // execution started now might outlive the drain and be cut off
-            // holding its key, which would then settle as outcome-unknown.
-            if self.settings.tasks.is_closed() {
+            if self.draining() {
                 return self.answer_rejection(
                     respond,
                     RequestOutcome::ShuttingDown,
                     Rejection::ShuttingDown,
                 );
             }
-            let asked_at = Instant::now();
-            let mut call = owned_begin(&self.settings.store, &begin);
-            let begun = timed(&self.settings, &mut self.log, "begin", |_| &mut call).await;
+            let (asked_at, call, begun) = self.ask(&begin).await;
             let outcome = match begun {
                 Ok(outcome) => outcome,
                 Err(e) => {
-                    // Observe mode never lets the store stop a request.
-                    let observe = self.policy.observe.is_some();
-                    let pass = (self.passes(&e) || observe) && !waiting.seen_in_flight;
+                    let pass = self.passes(&e) && !waiting.seen_in_flight;
                     // Failed or late, the call may have claimed the key all
                     // the same. Rejected, this request executes nothing, so
                     // such a claim only blocks the retry: released by its
@@ -355,74 +335,61 @@ where
                     // A store that reports a record it cannot read did
                     // read the key, and claims nothing over a record.
                     if !pass && !matches!(e, StoreError::Corrupt(_)) {
-                        let lease_ends = asked_at + self.policy.lease;
-                        release_unanswered_claim(&self.settings, &begin, call, lease_ends);
+                        let lease_ends = asked_at + self.cx.policy.lease;
+                        release_unanswered_claim(&self.cx.settings, &begin, call, lease_ends);
                     }
                     return self.store_failed(request, respond, e, pass).await;
                 }
             };
-            match outcome {
+            let (profile, dialect) = (self.cx.policy.profile, &self.dialect);
+            let (outcome, response) = match outcome {
                 BeginOutcome::Acquired { token, took_over } => {
-                    if took_over {
-                        self.log.metrics().lease_expired();
-                        tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
-                    }
-                    let claim = Claim {
-                        lease_ends: asked_at + self.policy.lease,
-                        ..claim
-                    };
-                    if let Some(observe) = &self.policy.observe {
-                        observe.remember(claim.key, self.log.request_id());
-                    }
-                    return self.execute(claim, request, token, respond).await;
-                }
-                _ if self.policy.observe.is_some() => {
+                    let claim = self.acquired(claim, asked_at, took_over);
                     return self
-                        .forward_observed(&claim, outcome, request, respond)
-                        .await
+                        .execute(claim, uncompressed(request), token, respond)
+                        .await;
                 }
                 BeginOutcome::InFlight { lease_expires_at } => {
-                    if self.policy.on_in_flight == OnInFlight::Wait && waiting.pause(&respond).await
-                    {
+                    let wait = self.cx.policy.on_in_flight == OnInFlight::Wait;
+                    if wait && waiting.pause(&respond).await {
                         continue;
                     }
                     return self.in_flight(respond, lease_expires_at);
                 }
-                BeginOutcome::Completed(record) => {
-                    let response = self.replay(&record);
-                    return self.answer(respond, RequestOutcome::Replayed, response);
-                }
+                BeginOutcome::Completed(record) => (
+                    RequestOutcome::Replayed,
+                    dialect.replay(&record, &self.cx.policy),
+                ),
                 BeginOutcome::Settled(record) => {
                     return self.settled_stale(&claim, respond, &record)
                 }
                 BeginOutcome::Mismatch { state } => {
-                    return self.answer_rejection(
-                        respond,
-                        RequestOutcome::Mismatch,
-                        Rejection::KeyReused { state },
-                    )
+                    let rejection = Rejection::KeyReused { state };
+                    (RequestOutcome::Mismatch, dialect.refuse(rejection, profile))
                 }
-            }
+            };
+            return self.cx.answer(respond, outcome, response);
         }
     }
 
     /// Answers the request whose `begin` found the key's claim abandoned
     /// and settled it as outcome-unknown.
     fn settled_stale(self, claim: &Claim, respond: Responder, record: &CompletedRecord) {
-        self.log.metrics().lease_expired();
+        self.cx.log.metrics().lease_expired();
         tracing::warn!(key = %claim.key.to_hex(), "settled a stale key as outcome-unknown (its holder died mid-call)");
         // This request is the one that found the claim abandoned: counted
         // as the unknown outcome it answers, so the alert on
         // `outcome_unknown` sees a proxy that died mid-call. Later retries
         // replay the record.
-        let response = self.replay(record);
-        self.answer(respond, RequestOutcome::OutcomeUnknown, response)
+        let response = self.dialect.replay(record, &self.cx.policy);
+        self.cx
+            .answer(respond, RequestOutcome::OutcomeUnknown, response)
     }
 
     /// 425 (or 409): the same request holds the key, its lease ends at
     /// `lease_expires_at`.
     fn in_flight(self, respond: Responder, lease_expires_at: u64) {
-        let now = self.settings.clock.now_millis();
+        let now = self.cx.settings.clock.now_millis();
         let remaining = Duration::from_millis(lease_expires_at.saturating_sub(now));
         let retry_after = remaining.clamp(Duration::from_millis(100), Duration::from_secs(1));
         self.answer_rejection(
@@ -439,20 +406,20 @@ where
     /// is there, maybe with a side effect already done behind it, so
     /// forwarding could repeat it. Fail closed.
     fn passes(&self, error: &StoreError) -> bool {
-        self.policy.on_store_error == OnStoreError::Pass
+        self.cx.policy.on_store_error == OnStoreError::Pass
             && matches!(error, StoreError::Unavailable(_))
     }
 
     /// Answers a request whose `begin` failed: 503, or forwarded
     /// unprotected when `pass` (see [`Self::passes`]).
-    async fn store_failed(
+    pub(super) async fn store_failed(
         self,
         request: Request<Body>,
         respond: Responder,
         error: StoreError,
         pass: bool,
     ) {
-        tracing::error!(error = %error, route = %self.policy.route, "idempotency store failed");
+        tracing::error!(error = %error, route = %self.cx.policy.route, "idempotency store failed");
         // Permanent until an operator removes the record: a 503 would have
         // SDKs and agents retry it for the whole `ttl`.
         if !pass && matches!(error, StoreError::Corrupt(_)) {
@@ -473,145 +440,104 @@ where
         }
         // Forwarded without protection, as the operator chose; the outcome
         // says so in logs and metrics.
-        self.forward_unclaimed(request, respond, RequestOutcome::Unprotected, None)
-            .await
+        let (cx, response, deadline) = self.forward(request).await;
+        cx.answer_relayed(respond, RequestOutcome::Unprotected, response, deadline)
     }
 
-    /// Forwards a request that holds no claim, its answer relayed and
-    /// counted as `outcome`: nothing of it is stored.
-    pub(super) async fn forward_unclaimed(
-        mut self,
+    /// Forwards a request that holds no claim: nothing of its answer is
+    /// stored. Returns the answer (a failure made one) and its deadline.
+    pub(super) async fn forward(
+        self,
         request: Request<Body>,
-        respond: Responder,
-        outcome: RequestOutcome,
-        duplicate_of: Option<RecordKey>,
-    ) {
+    ) -> (RequestContext, Response<Body>, Instant) {
+        let Self { inner, mut cx, .. } = self;
         let started = Instant::now();
-        let deadline = started + self.settings.upstream_timeout;
-        let result = self.inner.clone().oneshot(request).await;
-        self.upstream_done(started);
-        // Which request came first, looked up once the upstream answered
-        // rather than before: the request that holds the key remembers
-        // itself only when its claim returns, and a duplicate's claim can
-        // overtake that (one in six storms did, on two workers).
-        if let (Some(key), Some(observe)) = (duplicate_of, &self.policy.observe) {
-            self.log
-                .set_first_request_id(observe.first_request_id(&key));
-        }
+        let deadline = started + cx.settings.upstream_timeout;
+        let result = inner.oneshot(request).await;
+        cx.upstream_done(started);
         let response = result.unwrap_or_else(|e| {
             Rejection::PassthroughFailed {
                 timeout: e.into().is_timeout(),
             }
-            .into_response(self.policy.profile)
+            .into_response(cx.policy.profile)
         });
-        self.answer_relayed(respond, outcome, response, deadline)
+        (cx, response, deadline)
     }
 
-    /// Forwards the request that holds the key, then settles the key as the
-    /// upstream's answer (or failure) says.
-    async fn execute(
-        mut self,
+    /// Forwards the request that holds the key, then has the dialect relay
+    /// its answer and settle the key as the answer (or failure) says.
+    pub(super) async fn execute(
+        self,
         claim: Claim,
         request: Request<Body>,
         token: FencingToken,
         respond: Responder,
     ) {
+        let Self {
+            inner,
+            dialect,
+            mut cx,
+        } = self;
         // Counted until the outcome is stored (this function awaits the
         // streaming of the body too).
-        let _executing = self.settings.metrics.executing();
-        let deadline = Instant::now() + self.settings.upstream_timeout;
+        let _executing = cx.settings.metrics.executing();
+        let deadline = Instant::now() + cx.settings.upstream_timeout;
         let started = Instant::now();
-        self.log.set_unsettled(true);
-        // Observe mode changes nothing of the request: its records are
-        // never replayed, so a coded body stored as it came costs nothing.
-        let request = match self.policy.observe {
-            Some(_) => request,
-            None => uncompressed(request),
-        };
-        let result = self.inner.clone().oneshot(request).await;
-        self.upstream_done(started);
+        cx.log.set_unsettled(true);
+        let result = inner.oneshot(request).await;
+        cx.upstream_done(started);
+        let mut holder = Holder { cx, claim, token };
         let response = match result.map_err(Into::into) {
             Ok(response) => response,
             Err(UpstreamFailure::NotSent(why)) => {
                 tracing::warn!(error = %why, "upstream unreachable; releasing the key");
-                self.release(&claim, token).await;
-                return self.answer_rejection(
-                    respond,
-                    RequestOutcome::UpstreamUnreachable,
-                    Rejection::UpstreamUnreachable,
-                );
+                holder.release().await;
+                let response =
+                    dialect.refuse(Rejection::UpstreamUnreachable, holder.cx.policy.profile);
+                return holder
+                    .cx
+                    .answer(respond, RequestOutcome::UpstreamUnreachable, response);
             }
             Err(UpstreamFailure::TimedOut) => {
-                return self
-                    .ambiguous(claim, token, UnknownCause::Timeout, respond)
-                    .await
+                return settle_ambiguous(holder, &dialect, UnknownCause::Timeout, respond).await
             }
             Err(UpstreamFailure::Broken(why)) => {
                 tracing::warn!(error = %why, "upstream connection broke after the request was sent");
-                return self
-                    .ambiguous(claim, token, UnknownCause::Reset, respond)
-                    .await;
+                return settle_ambiguous(holder, &dialect, UnknownCause::Reset, respond).await;
             }
         };
         let status = response.status().as_u16();
-        if self.policy.releases(status) {
-            self.release(&claim, token).await;
-            return self.answer_relayed(respond, RequestOutcome::Released, response, deadline);
+        if holder.cx.policy.releases(status) {
+            holder.release().await;
+            return holder
+                .cx
+                .answer_relayed(respond, RequestOutcome::Released, response, deadline);
         }
-        if self.mcp.is_some() {
-            return self
-                .relay_call(claim, token, response, deadline, respond)
-                .await;
-        }
-        self.stream_and_store(claim, token, response, deadline, respond)
-            .await
+        dialect.capture(holder, response, deadline, respond).await
     }
+}
 
-    /// The request may have executed: settle the key as unknown (fail
-    /// closed) or release it, as `on_ambiguous` says.
-    pub(super) async fn ambiguous(
-        mut self,
-        claim: Claim,
-        token: FencingToken,
-        cause: UnknownCause,
-        respond: Responder,
-    ) {
-        let released = self.policy.on_ambiguous == OnAmbiguous::Release;
-        if released {
-            self.release(&claim, token).await;
-        } else {
-            self.complete(&claim, token, Outcome::Unknown { cause })
-                .await;
-        }
-        self.answer_rejection(
-            respond,
-            RequestOutcome::OutcomeUnknown,
-            Rejection::OutcomeUnknown { cause, released },
-        )
-    }
-
-    /// Stores `outcome` as the key's completed record.
-    pub(super) async fn complete(&mut self, claim: &Claim, token: FencingToken, outcome: Outcome) {
-        let now = self.settings.clock.now_millis();
-        let record = CompletedRecord {
-            fingerprint: claim.fingerprint,
-            created_at: claim.arrived_at,
-            completed_at: now,
-            expires_at: now.saturating_add(millis(self.policy.ttl)),
-            outcome,
-        };
-        let completion = Box::new(self.settings.store.prepare(&claim.key, record));
-        self.settle(claim, token, Settling::Complete(completion))
-            .await;
-    }
-
-    fn upstream_done(&mut self, started: Instant) {
-        self.log.upstream_done(started.elapsed());
-    }
-
-    pub(super) async fn release(&mut self, claim: &Claim, token: FencingToken) {
-        self.settle(claim, token, Settling::Release).await;
-    }
+/// Drives `run` on the connection's task until it answers, and hands
+/// what it still does after answering (storing a streamed body) to a
+/// task of its own, as it would if the client left (see
+/// [`DetachOnDrop`]). The run goes in the request's `span`.
+pub(super) async fn until_answered<F>(
+    tasks: &TaskTracker,
+    span: Span,
+    run: impl FnOnce(Responder) -> F,
+) -> Response<Body>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (respond, mut answer) = oneshot::channel();
+    let mut run = DetachOnDrop::new(trace::boxed_in(span, tasks.track_future(run(respond))));
+    let answer = std::future::poll_fn(|cx| {
+        run.poll(cx);
+        Pin::new(&mut answer).poll(cx)
+    })
+    .await;
+    drop(run);
+    answer.unwrap_or_else(|_| Rejection::Internal.into_response(Default::default()))
 }
 
 /// The request as sent to the upstream when its response will be stored:

@@ -1,6 +1,9 @@
 //! The layer: the settings every request shares (policies, store, bounds,
 //! metrics, the execution tracker and the `max_in_flight` slots), built
-//! tower-http style, each builder taking and returning `self`.
+//! tower-http style, each builder taking and returning `self`. It wraps a
+//! service in [`Idempotency`](super::Idempotency) (`Layer` is implemented
+//! beside the service, so that these settings sit below every step that
+//! reads them).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,11 +12,8 @@ use std::time::Duration;
 use http::Request;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
-use tower::Layer;
 
 use super::policy::{Policies, Policy};
-use super::service::Idempotency;
-use super::store_call::MAX_LATE_RELEASES;
 use crate::core::Clock;
 use crate::observe::{Metrics, RequestLog, RouteMetrics};
 use crate::store::SharedStore;
@@ -21,10 +21,14 @@ use crate::store::SharedStore;
 /// The default of `max_in_flight` (see `Config`).
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 
+/// Background releases of unanswered claims at once; past it a claim is
+/// left to fail closed when its lease ends, as it would without them.
+pub(super) const MAX_LATE_RELEASES: usize = 1024;
+
 /// Applies idempotency to the requests the policies cover.
 #[derive(Clone)]
 pub struct IdempotencyLayer {
-    settings: Arc<Settings>,
+    pub(super) settings: Arc<Settings>,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -169,12 +173,4 @@ fn resolve_routes(policies: &Policies, metrics: &Metrics) -> HashMap<Arc<str>, A
         .all()
         .map(|p| (p.route.clone(), Arc::new(metrics.route(&p.route))))
         .collect()
-}
-
-impl<S> Layer<S> for IdempotencyLayer {
-    type Service = Idempotency<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, self.settings.clone())
-    }
 }

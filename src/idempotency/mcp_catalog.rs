@@ -15,31 +15,19 @@
 //! teaches them again, and an unknown tool is protected meanwhile: the
 //! error is always on the safe side.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use super::layer::Settings;
-use super::policy::McpRoute;
-use crate::core::{
-    millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, OnStale, Outcome,
-    Record, RecordKey, Removal, StoredResponse,
-};
-use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
+
+use crate::core::RecordKey;
 
 /// How often a process looks at the shared record for a tool it does not
 /// know: often enough that a replica learns a listing within seconds,
 /// rarely enough that calls of a tool no listing shows cost the store
 /// nothing more than once per interval.
 pub(super) const REFRESH: Duration = Duration::from_secs(2);
-
-/// How long the shared record lives after it last changed: any listing
-/// after that writes it again.
-const SHARED_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
-
-/// A catalog write holds its claim this long at most.
-const WRITE_LEASE: Duration = Duration::from_secs(30);
 
 /// Where a route's catalog is shared in the store: a fixed record key,
 /// derived from the route's name in a domain of its own (no key a caller
@@ -55,7 +43,7 @@ pub fn shared_catalog_key(route: &str) -> RecordKey {
 /// A route's link to its shared catalog record.
 #[derive(Debug)]
 pub struct SharedCatalog {
-    key: RecordKey,
+    pub(super) key: RecordKey,
     /// When this process last read the record.
     last_read: Mutex<Option<Instant>>,
 }
@@ -69,7 +57,7 @@ impl SharedCatalog {
     }
 
     /// Whether a read is due, marking it taken if so.
-    fn take_read(&self) -> bool {
+    pub(super) fn take_read(&self) -> bool {
         let now = Instant::now();
         let mut last = self
             .last_read
@@ -80,117 +68,5 @@ impl SharedCatalog {
         }
         *last = Some(now);
         true
-    }
-}
-
-/// Before deciding how calls of `name` are protected: when no listing
-/// through this process named it, learns what the shared record says
-/// (at most once per [`REFRESH`]). A store that does not answer leaves
-/// the tool unknown, and so protected.
-pub(super) async fn consult_shared_catalog(
-    settings: &Settings,
-    route: &McpRoute,
-    name: Option<&str>,
-) {
-    if name.is_some_and(|name| route.catalog.knows(name)) || !route.shared.take_read() {
-        return;
-    }
-    let read = settings.store.get(&route.shared.key);
-    let record = match tokio::time::timeout(settings.store_timeout, read).await {
-        Ok(Ok(record)) => record,
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "the shared tool catalog could not be read");
-            return;
-        }
-        Err(_) => return,
-    };
-    if let Some(Record::Completed(CompletedRecord {
-        outcome: Outcome::Response(stored),
-        ..
-    })) = record
-    {
-        route.catalog.learn_shared(&stored.body);
-    }
-}
-
-/// After a listing: shares the route's catalog when the listing taught it
-/// something since revision `before` (in a task of its own: the answer
-/// does not wait).
-pub(super) fn share_catalog_after(settings: &Arc<Settings>, route: &Arc<McpRoute>, before: u64) {
-    if route.catalog.revision() == before {
-        return;
-    }
-    let settings = settings.clone();
-    let route = route.clone();
-    let tasks = settings.tasks.clone();
-    tokio::spawn(tasks.track_future(async move {
-        share_catalog(&settings, &route).await;
-    }));
-}
-
-/// Writes the route's catalog, merged with what the record holds, as the
-/// record; leaves it alone when it already says the same.
-async fn share_catalog(settings: &Settings, route: &McpRoute) {
-    let store = &settings.store;
-    let timeout = settings.store_timeout;
-    let key = route.shared.key;
-    if let Ok(Ok(Some(Record::Completed(CompletedRecord {
-        outcome: Outcome::Response(stored),
-        ..
-    })))) = tokio::time::timeout(timeout, store.get(&key)).await
-    {
-        route.catalog.learn_shared(&stored.body);
-    }
-    let body = Bytes::from(route.catalog.to_shared());
-    let fingerprint = Fingerprint(Sha256::digest(&body).into());
-    // A changed catalog meets the old record as a mismatch: removed, then
-    // written on the second pass.
-    for _ in 0..2 {
-        let begin = Begin {
-            key,
-            fingerprint,
-            lease: WRITE_LEASE,
-            ttl: SHARED_TTL,
-            on_stale: OnStale::Retry,
-            token: FencingToken::random(),
-        };
-        let outcome = match tokio::time::timeout(timeout, store.begin(&begin)).await {
-            Ok(Ok(outcome)) => outcome,
-            _ => return,
-        };
-        match outcome {
-            BeginOutcome::Acquired { token, .. } => {
-                let now = settings.clock.now_millis();
-                let record = CompletedRecord {
-                    fingerprint,
-                    created_at: now,
-                    completed_at: now,
-                    expires_at: now.saturating_add(millis(SHARED_TTL)),
-                    outcome: Outcome::Response(StoredResponse {
-                        status: 200,
-                        headers: vec![(
-                            "content-type".into(),
-                            Bytes::from_static(b"application/json"),
-                        )],
-                        body,
-                    }),
-                };
-                let complete = store.complete(&key, token, &record);
-                if !matches!(tokio::time::timeout(timeout, complete).await, Ok(Ok(()))) {
-                    let release = store.release(&key, token);
-                    let _ = tokio::time::timeout(timeout, release).await;
-                }
-                return;
-            }
-            BeginOutcome::Mismatch { .. } => {
-                let remove = store.remove(&key, Removal::UnlessLeased);
-                if !matches!(tokio::time::timeout(timeout, remove).await, Ok(Ok(_))) {
-                    return;
-                }
-            }
-            // The record says the same already, or another replica is
-            // writing it now.
-            _ => return,
-        }
     }
 }

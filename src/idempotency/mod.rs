@@ -11,11 +11,21 @@
 //!
 //! The request path, in the order a covered request meets it:
 //! - [`layer`]: the settings every request shares;
-//! - [`service`]: pass through, reject, or run the covered path;
-//! - `exchange`: claim the key, then replay, reject, wait or execute;
+//! - [`service`]: pass through, reject, or run the covered path in its
+//!   route's dialect;
+//! - `exchange`: claim the key, then replay, reject, wait or execute (and
+//!   `observe_dialect`, `mcp_request`: how observe mode and an MCP route
+//!   start and run it);
+//! - `dialect`: how the client is answered — refused, replayed, and the
+//!   executed response captured — by plain HTTP, an MCP tool call
+//!   (`mcp_call`) or observe mode;
 //! - `relay`: the executed response, relayed while a copy is kept;
 //! - `settle`: completing or releasing the key, retried while it can be;
 //! - `replay`: the answer to a retry, from the stored record.
+//!
+//! Each file imports only files below it in that order (`context`, what
+//! the steps hand each other, and the files named below sit at the
+//! bottom); `tests/architecture.rs` holds it to no import cycle.
 //!
 //! And what they are made of: [`policy`] (per-route settings), [`body`]
 //! (bounded reading and relaying), [`rejection`] (the proxy's own answers,
@@ -24,12 +34,17 @@
 //! in [`crate::request`], which this layer reads and never the other way.
 
 mod body;
+mod context;
 mod detach;
+mod dialect;
 mod exchange;
 mod layer;
 mod mcp_call;
 pub mod mcp_catalog;
+mod mcp_catalog_store;
+mod mcp_request;
 pub mod observe;
+mod observe_dialect;
 pub mod policy;
 mod rejection;
 mod relay;

@@ -16,22 +16,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
-use http::request::Parts;
-use http::{Request, Response};
 use quick_cache::sync::Cache;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
-use tower::Service;
 
-use super::body::{read_or_keep, ReadOrKeep};
-use super::exchange::{Claim, Exchange, Responder};
-use super::rejection::Rejection;
-use crate::core::{BeginOutcome, Fingerprint, RecordKey, UpstreamFailure};
-use crate::http::headers::content_length;
-use crate::observe::RequestOutcome;
-use crate::request::key::IdempotencyKey;
-use crate::request::key_source::KeyRefusal;
+use crate::core::{Fingerprint, RecordKey};
 
 /// How many requests a route remembers.
 pub const REMEMBERED: usize = 100_000;
@@ -126,108 +115,6 @@ impl ObserveRoute {
     /// The id of the first request of `identity`, if remembered.
     pub fn first_request_id(&self, identity: &RecordKey) -> Option<Arc<str>> {
         self.seen.get(identity).and_then(|seen| seen.request_id)
-    }
-}
-
-impl<S> Exchange<S>
-where
-    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
-    S::Error: Into<UpstreamFailure>,
-    S::Future: Send + 'static,
-{
-    /// A covered request on an observe-mode route. Whatever enforcement
-    /// would refuse before the store (a caller that cannot say who it is,
-    /// a body over the cap, an unusable key) is forwarded, counted as that
-    /// refusal; a keyless request is fingerprinted and counted if seen
-    /// before; a keyed one claims its key as under enforcement (see
-    /// `run`, which forwards every duplicate).
-    pub(super) async fn start_observed(
-        mut self,
-        parts: Parts,
-        body: Body,
-        key: Option<IdempotencyKey>,
-    ) -> Response<Body> {
-        let scope = match self.scope_of(&parts) {
-            Ok(scope) => scope,
-            Err((outcome, _)) => return self.forward_untouched(parts, body, outcome).await,
-        };
-        let declared = content_length(&parts.headers);
-        let read = read_or_keep(declared, body, self.policy.max_request_bytes);
-        let body = match tokio::time::timeout(self.settings.request_body_timeout, read).await {
-            Ok(Ok(ReadOrKeep::Whole(body))) => body,
-            Ok(Ok(ReadOrKeep::TooLarge(body))) => {
-                return self
-                    .forward_untouched(parts, body, RequestOutcome::BadBody)
-                    .await
-            }
-            // The body broke off or stalled: there is nothing whole to
-            // forward, as a plain proxy would have found too.
-            Ok(Err(rejection)) => return self.reject(RequestOutcome::BadBody, rejection),
-            Err(_) => {
-                let timeout = self.settings.request_body_timeout;
-                return self.reject(RequestOutcome::BadBody, Rejection::BodyTimeout { timeout });
-            }
-        };
-        let key = match key {
-            Some(key) => Some(key),
-            None => match self.policy.keys.from_request(&parts, &body) {
-                Ok(key) => key,
-                Err(refusal) => {
-                    let outcome = match refusal {
-                        KeyRefusal::Invalid(_) => RequestOutcome::InvalidKey,
-                        KeyRefusal::UnreadableBody { .. } => RequestOutcome::BadBody,
-                    };
-                    return self
-                        .forward_untouched(parts, Body::from(body), outcome)
-                        .await;
-                }
-            },
-        };
-        let fingerprint = self.policy.fingerprint.fingerprint(&parts, &body);
-        let Some(key) = key else {
-            let identity = ObserveRoute::keyless_identity(&scope, &fingerprint);
-            self.log.set_key(identity);
-            let sighting = match &self.policy.observe {
-                Some(observe) => observe.sight(identity, self.log.request_id()),
-                None => Sighting::First,
-            };
-            let outcome = match sighting {
-                Sighting::Again { first_request_id } => {
-                    self.log.set_first_request_id(first_request_id);
-                    RequestOutcome::ObservedUnkeyedDuplicate
-                }
-                Sighting::First if self.policy.require_key => RequestOutcome::MissingKey,
-                Sighting::First => RequestOutcome::Passthrough,
-            };
-            return self
-                .forward_untouched(parts, Body::from(body), outcome)
-                .await;
-        };
-        let request = Request::from_parts(parts, Body::from(body));
-        let records = ObserveRoute::records_scope(&scope);
-        self.claim_and_run(&records, &key, fingerprint, request)
-            .await
-    }
-
-    /// Forwards a keyed request that enforcement would have answered from
-    /// the store (`begun` says how), counted as what it would have been.
-    /// Its answer is not stored: the key's record stays the first one's.
-    pub(super) async fn forward_observed(
-        self,
-        claim: &Claim,
-        begun: BeginOutcome,
-        request: Request<Body>,
-        respond: Responder,
-    ) {
-        let outcome = match begun {
-            BeginOutcome::InFlight { .. } => RequestOutcome::ObservedInFlight,
-            BeginOutcome::Mismatch { .. } => RequestOutcome::ObservedMismatch,
-            BeginOutcome::Completed(_) | BeginOutcome::Settled(_) => RequestOutcome::ObservedReplay,
-            // Not sent here: an acquired key is executed.
-            BeginOutcome::Acquired { .. } => RequestOutcome::Passthrough,
-        };
-        self.forward_unclaimed(request, respond, outcome, Some(claim.key))
-            .await
     }
 }
 

@@ -188,9 +188,7 @@ impl Rejection {
             }
             Rejection::InvalidBody { at } => format!(
                 "This route reads the request's key from its JSON body (`{at}`), and the body does \
-                 not parse as standard JSON (RFC 8259 in UTF-8: no NaN or Infinity, no lone \
-                 surrogate escapes, numbers within the double range, at most 128 levels deep); \
-                 nothing was claimed or forwarded."
+                 not parse as standard JSON ({STANDARD_JSON}); nothing was claimed or forwarded."
             ),
             Rejection::BodyTimeout { timeout } => format!(
                 "The request body did not arrive within {}; nothing was executed. Retrying is safe.",
@@ -249,13 +247,7 @@ impl Rejection {
             Rejection::MissingIdentity => "This route requires a caller identity (a bearer token \
                  naming the caller); nothing was claimed or forwarded."
                 .into(),
-            Rejection::RecordUnreadable => "This Idempotency-Key already has a stored record that \
-                 the proxy cannot read (no configured encryption key opens it, or it is corrupt or \
-                 too large). The request was not executed, and will not be with this key until an \
-                 operator inspects the record (`idemproxy keys show`) and removes it (`idemproxy \
-                 keys forget`). Do not retry: the first request may have taken effect; check before \
-                 using a new key."
-                .into(),
+            Rejection::RecordUnreadable => RECORD_UNREADABLE.into(),
         }
     }
 
@@ -349,6 +341,16 @@ impl Rejection {
         response
     }
 }
+
+/// What a body that names the key must be, as `invalid-body` says it.
+const STANDARD_JSON: &str = "RFC 8259 in UTF-8: no NaN or Infinity, no lone surrogate escapes, \
+     numbers within the double range, at most 128 levels deep";
+
+const RECORD_UNREADABLE: &str = "This Idempotency-Key already has a stored record that the proxy \
+     cannot read (no configured encryption key opens it, or it is corrupt or too large). The \
+     request was not executed, and will not be with this key until an operator inspects the \
+     record (`idemproxy keys show`) and removes it (`idemproxy keys forget`). Do not retry: the \
+     first request may have taken effect; check before using a new key.";
 
 /// What an `outcome-unknown` answer tells the caller: what happened, and
 /// whether a retry with the same key executes again.

@@ -17,17 +17,16 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::response::Parts;
-use http::{Request, Response, StatusCode};
+use http::{Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use tokio::time::error::Elapsed;
 use tokio::time::Instant;
-use tower::Service;
 
 use super::body::{channel_body, BodySender, BoundedCopy};
-use super::exchange::{Claim, Exchange, Responder};
+use super::context::Responder;
 use super::replay::{stored_headers, stored_outcome};
-use crate::core::{FencingToken, UpstreamFailure};
+use super::settle::Holder;
 use crate::http::headers::content_length;
 use crate::http::CloseDelimited;
 use crate::observe::RequestOutcome;
@@ -40,92 +39,81 @@ const WHOLE_BODY_LIMIT: u64 = 64 * 1024;
 /// broken body, or the deadline.
 type Read = Result<Option<Result<Frame<Bytes>, axum::Error>>, Elapsed>;
 
-impl<S> Exchange<S>
-where
-    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
-    S::Error: Into<UpstreamFailure>,
-    S::Future: Send + 'static,
-{
-    /// Relays `response` while keeping a bounded copy, and stores the
-    /// outcome before the client can see the body end.
-    pub(super) async fn stream_and_store(
-        mut self,
-        claim: Claim,
-        token: FencingToken,
-        response: Response<Body>,
-        deadline: Instant,
-        respond: Responder,
-    ) {
-        let (head, mut upstream) = response.into_parts();
-        self.log.set_status(head.status.as_u16());
-        let declared = content_length(&head.headers);
-        let mut copy = BoundedCopy::new(self.policy.max_response_bytes);
-        let whole_limit = WHOLE_BODY_LIMIT.min(self.policy.max_response_bytes as u64);
-        // The body's end is only the upstream's close: a FIN halfway looks
-        // the same, so the body is relayed as it comes but never stored as
-        // the response (a retry is told it was not stored).
-        let close_delimited = head.extensions.get::<CloseDelimited>().is_some();
-        let small = declared.is_some_and(|len| len <= whole_limit)
-            || head.status == StatusCode::NO_CONTENT
-            || head.status == StatusCode::NOT_MODIFIED;
-        // Frames read before deciding to stream, and how the body ended if
-        // it already did.
-        let (early, ended) = if small {
-            read_ready(&mut upstream, &mut copy, deadline).await
-        } else {
-            (Vec::new(), None)
-        };
-        if let Some(complete) = ended {
-            return self
-                .store_whole(claim, token, head, copy, complete, respond)
-                .await;
-        }
-        let (tx, client_body) = channel_body(16);
-        let stored_headers = stored_headers(&head.headers);
-        let status = head.status.as_u16();
-        let _ = respond.send(Response::from_parts(head, client_body));
-        let mut relay = Relay {
-            client: Some(tx),
-            backlog: VecDeque::new(),
-            held: Vec::new(),
-            relayed: 0,
-            declared,
-            deadline,
-            copy,
-        };
-        let complete = relay.run(early, &mut upstream).await;
-        let body = if complete && !close_delimited {
-            relay.copy.take()
-        } else {
-            None
-        };
-        self.complete(&claim, token, stored_outcome(status, stored_headers, body))
-            .await;
-        relay.finish(complete).await;
-        self.log.finish_streamed(RequestOutcome::Executed);
+/// Relays `response` while keeping a bounded copy, and stores the
+/// outcome before the client can see the body end.
+pub(super) async fn stream_and_store(
+    mut holder: Holder,
+    response: Response<Body>,
+    deadline: Instant,
+    respond: Responder,
+) {
+    let (head, mut upstream) = response.into_parts();
+    holder.cx.log.set_status(head.status.as_u16());
+    let declared = content_length(&head.headers);
+    let max_response_bytes = holder.cx.policy.max_response_bytes;
+    let mut copy = BoundedCopy::new(max_response_bytes);
+    let whole_limit = WHOLE_BODY_LIMIT.min(max_response_bytes as u64);
+    // The body's end is only the upstream's close: a FIN halfway looks
+    // the same, so the body is relayed as it comes but never stored as
+    // the response (a retry is told it was not stored).
+    let close_delimited = head.extensions.get::<CloseDelimited>().is_some();
+    let small = declared.is_some_and(|len| len <= whole_limit)
+        || head.status == StatusCode::NO_CONTENT
+        || head.status == StatusCode::NOT_MODIFIED;
+    // Frames read before deciding to stream, and how the body ended if
+    // it already did.
+    let (early, ended) = if small {
+        read_ready(&mut upstream, &mut copy, deadline).await
+    } else {
+        (Vec::new(), None)
+    };
+    if let Some(complete) = ended {
+        return store_whole(holder, head, copy, complete, respond).await;
     }
+    let (tx, client_body) = channel_body(16);
+    let stored_headers = stored_headers(&head.headers);
+    let status = head.status.as_u16();
+    let _ = respond.send(Response::from_parts(head, client_body));
+    let mut relay = Relay {
+        client: Some(tx),
+        backlog: VecDeque::new(),
+        held: Vec::new(),
+        relayed: 0,
+        declared,
+        deadline,
+        copy,
+    };
+    let complete = relay.run(early, &mut upstream).await;
+    let body = if complete && !close_delimited {
+        relay.copy.take()
+    } else {
+        None
+    };
+    holder
+        .complete(stored_outcome(status, stored_headers, body))
+        .await;
+    relay.finish(complete).await;
+    holder.cx.log.finish_streamed(RequestOutcome::Executed);
+}
 
-    /// Stores a body that was read whole, then sends it in one piece (or,
-    /// broken off, as a body that fails).
-    async fn store_whole(
-        mut self,
-        claim: Claim,
-        token: FencingToken,
-        head: Parts,
-        copy: BoundedCopy,
-        complete: bool,
-        respond: Responder,
-    ) {
-        let body = if complete { copy.finish() } else { None };
-        let client_body = match &body {
-            Some(body) => Body::from(body.clone()),
-            None => broken_body(),
-        };
-        let outcome = stored_outcome(head.status.as_u16(), stored_headers(&head.headers), body);
-        self.complete(&claim, token, outcome).await;
-        let _ = respond.send(Response::from_parts(head, client_body));
-        self.log.finish_streamed(RequestOutcome::Executed);
-    }
+/// Stores a body that was read whole, then sends it in one piece (or,
+/// broken off, as a body that fails).
+async fn store_whole(
+    mut holder: Holder,
+    head: Parts,
+    copy: BoundedCopy,
+    complete: bool,
+    respond: Responder,
+) {
+    let body = if complete { copy.finish() } else { None };
+    let client_body = match &body {
+        Some(body) => Body::from(body.clone()),
+        None => broken_body(),
+    };
+    let outcome = stored_outcome(head.status.as_u16(), stored_headers(&head.headers), body);
+    holder.complete(outcome).await;
+    let _ = respond.send(Response::from_parts(head, client_body));
+    holder.cx.log.finish_streamed(RequestOutcome::Executed);
 }
 
 /// Reads the first frame (waiting up to `deadline`) and then only what is

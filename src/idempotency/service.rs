@@ -30,16 +30,20 @@ use pin_project_lite::pin_project;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tower::util::Oneshot;
-use tower::{Service, ServiceExt};
+use tower::{Layer, Service, ServiceExt};
 use tracing::Span;
 
 use super::body::holding;
+use super::context::RequestContext;
+use super::dialect::Http;
 use super::exchange::Exchange;
-use super::layer::Settings;
-use super::policy::{Policy, Profile};
+use super::layer::{IdempotencyLayer, Settings};
+use super::observe_dialect::Observed;
+use super::policy::{McpRoute, Policy, Profile};
 use super::rejection::Rejection;
 use crate::core::UpstreamFailure;
 use crate::observe::{trace, RequestLog, RequestOutcome};
+use crate::request::key::IdempotencyKey;
 use crate::request::key_source::HeadKey;
 
 /// The middleware service. `S` forwards a request to the upstream; its
@@ -51,9 +55,14 @@ pub struct Idempotency<S> {
     settings: Arc<Settings>,
 }
 
-impl<S> Idempotency<S> {
-    pub(super) fn new(inner: S, settings: Arc<Settings>) -> Self {
-        Self { inner, settings }
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency {
+            inner,
+            settings: self.settings.clone(),
+        }
     }
 }
 
@@ -94,31 +103,10 @@ where
             return ResponseFuture::rejected(log, RequestOutcome::Overloaded, rejection, &policy);
         };
         if let Some(mcp) = policy.mcp.clone() {
-            if req.method() == http::Method::POST {
-                let span = log.span().clone();
-                let exchange = self.exchange(policy, log, permit);
-                return ResponseFuture::covered(span, exchange.start_mcp(req, mcp));
-            }
-            if req.method() == http::Method::DELETE {
-                let span = log.span().clone();
-                let exchange = self.exchange(policy, log, permit);
-                return ResponseFuture::covered(span, exchange.end_session(req, mcp));
-            }
-            // GET streams: the transport's, not a call.
-            return ResponseFuture::passthrough(
-                self.inner.clone().oneshot(req),
-                log,
-                permit,
-                self.settings.upstream_timeout,
-            );
+            return self.call_mcp(req, mcp, policy, log, permit);
         }
         if !policy.covers(req.method()) {
-            return ResponseFuture::passthrough(
-                self.inner.clone().oneshot(req),
-                log,
-                permit,
-                self.settings.upstream_timeout,
-            );
+            return self.passthrough(req, log, permit, RequestOutcome::Passthrough);
         }
         let (parts, body) = req.into_parts();
         let head = policy.keys.from_head(&parts);
@@ -152,36 +140,92 @@ where
                 } else {
                     RequestOutcome::Passthrough
                 };
-                return ResponseFuture::passthrough_as(
-                    self.inner.clone().oneshot(req),
-                    log,
-                    permit,
-                    self.settings.upstream_timeout,
-                    outcome,
-                );
+                return self.passthrough(req, log, permit, outcome);
             }
         };
-        let span = log.span().clone();
-        let exchange = self.exchange(policy, log, permit);
-        ResponseFuture::covered(span, exchange.start(req, key))
+        self.call_covered(req, key, policy, log, permit)
     }
 }
 
-impl<S: Clone> Idempotency<S> {
-    fn exchange(
+impl<S> Idempotency<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Error: Into<UpstreamFailure>,
+    S::Future: Send + 'static,
+{
+    /// A request to an MCP route: a POST is a JSON-RPC message, a DELETE
+    /// ends a session; a GET stream is the transport's, not a call.
+    fn call_mcp(
+        &self,
+        req: Request<Body>,
+        mcp: Arc<McpRoute>,
+        policy: Arc<Policy>,
+        log: RequestLog,
+        permit: OwnedSemaphorePermit,
+    ) -> ResponseFuture<S> {
+        if req.method() == http::Method::POST {
+            let span = log.span().clone();
+            let exchange = self.exchange(policy, log, permit, Http);
+            return ResponseFuture::covered(span, exchange.start_mcp(req, mcp));
+        }
+        if req.method() == http::Method::DELETE {
+            let span = log.span().clone();
+            let exchange = self.exchange(policy, log, permit, Http);
+            return ResponseFuture::covered(span, exchange.end_session(req, mcp));
+        }
+        self.passthrough(req, log, permit, RequestOutcome::Passthrough)
+    }
+
+    /// The covered path, in its route's dialect: observe mode's, or plain
+    /// HTTP's.
+    fn call_covered(
+        &self,
+        req: Request<Body>,
+        key: Option<IdempotencyKey>,
+        policy: Arc<Policy>,
+        log: RequestLog,
+        permit: OwnedSemaphorePermit,
+    ) -> ResponseFuture<S> {
+        let span = log.span().clone();
+        if policy.observe.is_some() {
+            let exchange = self.exchange(policy, log, permit, Observed);
+            return ResponseFuture::covered(span, exchange.start_observed(req, key));
+        }
+        let exchange = self.exchange(policy, log, permit, Http);
+        ResponseFuture::covered(span, exchange.start(req, key))
+    }
+
+    /// Forwards `req` as it came, counted as `outcome`.
+    fn passthrough(
+        &self,
+        req: Request<Body>,
+        log: RequestLog,
+        permit: OwnedSemaphorePermit,
+        outcome: RequestOutcome,
+    ) -> ResponseFuture<S> {
+        ResponseFuture::passthrough_as(
+            self.inner.clone().oneshot(req),
+            log,
+            permit,
+            self.settings.upstream_timeout,
+            outcome,
+        )
+    }
+
+    fn exchange<D>(
         &self,
         policy: Arc<Policy>,
         log: RequestLog,
         permit: OwnedSemaphorePermit,
-    ) -> Exchange<S> {
-        Exchange {
+        dialect: D,
+    ) -> Exchange<S, D> {
+        let cx = RequestContext {
             settings: self.settings.clone(),
             policy,
-            inner: self.inner.clone(),
             log,
             permit,
-            mcp: None,
-        }
+        };
+        Exchange::new(self.inner.clone(), cx, dialect)
     }
 }
 
@@ -211,15 +255,6 @@ pin_project! {
 }
 
 impl<S: Service<Request<Body>>> ResponseFuture<S> {
-    fn passthrough(
-        fut: Oneshot<S, Request<Body>>,
-        log: RequestLog,
-        permit: OwnedSemaphorePermit,
-        timeout: Duration,
-    ) -> Self {
-        Self::passthrough_as(fut, log, permit, timeout, RequestOutcome::Passthrough)
-    }
-
     fn passthrough_as(
         fut: Oneshot<S, Request<Body>>,
         log: RequestLog,

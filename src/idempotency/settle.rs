@@ -6,63 +6,71 @@
 
 use std::time::Duration;
 
-use axum::body::Body;
-use http::{Request, Response};
 use tokio::time::Instant;
-use tower::Service;
 use tracing::Instrument;
 
-use super::exchange::{Claim, Exchange};
+use super::context::{Claim, RequestContext};
 use super::layer::Settings;
 use super::store_call::{bounded, timed};
-use crate::core::{CompletedRecord, FencingToken, Record, RecordKey, UpstreamFailure};
+use crate::core::{millis, CompletedRecord, FencingToken, Outcome, Record, RecordKey};
 use crate::observe::RouteMetrics;
 use crate::store::{Completion, Store, StoreError};
 
-impl<S> Exchange<S>
-where
-    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
-    S::Error: Into<UpstreamFailure>,
-    S::Future: Send + 'static,
-{
+/// A request that holds its key: what settling the key takes.
+pub(super) struct Holder {
+    pub(super) cx: RequestContext,
+    pub(super) claim: Claim,
+    /// Fences every settling call: a key taken over by another request is
+    /// not this one's to settle any more.
+    pub(super) token: FencingToken,
+}
+
+impl Holder {
+    /// Stores `outcome` as the key's completed record.
+    pub(super) async fn complete(&mut self, outcome: Outcome) {
+        let now = self.cx.settings.clock.now_millis();
+        let record = CompletedRecord {
+            fingerprint: self.claim.fingerprint,
+            created_at: self.claim.arrived_at,
+            completed_at: now,
+            expires_at: now.saturating_add(millis(self.cx.policy.ttl)),
+            outcome,
+        };
+        let completion = Box::new(self.cx.settings.store.prepare(&self.claim.key, record));
+        self.settle(Settling::Complete(completion)).await;
+    }
+
+    /// Lets the key go, so a retry executes.
+    pub(super) async fn release(&mut self) {
+        self.settle(Settling::Release).await;
+    }
+
     /// Completes or releases the key this request holds. A transient store
     /// error must not turn a known outcome into an unknown one (nor keep a
     /// released key held), so the call is retried: briefly here, while the
     /// client waits, then in the background (see [`Self::settle_late`]).
-    pub(super) async fn settle(&mut self, claim: &Claim, token: FencingToken, settling: Settling) {
-        if !self.settle_inline(claim, token, &settling).await {
-            self.settle_late(claim, token, settling);
+    async fn settle(&mut self, settling: Settling) {
+        if !self.settle_inline(&settling).await {
+            self.settle_late(settling);
         }
         // Settled, now or by `settle_late`.
-        self.log.set_unsettled(false);
+        self.cx.log.set_unsettled(false);
     }
 
     /// The tries made while the client waits; whether they settled the key.
-    async fn settle_inline(
-        &mut self,
-        claim: &Claim,
-        token: FencingToken,
-        settling: &Settling,
-    ) -> bool {
+    async fn settle_inline(&mut self, settling: &Settling) -> bool {
+        let (key, token) = (self.claim.key, self.token);
         for attempt in 0..INLINE_SETTLE_ATTEMPTS {
             if attempt > 0 {
                 tokio::time::sleep(settle_backoff(attempt - 1)).await;
             }
-            let result = timed(&self.settings, &mut self.log, settling.op(), |s| {
-                settling.call(s, &claim.key, token)
+            let cx = &mut self.cx;
+            let result = timed(&cx.settings, &mut cx.log, settling.op(), |s| {
+                settling.call(s, &key, token)
             })
             .await;
-            let metrics = self.log.metrics();
-            if settled(
-                &self.settings,
-                metrics,
-                &claim.key,
-                settling,
-                result,
-                attempt,
-            )
-            .await
-            {
+            let metrics = cx.log.metrics();
+            if settled(&cx.settings, metrics, &key, settling, result, attempt).await {
                 return true;
             }
         }
@@ -80,12 +88,13 @@ where
     ///
     /// The task keeps this request's `max_in_flight` permit: a store that
     /// keeps failing cannot gather more of them than requests were allowed.
-    fn settle_late(&mut self, claim: &Claim, token: FencingToken, settling: Settling) {
-        let settings = self.settings.clone();
-        let route_metrics = self.log.metrics().clone();
-        let permit = self.permit.split(self.permit.num_permits());
-        let counted = self.settings.metrics.settling();
-        let (key, lease_ends) = (claim.key, claim.lease_ends);
+    fn settle_late(&mut self, settling: Settling) {
+        let cx = &mut self.cx;
+        let settings = cx.settings.clone();
+        let route_metrics = cx.log.metrics().clone();
+        let permit = cx.permit.split(cx.permit.num_permits());
+        let counted = cx.settings.metrics.settling();
+        let (key, lease_ends, token) = (self.claim.key, self.claim.lease_ends, self.token);
         let settle = async move {
             // The gauge goes down before the slot is free.
             let _held = (counted, permit);
@@ -116,7 +125,7 @@ where
             }
         };
         // In the request's span: the store calls' spans are its children.
-        self.settings.tasks.spawn(settle.in_current_span());
+        self.cx.settings.tasks.spawn(settle.in_current_span());
     }
 }
 
@@ -132,7 +141,7 @@ pub fn store_time_in_lease(store_timeout: Duration) -> Duration {
 
 /// `complete` and `release` are tried this many times while the client
 /// waits for its answer (~150 ms of pauses between them), then in the
-/// background until the lease ends (see `Exchange::settle_late`).
+/// background until the lease ends (see `Holder::settle_late`).
 const INLINE_SETTLE_ATTEMPTS: u32 = 3;
 
 /// The pause after failed settling attempt `attempt` (from 0): 50 ms,
@@ -142,7 +151,7 @@ fn settle_backoff(attempt: u32) -> Duration {
 }
 
 /// What a request that holds a key still has to tell the store.
-pub(super) enum Settling {
+enum Settling {
     /// The record, encoded once before the first try (see
     /// [`Store::prepare`]): every try sends the same bytes, so a retry
     /// whose first reply was lost is found to be the same write, and

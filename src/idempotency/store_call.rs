@@ -26,10 +26,6 @@ pub(super) fn owned_begin(store: &SharedStore, begin: &Begin) -> OwnedBegin {
     async move { store.begin(&begin).await }.boxed().fuse()
 }
 
-/// Background releases of unanswered claims at once; past it a claim is
-/// left to fail closed when its lease ends, as it would without them.
-pub(super) const MAX_LATE_RELEASES: usize = 1024;
-
 /// Releases the claim a `begin` may have made for a request that was
 /// answered 503 without executing: the call failed, or gave no answer
 /// within `store.timeout`, and Redis may have applied it all the same (a
@@ -42,7 +38,7 @@ pub(super) const MAX_LATE_RELEASES: usize = 1024;
 /// (`Begin::token`): fenced, so a claim that is not this request's, or no
 /// claim, is left alone. It runs in a task of its own, holding no
 /// `max_in_flight` slot, tracked for shutdown, and at most
-/// [`MAX_LATE_RELEASES`] at once; it tries again, backing off, while the
+/// [`MAX_LATE_RELEASES`](super::layer::MAX_LATE_RELEASES) at once; it tries again, backing off, while the
 /// claim could still appear or be held, until `lease_ends`.
 pub(super) fn release_unanswered_claim(
     settings: &Settings,
