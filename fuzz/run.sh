@@ -11,6 +11,7 @@
 # Environment:
 #   FUZZ_OPTIONAL=1     skip (exit 0) when nightly or cargo-fuzz is missing
 #   FUZZ_TARGETS="a b"  run only these targets (default: all)
+#   FUZZ_JOBS=N         targets run at once (default: one per core)
 #   FUZZ_CORPUS=DIR     working corpus root (default fuzz/corpus, ignored by
 #                       git); new inputs found go to DIR/<target>
 #   FUZZ_SANITIZER=X    cargo-fuzz sanitizer: none (default) or address.
@@ -63,20 +64,45 @@ cargo +nightly fuzz build --sanitizer "$sanitizer"
 echo "built the fuzz targets in $((SECONDS - started)) s"
 
 mkdir -p "$logs"
-failed=()
-for target in "${targets[@]}"; do
-  corpus="$corpus_root/$target"
-  log="$logs/$target.log"
+
+# Runs one target; its exit status is libFuzzer's (0: no crash).
+run_target() {
+  local target=$1 corpus="$corpus_root/$1"
   mkdir -p "$corpus"
   # The first directory receives the new inputs; the seeds, and the inputs
   # of past crashes (fuzz/regressions/<target>/), are only read, and every
   # one of them is run first. A crashing input is written to
   # fuzz/artifacts/<target>/.
-  inputs=("$corpus" "$fuzz_dir/seeds/$target")
+  local inputs=("$corpus" "$fuzz_dir/seeds/$target")
   [ -d "$fuzz_dir/regressions/$target" ] && inputs+=("$fuzz_dir/regressions/$target")
-  status=0
   cargo +nightly fuzz run --sanitizer "$sanitizer" "$target" "${inputs[@]}" -- \
-    -max_total_time="$seconds" -print_final_stats=1 >"$log" 2>&1 || status=$?
+    -max_total_time="$seconds" -print_final_stats=1 >"$logs/$target.log" 2>&1
+}
+
+# Targets run side by side, one per core (FUZZ_JOBS), each for the full
+# `seconds`: the same fuzzing per target in a fraction of the wall time.
+jobs="${FUZZ_JOBS:-$(nproc 2>/dev/null || echo 1)}"
+declare -A status_of=() target_of=()
+running=0
+# Waits for one running target and keeps its status.
+reap() {
+  local pid status=0
+  wait -n -p pid || status=$?
+  status_of[${target_of[$pid]}]=$status
+  running=$((running - 1))
+}
+for target in "${targets[@]}"; do
+  while [ "$running" -ge "$jobs" ]; do reap; done
+  run_target "$target" &
+  target_of[$!]=$target
+  running=$((running + 1))
+done
+while [ "$running" -gt 0 ]; do reap; done
+
+failed=()
+for target in "${targets[@]}"; do
+  log="$logs/$target.log"
+  status=${status_of[$target]}
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
   coverage=$(grep -E '^#[0-9]+[[:space:]]+(DONE|INITED|NEW|REDUCE|pulse)' "$log" | tail -n 1 || true)
   if [ "$status" -eq 0 ]; then

@@ -81,7 +81,7 @@
 //! multiplexed connection; it reconnects by itself). Cluster: the async
 //! cluster connection (one multiplexed connection per node). Each traffic
 //! worker gets connections of its own, opened on its event loop (see
-//! [`LoopConnections`](connections::LoopConnections)); everything else shares
+//! [`LoopConnections`]); everything else shares
 //! the connections opened at startup. Connection attempts and
 //! responses have timeouts of their own, so nothing waits forever even
 //! without the caller's `store.timeout`; a dead Redis surfaces as

@@ -18,7 +18,7 @@ use super::{redis_error, RedisStore};
 use crate::core::RecordKey;
 use crate::store::{ListPage, ListWant, ScanCursor, ScanPage, StoreError};
 
-/// `SCAN` steps one page of a listing takes at most ([`Store::list`]).
+/// `SCAN` steps one page of a listing takes at most ([`Store::list`](crate::store::Store::list)).
 const MAX_SCAN_STEPS: usize = 1000;
 
 /// Where a listing goes on: `<scan cursor>|<hex>,<hex>…`, the `SCAN`
@@ -62,7 +62,7 @@ impl ListCursor {
 }
 
 impl RedisStore {
-    /// One `SCAN` step of a walk from `cursor` (see [`Store::scan`]): the
+    /// One `SCAN` step of a walk from `cursor` (see [`Store::scan`](crate::store::Store::scan)): the
     /// record keys it met with their Redis names, and the cursor after it
     /// (`None`: the walk is over).
     async fn scan_keys(
@@ -144,7 +144,7 @@ impl RedisStore {
         Ok((keys, next))
     }
 
-    /// The walk of [`Store::list`], reading the front of each value alone
+    /// The walk of [`Store::list`](crate::store::Store::list), reading the front of each value alone
     /// (`GETRANGE`, never the stored response). A `SCAN` step may meet more
     /// keys than the page has room for: the cursor then carries the rest
     /// of them (see [`ListCursor`]), which the next page reads first, so no

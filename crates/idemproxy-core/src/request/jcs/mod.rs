@@ -64,7 +64,7 @@ enum Entry<'a> {
     /// Every JSON number is an IEEE 754 double in RFC 8785 (§3.2.2.3).
     Number(f64),
     /// A number literal whose canonical form would not be its value (see
-    /// [`EXACT_INTEGERS`](parse::EXACT_INTEGERS)): the document is not
+    /// `parse::EXACT_INTEGERS`): the document is not
     /// I-JSON unless an ignore pointer removes it ([`Document::is_exact`]).
     Inexact(f64),
     /// Borrowed unless the JSON text had escapes in it.

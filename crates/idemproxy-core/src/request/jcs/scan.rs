@@ -302,7 +302,7 @@ pub(super) fn fast_double(mantissa: u64, scale: i64) -> Option<f64> {
 pub(super) const HIGH: u64 = u64::MAX / 255 * 0x80;
 
 /// The first eight bytes of a member name as a number that orders names
-/// as [`utf16_cmp`] does, where it tells them apart: so sorting compares
+/// as [`utf16_cmp`](super::utf16_cmp) does, where it tells them apart: so sorting compares
 /// numbers, and strings only for names alike in those bytes (or a prefix
 /// padded with NULs). UTF-8 byte order is UTF-16 order but for U+E000 to
 /// U+FFFF (lead bytes EE, EF), which sort after the surrogate pairs (F0
