@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::{Config, ConfigError, IdempotencyConfig, OnInFlight, StoreKind};
+use super::{Config, ConfigError, IdempotencySettings, OnInFlight, StoreKind};
 
 impl Config {
     /// Checks every field and names each problem by its path.
@@ -190,7 +190,7 @@ impl Config {
             if !route.path.starts_with('/') {
                 problems.push(format!("{at}.path: `{}` must start with `/`", route.path));
             }
-            validate_policy(&at, &route.resolve(&self.idempotency), problems);
+            validate_policy(&at, &route.idempotency, problems);
         }
     }
 }
@@ -233,7 +233,7 @@ fn check_at_most_a_day(field: &str, value: Duration, problems: &mut Vec<String>)
     }
 }
 
-fn validate_policy(at: &str, p: &IdempotencyConfig, problems: &mut Vec<String>) {
+fn validate_policy(at: &str, p: &IdempotencySettings, problems: &mut Vec<String>) {
     // What the margin must cover is checked where the request path's
     // store calls are known: `settings::policy`.
     check_at_most_a_day(&format!("{at}.lease_margin"), p.lease_margin, problems);

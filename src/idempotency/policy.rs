@@ -16,43 +16,8 @@ use crate::request::fingerprint::FingerprintRules;
 use crate::request::key_source::KeyRules;
 use crate::request::scope::ScopeRules;
 
-/// Which status codes the proxy's own answers use.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Profile {
-    /// 409 for a reused key, 425 for a key in flight.
-    #[default]
-    Default,
-    /// draft-ietf-httpapi-idempotency-key-header: 422 reused, 409 in flight.
-    Ietf,
-}
-
-/// What a duplicate that arrives while its key is in flight gets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnInFlight {
-    /// 425 (or 409) at once, with `Retry-After`.
-    Reject,
-    /// Held up to `wait_timeout`, then replayed.
-    Wait,
-}
-
-/// What a request gets when the store cannot answer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnStoreError {
-    /// 503 `store-unavailable`.
-    Reject,
-    /// Forwarded without protection (counted as `unprotected`).
-    Pass,
-}
-
-/// What happens to a key whose request may have executed (upstream timeout
-/// or reset).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnAmbiguous {
-    /// Stored as `outcome-unknown`: fail closed.
-    Store,
-    /// Released: a retry executes again.
-    Release,
-}
+/// The settings enums the policy carries as they are.
+pub use super::settings::{OnAmbiguous, OnInFlight, OnStoreError, Profile};
 
 /// A route's checked, ready-to-use policy.
 #[derive(Debug)]
