@@ -8,20 +8,15 @@
 
 use std::sync::Arc;
 
-use http::Method;
-
 use crate::config::{self, Config, IdentityConfig};
 use crate::core::redact_url;
 use crate::forward::UpstreamUrl;
 use crate::idempotency::mcp_catalog::SharedCatalog;
-use crate::idempotency::observe::ObserveRoute;
-use crate::idempotency::policy::McpRoute;
-use crate::idempotency::settings::{IdempotencySettings, McpSettings, Mode, Protocol};
+use crate::idempotency::policy::{parse_each, McpRoute};
+use crate::idempotency::settings::{IdempotencySettings, McpSettings, Protocol};
 use crate::idempotency::{store_time_in_lease, Policies, Policy};
 use crate::mcp::{ToolCatalog, ToolRules};
-use crate::request::fingerprint::{parse_header, validate_pointer, FingerprintRules};
 use crate::request::identity::{IdentitySettings, TokenVerifier};
-use crate::request::key_source::{KeyAttribute, KeyRules, KeySource};
 use crate::request::scope::{Anonymous, ScopeAttribute, ScopeRules};
 use crate::store::compression::{Dictionary, Packer};
 use crate::store::redis;
@@ -284,75 +279,20 @@ fn policy(
     problems: &mut Vec<String>,
 ) -> Option<Policy> {
     let before = problems.len();
-    let methods = each(at, "methods", &c.methods, parse_method, problems);
-    let headers = each(
-        at,
-        "fingerprint_headers",
-        &c.fingerprint_headers,
-        parse_header,
-        problems,
-    );
-    let ignore = each(
-        at,
-        "fingerprint_ignore",
-        &c.fingerprint_ignore,
-        |p| validate_pointer(p).map(|()| p.to_owned()),
-        problems,
-    );
-    let scope = each(
-        at,
-        "scope",
-        &c.scope,
-        str::parse::<ScopeAttribute>,
-        problems,
-    );
-    let scope = scope_rules(at, scope, c.anonymous, shared, problems);
-    let key_from = each(
-        at,
-        "key_from",
-        &c.key_from,
-        str::parse::<KeySource>,
-        problems,
-    );
-    let derive_key = each(
-        at,
-        "derive_key",
-        &c.derive_key,
-        str::parse::<KeyAttribute>,
-        problems,
-    );
-    if c.mode == Mode::Observe && c.observe_window.is_zero() {
-        problems.push(format!(
-            "{at}.observe_window: must be more than 0 (e.g. \"10m\") in observe mode"
-        ));
-    }
+    let scope = |problems: &mut Vec<String>| {
+        let attributes = parse_each(
+            at,
+            "scope",
+            &c.scope,
+            str::parse::<ScopeAttribute>,
+            problems,
+        );
+        scope_rules(at, attributes, c.anonymous, shared, problems)
+    };
+    let lease = shared.upstream_timeout + c.lease_margin;
+    let policy = Policy::new(at, route, c, scope, lease, problems);
     check_lease_margin(at, c.lease_margin, shared.store_timeout, problems);
-    if problems.len() > before {
-        return None;
-    }
-    Some(Policy {
-        route: Arc::from(route),
-        methods,
-        require_key: c.require_key,
-        profile: c.profile,
-        ttl: c.ttl,
-        lease: shared.upstream_timeout + c.lease_margin,
-        on_in_flight: c.on_in_flight,
-        wait_timeout: c.wait_timeout,
-        on_store_error: c.on_store_error,
-        on_ambiguous: c.on_ambiguous,
-        on_stale: c.on_stale,
-        release_statuses: c.release_statuses.clone(),
-        max_request_bytes: c.max_request_bytes,
-        max_response_bytes: c.max_response_bytes,
-        fingerprint: FingerprintRules::new(headers, ignore),
-        scope,
-        keys: KeyRules::new(key_from, derive_key).for_route(route),
-        observe: (c.mode == Mode::Observe).then(|| ObserveRoute::new(c.observe_window)),
-        replay_body_field: (!c.replay_body_field.is_empty())
-            .then(|| Arc::from(c.replay_body_field.as_str())),
-        mcp: None,
-    })
+    policy.filter(|_| problems.len() == before)
 }
 
 /// `[mcp]` as the MCP routes use it, or `None` with its problems added.
@@ -439,42 +379,14 @@ fn scope_rules(
     }
 }
 
-/// Parses every entry of the list `field` of `at`, reporting each one that
-/// does not parse.
-fn each<T>(
-    at: &str,
-    field: &str,
-    values: &[String],
-    parse: impl Fn(&str) -> Result<T, String>,
-    problems: &mut Vec<String>,
-) -> Vec<T> {
-    values
-        .iter()
-        .filter_map(|value| match parse(value) {
-            Ok(parsed) => Some(parsed),
-            Err(why) => {
-                problems.push(format!("{at}.{field}: {why}"));
-                None
-            }
-        })
-        .collect()
-}
-
-/// An upper-case HTTP method: `post` would never match, since methods are
-/// case-sensitive.
-fn parse_method(m: &str) -> Result<Method, String> {
-    match Method::from_bytes(m.as_bytes()) {
-        Ok(method) if m.to_ascii_uppercase() == m => Ok(method),
-        _ => Err(format!("`{m}` is not an upper-case HTTP method")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
     use super::*;
     use crate::config::{ConfigError, FlagOverrides, RouteConfig, MAX_TTL};
+    use crate::idempotency::settings::Mode;
+    use http::Method;
 
     fn config() -> Config {
         Config {
