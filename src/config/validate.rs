@@ -168,8 +168,8 @@ impl Config {
         }
     }
 
-    /// `[idempotency]`, then each route: its own fields, and the policy it
-    /// resolves to.
+    /// `[idempotency]`, then each route: its own fields, and its settings
+    /// (`[idempotency]` under what it sets itself, see [`Config::load`]).
     fn check_policies(&self, problems: &mut Vec<String>) {
         validate_policy("idempotency", &self.idempotency, problems);
         let mut names = std::collections::HashSet::new();
@@ -235,7 +235,7 @@ fn check_at_most_a_day(field: &str, value: Duration, problems: &mut Vec<String>)
 
 fn validate_policy(at: &str, p: &IdempotencySettings, problems: &mut Vec<String>) {
     // What the margin must cover is checked where the request path's
-    // store calls are known: `settings::policy`.
+    // store calls are known: `settings::policies` at the crate root.
     check_at_most_a_day(&format!("{at}.lease_margin"), p.lease_margin, problems);
     check_at_most_a_day(&format!("{at}.wait_timeout"), p.wait_timeout, problems);
     if p.methods.is_empty() {
@@ -272,7 +272,8 @@ fn validate_policy(at: &str, p: &IdempotencySettings, problems: &mut Vec<String>
             "{at}.max_response_bytes: must be greater than zero"
         ));
     }
-    // Methods, header names, JSON pointers and scope attributes are parsed
-    // (and reported by field) where they become the policy's own types,
-    // once: see `settings::policies` at the crate root.
+    // Methods, header names, JSON pointers and key sources are parsed (and
+    // reported by field) where they become the policy's own types, once:
+    // `idempotency::Policy::new`; scope attributes, which need `[identity]`
+    // and `[tls]`, in `settings::policies` at the crate root.
 }
