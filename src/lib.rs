@@ -11,10 +11,12 @@
 //!    whether the request could have executed.
 //!
 //! The modules are layers that import one way only (README, "Layout";
-//! `tests/architecture.rs` holds them to it): [`core`] and [`config`] are
-//! leaves; [`http`], [`observe`], [`store`], [`forward`], [`idempotency`],
-//! [`server`] and [`admin`] build on the ones before them; this file and
-//! [`settings`] are the composition root, the only readers of [`Config`].
+//! `tests/architecture.rs` holds them to it): [`core`] is the leaf;
+//! [`http`], [`observe`], [`store`], [`forward`], [`idempotency`],
+//! [`server`] and [`admin`] build on the ones before them; each part owns
+//! the serde type of its settings, and [`config`] is the file's shape made
+//! of them; this file and [`settings`] are the composition root, the only
+//! readers of [`Config`].
 //!
 //! [`app`] builds that stack from a [`Config`] without any socket, so tests
 //! drive it in-process; [`run`] binds the listeners and serves until
@@ -55,8 +57,8 @@ use tower_http::request_id::{
 
 use admin::{AdminState, AdminToken};
 pub use config::Config;
-use config::{ConfigError, StoreKind, UpstreamConfig};
-use forward::{Forward, Upstream};
+use config::{ConfigError, StoreKind};
+use forward::{Forward, Upstream, UpstreamSettings};
 use idempotency::{Idempotency, IdempotencyLayer, Policies};
 use observe::request_id::{drop_oversized_request_id, MakeRequestUuidV4};
 use observe::Metrics;
@@ -96,7 +98,7 @@ impl std::fmt::Debug for App {
 /// What a worker thread needs to build its own traffic stack.
 struct Stack {
     layer: IdempotencyLayer,
-    upstream: UpstreamConfig,
+    upstream: UpstreamSettings,
 }
 
 impl Stack {

@@ -1,31 +1,27 @@
-//! Part of the composition root: the [`Config`] parsed, once, into the
-//! runtime types and settings structs each part takes, so that no part
-//! below reads the configuration. Every value that does not parse is
-//! reported by the field that carries it, all of them in one answer.
+//! Part of the composition root: what takes more than one part's settings.
+//! Checks across parts (a route's `lease_margin` against `store.timeout`,
+//! `jwt:` scopes against `[identity]`), and the runtime objects built from
+//! several (each route's [`Policy`], the keyring, the packer), so that no
+//! part below reads the configuration; each part's own settings it takes
+//! as they are. Every value that does not parse is reported by the field
+//! that carries it, all of them in one answer.
 
 use std::sync::Arc;
 
-use http::Method;
-
-use crate::config::{
-    self, Config, IdempotencyConfig, IdentityConfig, StoreConfig, StoreKind, UpstreamConfig,
-};
+use crate::config::{self, Config, IdentityConfig};
 use crate::core::redact_url;
-use crate::core::OnStale;
-use crate::forward::{UpstreamSettings, UpstreamUrl};
+use crate::forward::UpstreamUrl;
 use crate::idempotency::mcp_catalog::SharedCatalog;
-use crate::idempotency::observe::ObserveRoute;
-use crate::idempotency::policy::{McpRoute, OnAmbiguous, OnInFlight, OnStoreError, Profile};
+use crate::idempotency::policy::{parse_each, McpRoute};
+use crate::idempotency::settings::{IdempotencySettings, McpSettings, Protocol};
 use crate::idempotency::{store_time_in_lease, Policies, Policy};
-use crate::mcp::tools::Protect;
 use crate::mcp::{ToolCatalog, ToolRules};
-use crate::request::fingerprint::{parse_header, validate_pointer, FingerprintRules};
 use crate::request::identity::{IdentitySettings, TokenVerifier};
-use crate::request::key_source::{KeyAttribute, KeyRules, KeySource};
 use crate::request::scope::{Anonymous, ScopeAttribute, ScopeRules};
 use crate::store::compression::{Dictionary, Packer};
-use crate::store::redis::{self, RedisSettings};
+use crate::store::redis;
 use crate::store::sealed::Keyring;
+use crate::store::{Compression, StoreKind, StoreSettings};
 
 /// Every problem of `config`: its own checks ([`Config::validate`]) and
 /// the values that do not parse into what the parts take.
@@ -53,7 +49,7 @@ pub(crate) fn problems(config: &Config) -> Vec<String> {
 
 /// The keys of `store.encryption_keys_env`, read from the environment
 /// now; `None` when encryption at rest is off.
-pub(crate) fn keyring(store: &StoreConfig) -> Result<Option<Keyring>, String> {
+pub(crate) fn keyring(store: &StoreSettings) -> Result<Option<Keyring>, String> {
     let Some(name) = &store.encryption_keys_env else {
         return Ok(None);
     };
@@ -87,13 +83,13 @@ pub(crate) fn packer(config: &Config) -> Result<Packer, String> {
     let largest = config
         .routes
         .iter()
-        .filter_map(|route| route.max_response_bytes)
+        .map(|route| route.idempotency.max_response_bytes)
         .chain([config.idempotency.max_response_bytes])
         .max()
         .unwrap_or_default();
     let max_unpacked = largest.max(16 << 20).saturating_add(1 << 20);
     Ok(Packer::new(
-        store.compression == config::Compression::Zstd,
+        store.compression == Compression::Zstd,
         dictionary,
         previous,
         max_unpacked,
@@ -102,7 +98,7 @@ pub(crate) fn packer(config: &Config) -> Result<Packer, String> {
 
 /// The Redis URLs the store kind connects to, checked as the store checks
 /// them.
-fn redis_url_problems(store: &StoreConfig) -> Vec<String> {
+fn redis_url_problems(store: &StoreSettings) -> Vec<String> {
     let urls: Vec<(&str, &String)> = match store.kind {
         StoreKind::Memory | StoreKind::Embedded => Vec::new(),
         StoreKind::Redis => vec![("store.url", &store.url)],
@@ -130,11 +126,32 @@ pub(crate) fn effective_toml(config: &Config) -> String {
     }
     let rendered = toml::Value::try_from(&shown).map(|mut value| {
         redact_urls(&mut value);
+        without_inherited(&mut value);
         value
     });
     rendered
         .and_then(|value| toml::to_string_pretty(&value))
         .unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+}
+
+/// Each route's table without the values it has from `[idempotency]`, as
+/// a file would write it: what the route sets itself stands out, and the
+/// printed file still loads to the same configuration.
+fn without_inherited(config: &mut toml::Value) {
+    let Some(table) = config.as_table_mut() else {
+        return;
+    };
+    let Some(defaults) = table.get("idempotency").cloned() else {
+        return;
+    };
+    let routes = table.get_mut("routes").and_then(toml::Value::as_array_mut);
+    for route in routes
+        .into_iter()
+        .flatten()
+        .filter_map(toml::Value::as_table_mut)
+    {
+        route.retain(|field, value| defaults.get(field) != Some(value));
+    }
 }
 
 /// Every string in `value` that is a URL, redacted: whatever field holds
@@ -156,8 +173,8 @@ pub(crate) fn warnings(config: &Config) -> Vec<String> {
     let routes = config
         .routes
         .iter()
-        .map(|r| (r.name.as_str(), r.resolve(&config.idempotency)))
-        .chain(std::iter::once(("default", config.idempotency.clone())));
+        .map(|r| (r.name.as_str(), &r.idempotency))
+        .chain(std::iter::once(("default", &config.idempotency)));
     routes
         .filter(|(_, c)| {
             c.scope
@@ -189,10 +206,11 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
     };
     let mut routes = Vec::with_capacity(config.routes.len());
     for (i, route) in config.routes.iter().enumerate() {
-        let resolved = route.resolve(&config.idempotency);
         let at = format!("routes[{i}]");
-        if let Some(mut policy) = policy(&at, &route.name, &resolved, &shared, &mut problems) {
-            if route.protocol == config::Protocol::Mcp {
+        if let Some(mut policy) =
+            policy(&at, &route.name, &route.idempotency, &shared, &mut problems)
+        {
+            if route.protocol == Protocol::Mcp {
                 if policy.observe.is_some() {
                     problems.push(format!(
                         "{at}.mode: observe is not available on a protocol = \"mcp\" route \
@@ -200,7 +218,7 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
                     ));
                 }
                 if let Some(mcp) = mcp_route(&route.name, &config.mcp, &mut problems) {
-                    policy.on_in_flight = on_in_flight(config.mcp.on_in_flight);
+                    policy.on_in_flight = config.mcp.on_in_flight;
                     policy.mcp = Some(Arc::new(mcp));
                 }
             }
@@ -256,84 +274,29 @@ fn token_verifier(identity: &IdentityConfig, problems: &mut Vec<String>) -> Opti
 fn policy(
     at: &str,
     route: &str,
-    c: &IdempotencyConfig,
+    c: &IdempotencySettings,
     shared: &Shared<'_>,
     problems: &mut Vec<String>,
 ) -> Option<Policy> {
     let before = problems.len();
-    let methods = each(at, "methods", &c.methods, parse_method, problems);
-    let headers = each(
-        at,
-        "fingerprint_headers",
-        &c.fingerprint_headers,
-        parse_header,
-        problems,
-    );
-    let ignore = each(
-        at,
-        "fingerprint_ignore",
-        &c.fingerprint_ignore,
-        |p| validate_pointer(p).map(|()| p.to_owned()),
-        problems,
-    );
-    let scope = each(
-        at,
-        "scope",
-        &c.scope,
-        str::parse::<ScopeAttribute>,
-        problems,
-    );
-    let scope = scope_rules(at, scope, c.anonymous, shared, problems);
-    let key_from = each(
-        at,
-        "key_from",
-        &c.key_from,
-        str::parse::<KeySource>,
-        problems,
-    );
-    let derive_key = each(
-        at,
-        "derive_key",
-        &c.derive_key,
-        str::parse::<KeyAttribute>,
-        problems,
-    );
-    if c.mode == config::Mode::Observe && c.observe_window.is_zero() {
-        problems.push(format!(
-            "{at}.observe_window: must be more than 0 (e.g. \"10m\") in observe mode"
-        ));
-    }
+    let scope = |problems: &mut Vec<String>| {
+        let attributes = parse_each(
+            at,
+            "scope",
+            &c.scope,
+            str::parse::<ScopeAttribute>,
+            problems,
+        );
+        scope_rules(at, attributes, c.anonymous, shared, problems)
+    };
+    let lease = shared.upstream_timeout + c.lease_margin;
+    let policy = Policy::new(at, route, c, scope, lease, problems);
     check_lease_margin(at, c.lease_margin, shared.store_timeout, problems);
-    if problems.len() > before {
-        return None;
-    }
-    Some(Policy {
-        route: Arc::from(route),
-        methods,
-        require_key: c.require_key,
-        profile: profile(c.profile),
-        ttl: c.ttl,
-        lease: shared.upstream_timeout + c.lease_margin,
-        on_in_flight: on_in_flight(c.on_in_flight),
-        wait_timeout: c.wait_timeout,
-        on_store_error: on_store_error(c.on_store_error),
-        on_ambiguous: on_ambiguous(c.on_ambiguous),
-        on_stale: on_stale(c.on_stale),
-        release_statuses: c.release_statuses.clone(),
-        max_request_bytes: c.max_request_bytes,
-        max_response_bytes: c.max_response_bytes,
-        fingerprint: FingerprintRules::new(headers, ignore),
-        scope,
-        keys: KeyRules::new(key_from, derive_key).for_route(route),
-        observe: (c.mode == config::Mode::Observe).then(|| ObserveRoute::new(c.observe_window)),
-        replay_body_field: (!c.replay_body_field.is_empty())
-            .then(|| Arc::from(c.replay_body_field.as_str())),
-        mcp: None,
-    })
+    policy.filter(|_| problems.len() == before)
 }
 
 /// `[mcp]` as the MCP routes use it, or `None` with its problems added.
-fn mcp_route(name: &str, c: &config::McpConfig, problems: &mut Vec<String>) -> Option<McpRoute> {
+fn mcp_route(name: &str, c: &McpSettings, problems: &mut Vec<String>) -> Option<McpRoute> {
     let key = &c.key_argument;
     if key.is_empty()
         || !key
@@ -345,12 +308,7 @@ fn mcp_route(name: &str, c: &config::McpConfig, problems: &mut Vec<String>) -> O
         ));
         return None;
     }
-    let protect = match c.protect {
-        config::McpProtect::Auto => Protect::Auto,
-        config::McpProtect::All => Protect::All,
-        config::McpProtect::Listed => Protect::Listed,
-    };
-    match ToolRules::new(key, protect, &c.protect_tools, &c.skip_tools) {
+    match ToolRules::new(key, c.protect, &c.protect_tools, &c.skip_tools) {
         Ok(rules) => Some(McpRoute {
             rules,
             catalog: ToolCatalog::default(),
@@ -396,7 +354,7 @@ fn check_lease_margin(
 fn scope_rules(
     at: &str,
     attributes: Vec<ScopeAttribute>,
-    anonymous: config::Anonymous,
+    anonymous: Anonymous,
     shared: &Shared<'_>,
     problems: &mut Vec<String>,
 ) -> ScopeRules {
@@ -408,10 +366,7 @@ fn scope_rules(
             "{at}.scope: `client_cert` needs [tls] client_ca_file, the CAs client certificates are verified against"
         ));
     }
-    let rules = ScopeRules::new(attributes).anonymous(match anonymous {
-        config::Anonymous::Shared => Anonymous::Shared,
-        config::Anonymous::Reject => Anonymous::Reject,
-    });
+    let rules = ScopeRules::new(attributes).anonymous(anonymous);
     match shared.verifier {
         Some(verifier) if needs_tokens => rules.verifier(verifier.clone()),
         None if needs_tokens => {
@@ -424,114 +379,14 @@ fn scope_rules(
     }
 }
 
-/// Parses every entry of the list `field` of `at`, reporting each one that
-/// does not parse.
-fn each<T>(
-    at: &str,
-    field: &str,
-    values: &[String],
-    parse: impl Fn(&str) -> Result<T, String>,
-    problems: &mut Vec<String>,
-) -> Vec<T> {
-    values
-        .iter()
-        .filter_map(|value| match parse(value) {
-            Ok(parsed) => Some(parsed),
-            Err(why) => {
-                problems.push(format!("{at}.{field}: {why}"));
-                None
-            }
-        })
-        .collect()
-}
-
-/// An upper-case HTTP method: `post` would never match, since methods are
-/// case-sensitive.
-fn parse_method(m: &str) -> Result<Method, String> {
-    match Method::from_bytes(m.as_bytes()) {
-        Ok(method) if m.to_ascii_uppercase() == m => Ok(method),
-        _ => Err(format!("`{m}` is not an upper-case HTTP method")),
-    }
-}
-
-fn profile(p: config::Profile) -> Profile {
-    match p {
-        config::Profile::Default => Profile::Default,
-        config::Profile::Ietf => Profile::Ietf,
-    }
-}
-
-fn on_in_flight(o: config::OnInFlight) -> OnInFlight {
-    match o {
-        config::OnInFlight::Reject => OnInFlight::Reject,
-        config::OnInFlight::Wait => OnInFlight::Wait,
-    }
-}
-
-fn on_store_error(o: config::OnStoreError) -> OnStoreError {
-    match o {
-        config::OnStoreError::Reject => OnStoreError::Reject,
-        config::OnStoreError::Pass => OnStoreError::Pass,
-    }
-}
-
-fn on_ambiguous(o: config::OnAmbiguous) -> OnAmbiguous {
-    match o {
-        config::OnAmbiguous::Store => OnAmbiguous::Store,
-        config::OnAmbiguous::Release => OnAmbiguous::Release,
-    }
-}
-
-fn on_stale(o: config::OnStale) -> OnStale {
-    match o {
-        config::OnStale::Store => OnStale::Store,
-        config::OnStale::Retry => OnStale::Retry,
-    }
-}
-
-impl From<&UpstreamConfig> for UpstreamSettings {
-    fn from(c: &UpstreamConfig) -> Self {
-        Self {
-            url: c.url.clone(),
-            connect_timeout: c.connect_timeout,
-            ca_file: c.ca_file.clone(),
-            http2_prior_knowledge: c.http2_prior_knowledge,
-            pool_max_idle_per_host: c.pool_max_idle_per_host,
-            pool_idle_timeout: c.pool_idle_timeout,
-        }
-    }
-}
-
-impl From<&StoreConfig> for RedisSettings {
-    fn from(c: &StoreConfig) -> Self {
-        Self {
-            cluster: c.kind == StoreKind::RedisCluster,
-            sentinels: if c.kind == StoreKind::RedisSentinel {
-                c.sentinels.clone()
-            } else {
-                Vec::new()
-            },
-            master_name: c.master_name.clone(),
-            min_replica_acks: c.min_replica_acks,
-            replica_ack_timeout: c.replica_ack_timeout,
-            url: c.url.clone(),
-            urls: c.urls.clone(),
-            username: c.username.clone(),
-            password: c.password.clone(),
-            password_env: c.password_env.clone(),
-            database: c.database,
-            key_prefix: c.key_prefix.clone(),
-            ca_file: c.ca_file.clone(),
-            timeout: c.timeout,
-        }
-    }
-}
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
     use super::*;
     use crate::config::{ConfigError, FlagOverrides, RouteConfig, MAX_TTL};
+    use crate::idempotency::settings::Mode;
+    use http::Method;
 
     fn config() -> Config {
         Config {
@@ -539,13 +394,19 @@ mod tests {
                 RouteConfig {
                     name: "payments".into(),
                     path: "/v1/payments".into(),
-                    require_key: Some(true),
+                    idempotency: IdempotencySettings {
+                        require_key: true,
+                        ..Default::default()
+                    },
                     ..Default::default()
                 },
                 RouteConfig {
                     name: "v1".into(),
                     path: "/v1/".into(),
-                    methods: Some(vec!["PUT".into()]),
+                    idempotency: IdempotencySettings {
+                        methods: vec!["PUT".into()],
+                        ..Default::default()
+                    },
                     ..Default::default()
                 },
             ],
@@ -661,7 +522,7 @@ mod tests {
         let mut c = Config::default();
         c.idempotency.key_from = vec!["json:tool_call_id".into(), "cookie:x".into()];
         c.idempotency.derive_key = vec!["query:k".into()];
-        c.idempotency.mode = config::Mode::Observe;
+        c.idempotency.mode = Mode::Observe;
         c.idempotency.observe_window = Duration::ZERO;
         let err = crate::validate(&c).expect_err("invalid").to_string();
         for field in [
@@ -676,9 +537,11 @@ mod tests {
         c.routes.push(config::RouteConfig {
             name: "mcp".into(),
             path: "/mcp".into(),
-            protocol: config::Protocol::Mcp,
-            mode: Some(config::Mode::Observe),
-            ..Default::default()
+            protocol: Protocol::Mcp,
+            idempotency: IdempotencySettings {
+                mode: Mode::Observe,
+                ..Default::default()
+            },
         });
         let err = crate::validate(&c).expect_err("observe on mcp").to_string();
         assert!(err.contains("routes[0].mode"), "{err}");
@@ -754,11 +617,11 @@ mod tests {
         let text = effective_toml(&c);
         assert!(!text.contains("s3cret"));
         let with_password = Config {
-            store: StoreConfig {
+            store: StoreSettings {
                 kind: StoreKind::RedisCluster,
                 urls: vec!["redis://app:pw@127.0.0.1:6379/2".into()],
                 password: Some("pw".into()),
-                ..StoreConfig::default()
+                ..StoreSettings::default()
             },
             ..Config::default()
         };
@@ -784,6 +647,38 @@ mod tests {
         };
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(problems[0].starts_with("admin_token:"), "{problems:?}");
+    }
+
+    /// A route is printed as a file writes it, with what it sets itself,
+    /// and reads back to the same policy.
+    #[test]
+    fn check_output_shows_what_a_route_sets_itself() {
+        let mut c = config();
+        // Routes hold what they inherit (see `Config::load`).
+        for settings in c.routes.iter_mut().map(|r| &mut r.idempotency) {
+            settings.ttl = Duration::from_secs(3600);
+        }
+        c.idempotency.ttl = Duration::from_secs(3600);
+        let text = effective_toml(&c);
+        let payments = text.split("[[routes]]").nth(1).expect("a route is printed");
+        assert!(payments.contains("require_key = true"), "{payments}");
+        assert!(
+            !payments.contains("ttl") && !payments.contains("methods"),
+            "{payments}"
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("c.toml");
+        std::fs::write(&file, &text).expect("write");
+        let reloaded =
+            Config::load(Some(&file), Vec::new(), &FlagOverrides::default()).expect("re-loads");
+        for (printed, route) in reloaded.routes.iter().zip(&c.routes) {
+            assert_eq!(printed.idempotency.ttl, Duration::from_secs(3600));
+            assert_eq!(printed.idempotency.methods, route.idempotency.methods);
+            assert_eq!(
+                printed.idempotency.require_key,
+                route.idempotency.require_key
+            );
+        }
     }
 
     /// The example files the README points to load and validate as they
@@ -812,8 +707,12 @@ mod tests {
         assert_eq!(warned.len(), 1, "{warned:?}");
         assert!(warned[0].contains("`default`") && warned[0].contains("refreshed token"));
         let mut c = config();
+        // Routes hold what they inherit (see `Config::load`).
+        for settings in c.routes.iter_mut().map(|r| &mut r.idempotency) {
+            settings.scope = vec!["jwt:sub".into()];
+        }
         c.idempotency.scope = vec!["jwt:sub".into()];
-        c.routes[0].scope = Some(vec!["Header:Authorization".into()]);
+        c.routes[0].idempotency.scope = vec!["Header:Authorization".into()];
         let warned = warnings(&c);
         assert_eq!(warned.len(), 1, "{warned:?}");
         assert!(warned[0].contains("`payments`"), "{warned:?}");

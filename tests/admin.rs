@@ -28,6 +28,7 @@ fn with_routes(mut c: Config, token: Option<&str>) -> Config {
     c.routes = vec![RouteConfig {
         name: "payments".into(),
         path: "/v1/payments".into(),
+        idempotency: c.idempotency.clone(),
         ..RouteConfig::default()
     }];
     c
@@ -414,9 +415,10 @@ async fn lookup_and_get_describe_a_completed_key_by_its_logged_hash() {
 #[tokio::test]
 async fn a_key_in_flight_is_pending_with_its_lease() {
     let upstream = TestUpstream::start().await;
-    let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
+    let mut c = config(&upstream.url());
     c.upstream.timeout = Duration::from_secs(5);
     c.idempotency.lease_margin = Duration::from_secs(2);
+    let c = with_routes(c, Some(TOKEN));
     let proxy = TestProxy::start(c).await;
     let admin = Admin::bearer(&proxy);
     let target = "/v1/payments?hold=slow";
@@ -705,9 +707,10 @@ async fn keys_are_listed_by_state_and_age() {
 #[tokio::test]
 async fn a_key_is_completed_by_the_time_its_response_has_arrived() {
     let upstream = TestUpstream::start().await;
-    let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
+    let mut c = config(&upstream.url());
     c.store.timeout = Duration::from_secs(2);
     c.idempotency.lease_margin = Duration::from_secs(9);
+    let c = with_routes(c, Some(TOKEN));
     let proxy = TestProxy::start_with_store(c, Arc::new(SlowComplete::default())).await;
     let client = TestClient::new();
     let admin = Admin::bearer(&proxy);
@@ -946,12 +949,16 @@ async fn lookup_finds_the_record_of_an_observe_mode_route() {
         RouteConfig {
             name: "observed".into(),
             path: "/v1/observed".into(),
-            mode: Some(idemproxy::config::Mode::Observe),
+            idempotency: idemproxy::config::IdempotencySettings {
+                mode: idemproxy::config::Mode::Observe,
+                ..c.idempotency.clone()
+            },
             ..RouteConfig::default()
         },
         RouteConfig {
             name: "payments".into(),
             path: "/v1/payments".into(),
+            idempotency: c.idempotency.clone(),
             ..RouteConfig::default()
         },
     ];

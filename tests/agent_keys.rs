@@ -395,6 +395,7 @@ async fn the_same_derived_ids_on_two_routes_are_two_keys() {
         .map(|name| idemproxy::config::RouteConfig {
             name: name.into(),
             path: format!("/v1/{name}"),
+            idempotency: c.idempotency.clone(),
             ..Default::default()
         })
         .collect();

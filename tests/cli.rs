@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use idemproxy::config::FlagOverrides;
 use idemproxy::Config;
 use support::proxy::TestClient;
 use support::upstream::TestUpstream;
@@ -31,6 +32,15 @@ fn run(cmd: &mut Command) -> (Output, String, String) {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     (out, stdout, stderr)
+}
+
+/// A configuration text read as the binary reads a file: a route's table
+/// inherits `[idempotency]`, which reading it as plain TOML would not do.
+fn load(text: &str) -> Config {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(dir.path(), "printed.toml", text);
+    Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"))
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
@@ -68,7 +78,7 @@ fn check_prints_the_effective_configuration() {
 
     // The output is itself a complete, valid configuration: the file's values
     // and every default.
-    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    let printed = load(&stdout);
     idemproxy::validate(&printed).expect("printed configuration is valid");
     assert_eq!(printed.listen.to_string(), "127.0.0.1:18080");
     assert_eq!(printed.upstream.url, "http://127.0.0.1:3001");
@@ -79,7 +89,7 @@ fn check_prints_the_effective_configuration() {
     assert_eq!(printed.admin_listen.to_string(), "127.0.0.1:9090");
     assert_eq!(printed.routes.len(), 1);
     assert_eq!(printed.routes[0].name, "payments");
-    assert_eq!(printed.routes[0].require_key, Some(true));
+    assert!(printed.routes[0].idempotency.require_key);
     assert!(stdout.contains("max_response_bytes"), "defaults are shown");
 }
 
@@ -97,7 +107,7 @@ fn check_applies_environment_and_flag_overrides() {
         .env("IDEMPROXY_LISTEN", "127.0.0.1:18082")
         .env("IDEMPROXY_IDEMPOTENCY__ON_IN_FLIGHT", "wait"));
     assert!(out.status.success(), "{:?}\n{stderr}", out.status);
-    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    let printed = load(&stdout);
     assert_eq!(printed.upstream.timeout, Duration::from_secs(7), "{stdout}");
     assert!(stdout.contains("timeout = \"7s\""), "{stdout}");
     assert_eq!(
@@ -117,7 +127,7 @@ fn check_applies_environment_and_flag_overrides() {
         .args(["--store", "redis"])
         .args(["--redis-url", "redis://10.1.2.4:6380/2"]));
     assert!(out.status.success(), "{:?}\n{stderr}", out.status);
-    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    let printed = load(&stdout);
     assert_eq!(printed.admin_listen.to_string(), "127.0.0.1:19091");
     assert_eq!(printed.upstream.url, "http://10.1.2.3:8000/base");
     assert_eq!(printed.store.kind, idemproxy::config::StoreKind::Redis);
@@ -129,7 +139,7 @@ fn check_applies_environment_and_flag_overrides() {
         "/var/lib/idemproxy",
     ]));
     assert!(out.status.success(), "{:?}\n{stderr}", out.status);
-    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    let printed = load(&stdout);
     assert_eq!(printed.store.kind, idemproxy::config::StoreKind::Embedded);
     assert_eq!(printed.store.path, Path::new("/var/lib/idemproxy"));
     let (out, _, stderr) = run(idemproxy().arg("check").args(["--store", "etcd"]));
@@ -188,9 +198,9 @@ fn check_ignores_variables_that_name_no_field_and_says_so() {
     );
     assert!(!stderr.contains("IDEMPROXY_CONFIG"), "{stderr}");
     assert!(!stderr.contains("12345678") && !stdout.contains("12345678"));
-    let printed: Config = toml::from_str(&stdout).unwrap_or_else(|e| panic!("{e}\n{stdout}"));
+    let printed = load(&stdout);
     // The file was read through IDEMPROXY_CONFIG.
-    let from_file: Config = toml::from_str(VALID).expect("VALID parses");
+    let from_file = load(VALID);
     assert_eq!(printed.upstream.url, from_file.upstream.url);
 }
 

@@ -126,7 +126,7 @@ async fn every_store(dir: &std::path::Path) -> Vec<(&'static str, SharedStore)> 
     ]
 }
 
-fn redis_settings(kind: StoreKind) -> idemproxy::config::StoreConfig {
+fn redis_settings(kind: StoreKind) -> idemproxy::config::StoreSettings {
     let mut c = config("http://127.0.0.1:9").store;
     c.kind = kind;
     c.key_prefix = unique_prefix("compression");

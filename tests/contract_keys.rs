@@ -6,7 +6,7 @@ mod support;
 use std::str::FromStr;
 
 use http::Method;
-use idemproxy::config::RouteConfig;
+use idemproxy::config::{IdempotencySettings, RouteConfig};
 use idemproxy::request::key::{IdempotencyKey, InvalidKey};
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::raw;
@@ -256,20 +256,29 @@ async fn routes_override_the_defaults_by_prefix_and_the_first_match_wins() {
         RouteConfig {
             name: "payments".into(),
             path: "/v1/payments".into(),
-            require_key: Some(true),
+            idempotency: IdempotencySettings {
+                require_key: true,
+                ..c.idempotency.clone()
+            },
             ..Default::default()
         },
         // Shadowed by `payments`, which comes first, although longer.
         RouteConfig {
             name: "refunds".into(),
             path: "/v1/payments/refunds".into(),
-            require_key: Some(false),
+            idempotency: IdempotencySettings {
+                require_key: false,
+                ..c.idempotency.clone()
+            },
             ..Default::default()
         },
         RouteConfig {
             name: "things".into(),
             path: "/v1/things".into(),
-            methods: Some(vec!["PUT".into()]),
+            idempotency: IdempotencySettings {
+                methods: vec!["PUT".into()],
+                ..c.idempotency.clone()
+            },
             ..Default::default()
         },
     ];
@@ -338,7 +347,10 @@ async fn a_route_matches_its_path_however_it_is_spelled() {
     c.routes = vec![RouteConfig {
         name: "payments".into(),
         path: "/v1/payments".into(),
-        require_key: Some(true),
+        idempotency: IdempotencySettings {
+            require_key: true,
+            ..c.idempotency.clone()
+        },
         ..Default::default()
     }];
     let proxy = TestProxy::start(c).await;

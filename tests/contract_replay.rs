@@ -296,8 +296,11 @@ async fn a_routes_scope_and_fingerprint_headers_apply() {
     c.routes = vec![idemproxy::config::RouteConfig {
         name: "transfers".into(),
         path: "/v1/transfers".into(),
-        scope: Some(vec!["header:x-tenant-id".into()]),
-        fingerprint_headers: Some(vec!["x-account".into()]),
+        idempotency: idemproxy::config::IdempotencySettings {
+            scope: vec!["header:x-tenant-id".into()],
+            fingerprint_headers: vec!["x-account".into()],
+            ..c.idempotency.clone()
+        },
         ..Default::default()
     }];
     let proxy = TestProxy::start(c).await;

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use http::Method;
-use idemproxy::config::{Anonymous, RouteConfig};
+use idemproxy::config::{Anonymous, IdempotencySettings, RouteConfig};
 use idemproxy::request::identity::{IdentitySettings, TokenVerifier};
 use serde_json::json;
 use support::proxy::{config, TestClient, TestProxy};
@@ -119,14 +119,20 @@ async fn proxy_with_identity(signers: &[&Signer]) -> (TestUpstream, TestProxy, t
         RouteConfig {
             name: "payments".into(),
             path: "/v1/payments".into(),
-            scope: Some(vec!["jwt:sub".into()]),
-            anonymous: Some(Anonymous::Reject),
+            idempotency: IdempotencySettings {
+                scope: vec!["jwt:sub".into()],
+                anonymous: Anonymous::Reject,
+                ..c.idempotency.clone()
+            },
             ..Default::default()
         },
         RouteConfig {
             name: "legacy".into(),
             path: "/v1/legacy".into(),
-            scope: Some(vec!["header:authorization".into()]),
+            idempotency: IdempotencySettings {
+                scope: vec!["header:authorization".into()],
+                ..c.idempotency.clone()
+            },
             ..Default::default()
         },
     ];
@@ -316,13 +322,19 @@ async fn proxy_sharing_anonymous(signer: &Signer) -> (TestUpstream, TestProxy, t
         RouteConfig {
             name: "shared".into(),
             path: "/v1/shared".into(),
-            scope: Some(vec!["jwt:sub".into()]),
+            idempotency: IdempotencySettings {
+                scope: vec!["jwt:sub".into()],
+                ..c.idempotency.clone()
+            },
             ..Default::default()
         },
         RouteConfig {
             name: "tenant".into(),
             path: "/v1/tenant".into(),
-            scope: Some(vec!["jwt:tenant".into()]),
+            idempotency: IdempotencySettings {
+                scope: vec!["jwt:tenant".into()],
+                ..c.idempotency.clone()
+            },
             ..Default::default()
         },
     ];

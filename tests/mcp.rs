@@ -5,7 +5,7 @@
 
 mod support;
 
-use idemproxy::config::{Config, Protocol, RouteConfig};
+use idemproxy::config::{Config, IdempotencySettings, Protocol, RouteConfig};
 use serde_json::{json, Value};
 use support::binary::ProxyProcess;
 use support::mcp::{run_client, texts, McpServer};
@@ -28,7 +28,7 @@ fn mcp_config(server: &McpServer) -> Config {
         name: "mcp".into(),
         path: "/mcp".into(),
         protocol: Protocol::Mcp,
-        ..RouteConfig::default()
+        idempotency: c.idempotency.clone(),
     }];
     c
 }
@@ -558,8 +558,10 @@ fn mcp_routes(upstream: &TestUpstream, max_response_bytes: Option<usize>) -> Con
             name: name.into(),
             path: format!("/{name}"),
             protocol: Protocol::Mcp,
-            max_response_bytes,
-            ..RouteConfig::default()
+            idempotency: IdempotencySettings {
+                max_response_bytes: max_response_bytes.unwrap_or(c.idempotency.max_response_bytes),
+                ..c.idempotency.clone()
+            },
         })
         .collect();
     c

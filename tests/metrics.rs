@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use http::Method;
-use idemproxy::config::{Config, RouteConfig};
+use idemproxy::config::{Config, IdempotencySettings, RouteConfig};
 use support::faulty::{Fault, FaultyStore};
 use support::keys;
 use support::proxy::{config, Reply, TestClient, TestProxy};
@@ -252,8 +252,11 @@ fn payments_route() -> RouteConfig {
     RouteConfig {
         name: "payments".into(),
         path: "/v1/payments".into(),
-        require_key: Some(true),
-        max_request_bytes: Some(1024),
+        idempotency: IdempotencySettings {
+            require_key: true,
+            max_request_bytes: 1024,
+            ..IdempotencySettings::default()
+        },
         ..RouteConfig::default()
     }
 }
@@ -678,7 +681,10 @@ async fn a_settled_stale_claim_counts_one_expired_lease() {
         RouteConfig {
             name: "orders".into(),
             path: "/v1/orders".into(),
-            on_stale: Some(idemproxy::config::OnStale::Retry),
+            idempotency: IdempotencySettings {
+                on_stale: idemproxy::config::OnStale::Retry,
+                ..c.idempotency.clone()
+            },
             ..RouteConfig::default()
         },
     ];

@@ -201,7 +201,7 @@ async fn a_store_outage_in_observe_mode_costs_no_request() {
 /// ever replayed by enforcement.
 #[tokio::test]
 async fn observed_records_live_apart_from_enforced_ones() {
-    use idemproxy::config::RouteConfig;
+    use idemproxy::config::{IdempotencySettings, RouteConfig};
     use support::proxy::{config, TestProxy};
 
     let upstream = TestUpstream::start().await;
@@ -210,12 +210,16 @@ async fn observed_records_live_apart_from_enforced_ones() {
         RouteConfig {
             name: "observed".into(),
             path: "/v1/observed".into(),
-            mode: Some(Mode::Observe),
+            idempotency: IdempotencySettings {
+                mode: Mode::Observe,
+                ..c.idempotency.clone()
+            },
             ..Default::default()
         },
         RouteConfig {
             name: "enforced".into(),
             path: "/v1/enforced".into(),
+            idempotency: c.idempotency.clone(),
             ..Default::default()
         },
     ];

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idemproxy::config::{StoreConfig, StoreKind};
+use idemproxy::config::{StoreKind, StoreSettings};
 use idemproxy::core::{
     now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnknownCause,
 };
@@ -33,12 +33,12 @@ fn completed(fingerprint: u8) -> CompletedRecord {
 }
 
 const LEASE: Duration = Duration::from_secs(30);
-fn config(url: String) -> StoreConfig {
-    StoreConfig {
+fn config(url: String) -> StoreSettings {
+    StoreSettings {
         kind: StoreKind::Redis,
         url,
         key_prefix: redis_server::unique_prefix("redis"),
-        ..StoreConfig::default()
+        ..StoreSettings::default()
     }
 }
 
@@ -176,7 +176,7 @@ async fn password_from_env_acl_users_and_wrong_passwords() {
         Ok("default-secret"),
         "set in .cargo/config.toml"
     );
-    let from_env = StoreConfig {
+    let from_env = StoreSettings {
         password_env: Some(var.into()),
         ..config(server.url())
     };
@@ -187,7 +187,7 @@ async fn password_from_env_acl_users_and_wrong_passwords() {
     claim(&store, new_key(), LEASE).await;
 
     // An ACL user: from the config, and from the URL.
-    let acl = StoreConfig {
+    let acl = StoreSettings {
         username: Some("proxy".into()),
         password: Some("proxy-secret".into()),
         ..config(server.url())
@@ -207,14 +207,14 @@ async fn password_from_env_acl_users_and_wrong_passwords() {
     for (what, bad) in [
         (
             "wrong password",
-            StoreConfig {
+            StoreSettings {
                 password: Some("nope".into()),
                 ..config(server.url())
             },
         ),
         (
             "wrong ACL password",
-            StoreConfig {
+            StoreSettings {
                 username: Some("proxy".into()),
                 password: Some("nope".into()),
                 ..config(server.url())
@@ -243,7 +243,7 @@ async fn password_from_env_acl_users_and_wrong_passwords() {
 
     // A variable that is not set is a clear error too.
     let unset = "TEST_REDIS_PASSWORD_NOBODY_SETS";
-    let from_unset = StoreConfig {
+    let from_unset = StoreSettings {
         password_env: Some(unset.into()),
         ..config(server.url())
     };
@@ -256,7 +256,7 @@ async fn password_from_env_acl_users_and_wrong_passwords() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_selection() {
     let server = RedisServer::start();
-    let in_config = StoreConfig {
+    let in_config = StoreSettings {
         database: Some(3),
         ..config(server.url())
     };
@@ -861,11 +861,11 @@ async fn one_round_trip_per_state_change() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_spreads_records_over_slots_one_slot_per_script() {
     let cluster = RedisCluster::start(3);
-    let store_config = StoreConfig {
+    let store_config = StoreSettings {
         kind: StoreKind::RedisCluster,
         urls: cluster.urls(),
         key_prefix: redis_server::unique_prefix("cluster"),
-        ..StoreConfig::default()
+        ..StoreSettings::default()
     };
     let store = open(&store_config).await.expect("open the cluster store");
     assert_eq!(store.kind(), "redis-cluster");
@@ -900,7 +900,7 @@ async fn cluster_spreads_records_over_slots_one_slot_per_script() {
     measure_round_trips("redis-cluster", &direct, &nodes).await;
 
     // A database other than 0 does not exist on a cluster.
-    let with_db = StoreConfig {
+    let with_db = StoreSettings {
         database: Some(1),
         ..store_config.clone()
     };
@@ -929,7 +929,7 @@ async fn rediss_with_a_private_ca() {
     });
     assert!(server.url().starts_with("rediss://"));
 
-    let trusted = StoreConfig {
+    let trusted = StoreSettings {
         ca_file: Some(cert.clone()),
         ..config(server.url())
     };
@@ -958,7 +958,7 @@ async fn rediss_with_a_private_ca() {
     );
     // A CA file is for TLS only: a plain URL with one is a configuration
     // error, not a silent plaintext connection.
-    let plain = StoreConfig {
+    let plain = StoreSettings {
         ca_file: Some(cert),
         ..config(format!("redis://127.0.0.1:{}", server.port()))
     };
@@ -999,9 +999,9 @@ async fn open_dispatches_on_kind_and_shares_one_connection() {
     // The kind is dispatched on where the store is opened from the whole
     // configuration: a memory kind never reaches the Redis store.
     let memory = idemproxy::config::Config {
-        store: StoreConfig {
+        store: StoreSettings {
             kind: StoreKind::Memory,
-            ..StoreConfig::default()
+            ..StoreSettings::default()
         },
         ..Default::default()
     };
@@ -1121,11 +1121,11 @@ fn each_current_thread_runtime_gets_its_own_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_walk_ends_loudly_when_its_primaries_change() {
     let mut cluster = tokio::task::block_in_place(|| RedisCluster::start(3));
-    let store_config = StoreConfig {
+    let store_config = StoreSettings {
         kind: StoreKind::RedisCluster,
         urls: cluster.urls(),
         key_prefix: redis_server::unique_prefix("walk"),
-        ..StoreConfig::default()
+        ..StoreSettings::default()
     };
     let store = open(&store_config).await.expect("open the cluster store");
     let mut keys = std::collections::BTreeSet::new();

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
-use idemproxy::config::{Config, OnInFlight, StoreConfig, StoreKind};
+use idemproxy::config::{Config, OnInFlight, StoreKind, StoreSettings};
 use idemproxy::store::{cache, CachedStore, RedisStore, SharedStore, Store};
 use support::keys;
 use support::proxy::{config, redis_config, Reply, TestClient, TestProxy};
@@ -434,9 +434,9 @@ async fn executed_on_a_cached_on_b(
 /// What a removal through A must do to B's cache, on a standalone Redis or
 /// a cluster: B drops the key when it hears of it, and executes the key
 /// afresh instead of replaying the removed record.
-async fn removal_reaches_the_other_cache(a: StoreConfig, b: StoreConfig, path: &str) {
+async fn removal_reaches_the_other_cache(a: StoreSettings, b: StoreSettings, path: &str) {
     let upstream = TestUpstream::start().await;
-    let with_store = |store: StoreConfig| Config {
+    let with_store = |store: StoreSettings| Config {
         store,
         ..config(&upstream.url())
     };
@@ -475,11 +475,11 @@ async fn a_removal_through_one_replica_is_dropped_from_the_others_cache() {
 async fn on_a_redis_cluster_a_removal_is_dropped_from_the_others_cache() {
     let cluster = redis_server::shared_cluster();
     let prefix = redis_server::unique_prefix("cluster-removal");
-    let a = StoreConfig {
+    let a = StoreSettings {
         kind: StoreKind::RedisCluster,
         urls: cluster.urls(),
         key_prefix: prefix,
-        ..StoreConfig::default()
+        ..StoreSettings::default()
     };
     // B follows removals on another seed node than the first, A's.
     let mut b = a.clone();

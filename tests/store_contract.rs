@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemproxy::config::StoreConfig;
+use idemproxy::config::StoreSettings;
 use idemproxy::core::{
     millis, now_millis, FencingToken, Fingerprint, KeyState, Outcome, Record, RecordKey,
     UnknownCause,
@@ -90,20 +90,20 @@ async fn embedded_opened_backend() -> Backend {
 /// One private redis-server per test binary; each test writes under a key
 /// prefix of its own.
 async fn redis_backend() -> Backend {
-    let config = StoreConfig {
+    let config = StoreSettings {
         url: redis_server::shared().url(),
         key_prefix: redis_server::unique_prefix("contract"),
-        ..StoreConfig::default()
+        ..StoreSettings::default()
     };
     redis_store(RedisStore::connect(&config).await)
 }
 
 /// One private 3-master Redis Cluster per test binary, as for `redis`.
 async fn redis_cluster_backend() -> Backend {
-    let config = StoreConfig {
+    let config = StoreSettings {
         urls: redis_server::shared_cluster().urls(),
         key_prefix: redis_server::unique_prefix("contract"),
-        ..StoreConfig::default()
+        ..StoreSettings::default()
     };
     redis_store(RedisStore::connect_cluster(&config).await)
 }

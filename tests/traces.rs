@@ -193,6 +193,7 @@ async fn a_request_is_one_hop_in_the_callers_trace() {
     c.routes = vec![RouteConfig {
         name: "payments".into(),
         path: "/v1/payments".into(),
+        idempotency: c.idempotency.clone(),
         ..RouteConfig::default()
     }];
     let mut proxy = start_traced(c).await;

@@ -9,16 +9,16 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{Request, Version};
 use http_body_util::BodyExt;
-use idemproxy::config::UpstreamConfig;
+use idemproxy::config::UpstreamSettings;
 use idemproxy::forward::{ClientInfo, Upstream, UpstreamError};
 use support::upstream::{expected_body, unused_port_url, TestCert, TestUpstream};
 use tokio::time::Instant;
 
 fn upstream(url: String) -> Upstream {
-    Upstream::new(&UpstreamConfig {
+    Upstream::new(&UpstreamSettings {
         url,
         connect_timeout: Duration::from_secs(2),
-        ..UpstreamConfig::default()
+        ..UpstreamSettings::default()
     })
     .expect("upstream client")
 }
@@ -133,10 +133,10 @@ async fn idle_connections_are_closed_after_pool_idle_timeout() {
     // first, below the upstream's keep-alive timeout.
     let test = TestUpstream::start().await;
     let pooled = |idle: Duration| {
-        Upstream::new(&UpstreamConfig {
+        Upstream::new(&UpstreamSettings {
             url: test.url(),
             pool_idle_timeout: idle,
-            ..UpstreamConfig::default()
+            ..UpstreamSettings::default()
         })
         .expect("upstream client")
     };
@@ -215,10 +215,10 @@ async fn a_connection_dropped_after_the_request_is_a_reset() {
 #[tokio::test]
 async fn http2_prior_knowledge_speaks_h2c() {
     let test = TestUpstream::start().await;
-    let up = Upstream::new(&UpstreamConfig {
+    let up = Upstream::new(&UpstreamSettings {
         url: test.url(),
         http2_prior_knowledge: true,
-        ..UpstreamConfig::default()
+        ..UpstreamSettings::default()
     })
     .expect("upstream client");
     let response = up
@@ -255,10 +255,10 @@ async fn https_upstream_is_trusted_through_ca_file_only() {
     let ca = dir.path().join("ca.pem");
     std::fs::write(&ca, &cert.cert_pem).expect("write the CA file");
 
-    let trusted = Upstream::new(&UpstreamConfig {
+    let trusted = Upstream::new(&UpstreamSettings {
         url: test.url(),
         ca_file: Some(ca),
-        ..UpstreamConfig::default()
+        ..UpstreamSettings::default()
     })
     .expect("upstream client");
     let response = trusted

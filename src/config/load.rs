@@ -8,7 +8,7 @@ use std::path::Path;
 use figment::providers::{Format, Serialized, Toml};
 use figment::Figment;
 
-use super::{Config, ConfigError, FlagOverrides};
+use super::{Config, ConfigError, FlagOverrides, RouteConfig};
 
 impl Config {
     /// Loads defaults, then `file` (if any), then `IDEMPROXY_*` variables from
@@ -44,9 +44,8 @@ impl Config {
             .collect();
         // The file's own types are checked strictly: a file that says
         // `workers = "2"` is wrong, whatever the environment does.
-        figment
-            .extract::<Config>()
-            .map_err(|e| ConfigError::Load(Box::new(without_secrets(e))))?;
+        read(&figment, |file| file.extract().map_err(Box::new))
+            .map_err(|e| ConfigError::Load(Box::new(without_secrets(*e))))?;
         // What the variables are laid over: `IDEMPROXY_ROUTES__0__TTL`
         // patches the file's first route.
         let base: figment::value::Dict = figment
@@ -63,9 +62,10 @@ impl Config {
                 .merge(flags.as_provider());
             // Lossy: a variable's value is a string, read as a number or a
             // boolean where the field is one (see `EnvVars`).
-            match layered.extract_lossy() {
+            match read(&layered, |all| all.extract_lossy().map_err(Box::new)) {
                 Ok(config) => break config,
                 Err(e) => {
+                    let e = *e;
                     // A variable that names no field is not ours: Kubernetes
                     // gives every pod `IDEMPROXY_PORT`, `IDEMPROXY_SERVICE_HOST`...
                     // for a Service named `idemproxy`. Ignored (and logged),
@@ -92,51 +92,139 @@ impl Config {
     }
 }
 
+/// Each `[[routes]]` table as its route reads it: its own fields
+/// ([`RouteConfig::OWN_FIELDS`]), and under `idempotency` the whole
+/// `[idempotency]` table with the fields the route sets laid over it.
+/// Merged as values, once every layer is in (a variable that changes
+/// `[idempotency]` changes what the routes inherit), before anything is
+/// typed: a route overrides any field of `[idempotency]`, one added there
+/// included, and its values are read as strictly, or as leniently, as the
+/// rest of their layer.
+fn routes_over_defaults(figment: &Figment) -> Result<Figment, Box<figment::Error>> {
+    use figment::value::{Dict, Value};
+    let all: Dict = figment.extract()?;
+    let Some(Value::Array(_, routes)) = all.get("routes") else {
+        return Ok(figment.clone());
+    };
+    let defaults = match all.get("idempotency") {
+        Some(Value::Dict(_, defaults)) => defaults.clone(),
+        _ => Dict::new(),
+    };
+    let routes: Vec<Value> = routes
+        .iter()
+        .map(|route| match route {
+            Value::Dict(tag, table) => {
+                let (mut own, overrides): (Dict, Dict) = table
+                    .clone()
+                    .into_iter()
+                    .partition(|(field, _)| RouteConfig::OWN_FIELDS.contains(&field.as_str()));
+                let mut settings = defaults.clone();
+                settings.extend(overrides);
+                own.insert("idempotency".into(), Value::from(settings));
+                Value::Dict(*tag, own)
+            }
+            // Not a table: reported as such when the route is read.
+            other => other.clone(),
+        })
+        .collect();
+    let routes = Dict::from([("routes".to_owned(), Value::from(routes))]);
+    Ok(figment.clone().merge(Serialized::defaults(routes)))
+}
+
+/// `layers` read as a [`Config`] by `extract` (strictly, or leniently),
+/// each route over `[idempotency]` ([`routes_over_defaults`]), an error in
+/// a route named as the file writes it ([`as_written`]).
+fn read(
+    layers: &Figment,
+    extract: impl Fn(&Figment) -> Result<Config, Box<figment::Error>>,
+) -> Result<Config, Box<figment::Error>> {
+    extract(&routes_over_defaults(layers)?).map_err(|e| Box::new(as_written(*e, layers)))
+}
+
+/// An error in a route named by the field as the file writes it,
+/// `routes.0.ttl` (the route's settings sit beside its own fields in its
+/// table, see [`routes_over_defaults`]), and by where `layers` took the
+/// value from: the route's own table, or `[idempotency]` it inherits.
+fn as_written(error: figment::Error, layers: &Figment) -> figment::Error {
+    map_each(error, |mut e| {
+        if e.path.first().is_none_or(|p| p != "routes") {
+            return e;
+        }
+        if e.path.get(2).is_some_and(|p| p == "idempotency") {
+            e.path.remove(2);
+        }
+        let route = e.path.get(1).and_then(|i| i.parse::<usize>().ok());
+        let route = match (route, layers.find_value("routes")) {
+            (Some(i), Ok(figment::value::Value::Array(_, routes))) => routes.get(i).cloned(),
+            _ => None,
+        };
+        let field = e.path.get(2);
+        // The route's own value, else `[idempotency]`'s, else the route.
+        let value = field
+            .and_then(|field| route.as_ref()?.find_ref(field).cloned())
+            .or_else(|| layers.find_value(&format!("idempotency.{}", field?)).ok())
+            .or(route);
+        let source = value.and_then(|value| layers.get_metadata(value.tag()));
+        if let Some(source) = source {
+            e.metadata = Some(source.clone());
+        }
+        e
+    })
+}
+
+/// `error` with `f` applied to each error it chains.
+fn map_each(
+    error: figment::Error,
+    f: impl FnMut(figment::Error) -> figment::Error,
+) -> figment::Error {
+    error
+        .into_iter()
+        .map(f)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .reduce(|older, newer| older.chain(newer))
+        .expect("an error holds at least one")
+}
+
 /// figment's error without anything secret in it: a TOML syntax error
 /// quotes the offending line (`password = "p4ss\word"`), a type error the
 /// value it found (`admin_token = 12345678`). The first loses its quoted
 /// lines (line and column stay); the second, for a secret field, its value.
 fn without_secrets(error: figment::Error) -> figment::Error {
     use figment::error::Kind;
-    let errors: Vec<figment::Error> = error
-        .into_iter()
-        .map(|mut e| {
-            // A secret field, or the section holding some given as a plain
-            // value (`IDEMPROXY_STORE=redis://:pw@h`).
-            let secret =
-                e.path.iter().any(|field| {
-                    matches!(field.as_str(), "admin_token" | "password" | "url" | "urls")
-                }) || e.path.last().is_some_and(|field| field == "store");
-            let replacement = match &e.kind {
-                Kind::Message(message) => Some(Kind::Message(
-                    message
-                        .lines()
-                        .filter(|line| {
-                            !line
-                                .trim_start()
-                                .trim_start_matches(|c: char| c.is_ascii_digit())
-                                .trim_start()
-                                .starts_with('|')
-                        })
-                        .collect::<Vec<_>>()
-                        .join("\n"),
-                )),
-                Kind::InvalidType(_, expected) | Kind::InvalidValue(_, expected) if secret => Some(
-                    Kind::Message(format!("invalid value (not shown), expected {expected}")),
-                ),
-                _ => None,
-            };
-            if let Some(kind) = replacement {
-                e.kind = kind;
-            }
-            e
-        })
-        .collect();
-    errors
-        .into_iter()
-        .rev()
-        .reduce(|older, newer| older.chain(newer))
-        .expect("an error holds at least one")
+    map_each(error, |mut e| {
+        // A secret field, or the section holding some given as a plain
+        // value (`IDEMPROXY_STORE=redis://:pw@h`).
+        let secret = e
+            .path
+            .iter()
+            .any(|field| matches!(field.as_str(), "admin_token" | "password" | "url" | "urls"))
+            || e.path.last().is_some_and(|field| field == "store");
+        let replacement = match &e.kind {
+            Kind::Message(message) => Some(Kind::Message(
+                message
+                    .lines()
+                    .filter(|line| {
+                        !line
+                            .trim_start()
+                            .trim_start_matches(|c: char| c.is_ascii_digit())
+                            .trim_start()
+                            .starts_with('|')
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            )),
+            Kind::InvalidType(_, expected) | Kind::InvalidValue(_, expected) if secret => Some(
+                Kind::Message(format!("invalid value (not shown), expected {expected}")),
+            ),
+            _ => None,
+        };
+        if let Some(kind) = replacement {
+            e.kind = kind;
+        }
+        e
+    })
 }
 
 impl FlagOverrides {
@@ -462,11 +550,12 @@ path = "/v1/emails"
             (payments.name.as_str(), emails.name.as_str()),
             ("payments", "emails")
         );
-        assert_eq!(payments.require_key, Some(true), "kept from the file");
-        assert_eq!(payments.ttl, Some(Duration::from_secs(7200)));
-        assert_eq!(payments.release_statuses, Some(vec![429]));
-        assert_eq!(emails.require_key, Some(true));
-        assert_eq!(emails.path, "/v1/emails");
+        let (payments, emails) = (&payments.idempotency, &emails.idempotency);
+        assert!(payments.require_key, "kept from the file");
+        assert_eq!(payments.ttl, Duration::from_secs(7200));
+        assert_eq!(payments.release_statuses, vec![429]);
+        assert!(emails.require_key);
+        assert_eq!(c.routes[1].path, "/v1/emails");
 
         let err = Config::load(
             Some(&file),
@@ -490,7 +579,7 @@ path = "/v1/emails"
             let c = Config::load(Some(&file), vars, &FlagOverrides::default()).expect("loads");
             assert_eq!(c.routes.len(), 1, "reversed: {reversed}");
             assert_eq!(c.routes[0].name, "env");
-            assert_eq!(c.routes[0].ttl, Some(Duration::from_secs(7200)));
+            assert_eq!(c.routes[0].idempotency.ttl, Duration::from_secs(7200));
         }
         // A section given as a plain value has no fields to set.
         let err = Config::load(
@@ -545,7 +634,7 @@ require_key = true
         assert_eq!(c.upstream.timeout, Duration::from_secs(7));
         assert_eq!(c.idempotency.release_statuses, vec![429]);
         assert_eq!(c.idempotency.ttl, Duration::from_secs(3600));
-        let route = c.routes[0].resolve(&c.idempotency);
+        let route = &c.routes[0].idempotency;
         assert!(route.require_key);
         assert_eq!(route.ttl, Duration::from_secs(3600));
     }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::{Config, ConfigError, IdempotencyConfig, OnInFlight, StoreKind};
+use super::{Config, ConfigError, IdempotencySettings, OnInFlight, StoreKind};
 
 impl Config {
     /// Checks every field and names each problem by its path.
@@ -168,8 +168,8 @@ impl Config {
         }
     }
 
-    /// `[idempotency]`, then each route: its own fields, and the policy it
-    /// resolves to.
+    /// `[idempotency]`, then each route: its own fields, and its settings
+    /// (`[idempotency]` under what it sets itself, see [`Config::load`]).
     fn check_policies(&self, problems: &mut Vec<String>) {
         validate_policy("idempotency", &self.idempotency, problems);
         let mut names = std::collections::HashSet::new();
@@ -190,7 +190,7 @@ impl Config {
             if !route.path.starts_with('/') {
                 problems.push(format!("{at}.path: `{}` must start with `/`", route.path));
             }
-            validate_policy(&at, &route.resolve(&self.idempotency), problems);
+            validate_policy(&at, &route.idempotency, problems);
         }
     }
 }
@@ -233,9 +233,9 @@ fn check_at_most_a_day(field: &str, value: Duration, problems: &mut Vec<String>)
     }
 }
 
-fn validate_policy(at: &str, p: &IdempotencyConfig, problems: &mut Vec<String>) {
+fn validate_policy(at: &str, p: &IdempotencySettings, problems: &mut Vec<String>) {
     // What the margin must cover is checked where the request path's
-    // store calls are known: `settings::policy`.
+    // store calls are known: `settings::policies` at the crate root.
     check_at_most_a_day(&format!("{at}.lease_margin"), p.lease_margin, problems);
     check_at_most_a_day(&format!("{at}.wait_timeout"), p.wait_timeout, problems);
     if p.methods.is_empty() {
@@ -272,7 +272,8 @@ fn validate_policy(at: &str, p: &IdempotencyConfig, problems: &mut Vec<String>) 
             "{at}.max_response_bytes: must be greater than zero"
         ));
     }
-    // Methods, header names, JSON pointers and scope attributes are parsed
-    // (and reported by field) where they become the policy's own types,
-    // once: see `settings::policies` at the crate root.
+    // Methods, header names, JSON pointers and key sources are parsed (and
+    // reported by field) where they become the policy's own types, once:
+    // `idempotency::Policy::new`; scope attributes, which need `[identity]`
+    // and `[tls]`, in `settings::policies` at the crate root.
 }

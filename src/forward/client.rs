@@ -71,18 +71,47 @@ use rustls_pki_types::CertificateDer;
 use super::error::{ClientInfo, UpstreamError};
 use crate::http::CloseDelimited;
 
-/// What the client needs to know of its upstream.
-#[derive(Clone, Debug)]
+/// `[upstream]`: where requests go and how the client reaches it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct UpstreamSettings {
     /// Base URL; a path here is prefixed to every forwarded path.
     pub url: String,
+    #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
-    /// Extra PEM CA bundle trusted for `https://` upstreams.
+    /// Bounds the whole exchange, response body included (see
+    /// [`Forward`](super::Forward)).
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Extra PEM CA bundle trusted for `https://` upstreams, besides the
+    /// system and webpki roots.
     pub ca_file: Option<PathBuf>,
-    /// Speak HTTP/2 without TLS to a plain `http://` upstream.
+    /// Speak HTTP/2 without TLS (prior knowledge) to a plain `http://`
+    /// upstream. `https://` upstreams negotiate HTTP/2 by ALPN regardless.
     pub http2_prior_knowledge: bool,
+    /// Idle pooled connections kept per upstream host.
     pub pool_max_idle_per_host: usize,
+    /// How long a pooled connection may sit idle before the proxy closes
+    /// it. Keep it below the upstream's own keep-alive timeout (Node.js 5 s,
+    /// gunicorn 2 s): a request written just as the upstream closes an
+    /// idle connection cannot be told from one it received, so it is
+    /// stored as `outcome-unknown`.
+    #[serde(with = "humantime_serde")]
     pub pool_idle_timeout: Duration,
+}
+
+impl Default for UpstreamSettings {
+    fn default() -> Self {
+        Self {
+            url: "http://127.0.0.1:3000".into(),
+            connect_timeout: Duration::from_secs(2),
+            timeout: Duration::from_secs(30),
+            ca_file: None,
+            http2_prior_knowledge: false,
+            pool_max_idle_per_host: 64,
+            pool_idle_timeout: Duration::from_secs(1),
+        }
+    }
 }
 
 /// An upstream base URL, checked: absolute `http://` or `https://`, with a
@@ -203,9 +232,7 @@ impl Upstream {
     /// Builds the client for `config.url`. Fails on a URL
     /// [`UpstreamUrl::parse`] refuses, on an unreadable `ca_file` or one
     /// with no certificate in it, and on a TLS configuration rustls refuses.
-    pub fn new(config: impl Into<UpstreamSettings>) -> Result<Self, String> {
-        let config: UpstreamSettings = config.into();
-        let config = &config;
+    pub fn new(config: &UpstreamSettings) -> Result<Self, String> {
         let UpstreamUrl {
             scheme,
             authority,
@@ -561,17 +588,13 @@ mod tests {
     use super::*;
 
     fn upstream(url: &str) -> Upstream {
-        Upstream::new(settings(url)).expect("upstream builds")
+        Upstream::new(&settings(url)).expect("upstream builds")
     }
 
     fn settings(url: &str) -> UpstreamSettings {
         UpstreamSettings {
             url: url.into(),
-            connect_timeout: Duration::from_secs(2),
-            ca_file: None,
-            http2_prior_knowledge: false,
-            pool_max_idle_per_host: 64,
-            pool_idle_timeout: Duration::from_secs(1),
+            ..UpstreamSettings::default()
         }
     }
 
@@ -784,7 +807,7 @@ mod tests {
 
     #[test]
     fn prior_knowledge_sends_http2_to_plain_upstreams_only() {
-        let h2c = Upstream::new(UpstreamSettings {
+        let h2c = Upstream::new(&UpstreamSettings {
             http2_prior_knowledge: true,
             ..settings("http://127.0.0.1:3000")
         })
@@ -793,7 +816,7 @@ mod tests {
         assert_eq!(req.version(), Version::HTTP_2);
         assert_eq!(req.headers()[HOST], "127.0.0.1:3000");
 
-        let tls = Upstream::new(UpstreamSettings {
+        let tls = Upstream::new(&UpstreamSettings {
             http2_prior_knowledge: true,
             ..settings("https://127.0.0.1:3000")
         })
@@ -810,14 +833,14 @@ mod tests {
             "http://user:pw@h:1",
             "http://h:1/api?x=1",
         ] {
-            let r = Upstream::new(settings(url));
+            let r = Upstream::new(&settings(url));
             assert!(r.is_err(), "{url} should be refused");
         }
         let dir = tempfile::tempdir().expect("tempdir");
         let empty = dir.path().join("empty.pem");
         std::fs::write(&empty, "not a certificate\n").expect("write");
         for ca in [empty, dir.path().join("missing.pem")] {
-            let err = Upstream::new(UpstreamSettings {
+            let err = Upstream::new(&UpstreamSettings {
                 ca_file: Some(ca.clone()),
                 ..settings("http://127.0.0.1:3000")
             })

@@ -27,7 +27,9 @@
 //! the steps hand each other, and the files named below sit at the
 //! bottom); `tests/architecture.rs` holds it to no import cycle.
 //!
-//! And what they are made of: [`policy`] (per-route settings), [`body`]
+//! And what they are made of: [`settings`] (what `[idempotency]`, each
+//! route and `[mcp]` say, as the file says it), [`policy`] (per-route
+//! settings, checked and ready to use), [`body`]
 //! (bounded reading and relaying), [`rejection`] (the proxy's own answers,
 //! including to a request [`crate::request`] could not read). What a
 //! request is (its key, key source, scope, identity and fingerprint) lives
@@ -50,6 +52,7 @@ mod rejection;
 mod relay;
 mod replay;
 mod service;
+pub mod settings;
 mod settle;
 mod store_call;
 
@@ -57,4 +60,5 @@ pub use layer::{IdempotencyLayer, DEFAULT_MAX_IN_FLIGHT};
 pub use policy::{Policies, Policy};
 pub use rejection::Rejection;
 pub use service::{Idempotency, ResponseFuture};
+pub use settings::{IdempotencySettings, McpSettings};
 pub use settle::store_time_in_lease;

@@ -10,49 +10,15 @@ use http::Method;
 
 use super::mcp_catalog::SharedCatalog;
 use super::observe::ObserveRoute;
+use super::settings::{IdempotencySettings, Mode};
 use crate::core::OnStale;
 use crate::mcp::{SessionCalls, ToolCatalog, ToolRules};
-use crate::request::fingerprint::FingerprintRules;
-use crate::request::key_source::KeyRules;
+use crate::request::fingerprint::{parse_header, validate_pointer, FingerprintRules};
+use crate::request::key_source::{KeyAttribute, KeyRules, KeySource};
 use crate::request::scope::ScopeRules;
 
-/// Which status codes the proxy's own answers use.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Profile {
-    /// 409 for a reused key, 425 for a key in flight.
-    #[default]
-    Default,
-    /// draft-ietf-httpapi-idempotency-key-header: 422 reused, 409 in flight.
-    Ietf,
-}
-
-/// What a duplicate that arrives while its key is in flight gets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnInFlight {
-    /// 425 (or 409) at once, with `Retry-After`.
-    Reject,
-    /// Held up to `wait_timeout`, then replayed.
-    Wait,
-}
-
-/// What a request gets when the store cannot answer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnStoreError {
-    /// 503 `store-unavailable`.
-    Reject,
-    /// Forwarded without protection (counted as `unprotected`).
-    Pass,
-}
-
-/// What happens to a key whose request may have executed (upstream timeout
-/// or reset).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnAmbiguous {
-    /// Stored as `outcome-unknown`: fail closed.
-    Store,
-    /// Released: a retry executes again.
-    Release,
-}
+/// The settings enums the policy carries as they are.
+pub use super::settings::{OnAmbiguous, OnInFlight, OnStoreError, Profile};
 
 /// A route's checked, ready-to-use policy.
 #[derive(Debug)]
@@ -104,6 +70,85 @@ pub struct McpRoute {
 }
 
 impl Policy {
+    /// The policy of the route `route` as its `settings` say, `None` with
+    /// each entry that does not parse added to `problems` as
+    /// `<at>.<field>: why`, in the order of the fields. What takes more
+    /// than the route's settings the caller builds: its `scope` rules
+    /// (tokens are verified with `[identity]`'s keys; its problems added
+    /// the same way) and its `lease` (`upstream.timeout + lease_margin`).
+    pub fn new(
+        at: &str,
+        route: &str,
+        settings: &IdempotencySettings,
+        scope: impl FnOnce(&mut Vec<String>) -> ScopeRules,
+        lease: Duration,
+        problems: &mut Vec<String>,
+    ) -> Option<Policy> {
+        let c = settings;
+        let before = problems.len();
+        let methods = parse_each(at, "methods", &c.methods, parse_method, problems);
+        let headers = parse_each(
+            at,
+            "fingerprint_headers",
+            &c.fingerprint_headers,
+            parse_header,
+            problems,
+        );
+        let ignore = parse_each(
+            at,
+            "fingerprint_ignore",
+            &c.fingerprint_ignore,
+            |p| validate_pointer(p).map(|()| p.to_owned()),
+            problems,
+        );
+        let scope = scope(problems);
+        let key_from = parse_each(
+            at,
+            "key_from",
+            &c.key_from,
+            str::parse::<KeySource>,
+            problems,
+        );
+        let derive_key = parse_each(
+            at,
+            "derive_key",
+            &c.derive_key,
+            str::parse::<KeyAttribute>,
+            problems,
+        );
+        if c.mode == Mode::Observe && c.observe_window.is_zero() {
+            problems.push(format!(
+                "{at}.observe_window: must be more than 0 (e.g. \"10m\") in observe mode"
+            ));
+        }
+        if problems.len() > before {
+            return None;
+        }
+        Some(Policy {
+            route: Arc::from(route),
+            methods,
+            require_key: c.require_key,
+            profile: c.profile,
+            ttl: c.ttl,
+            lease,
+            on_in_flight: c.on_in_flight,
+            wait_timeout: c.wait_timeout,
+            on_store_error: c.on_store_error,
+            on_ambiguous: c.on_ambiguous,
+            on_stale: c.on_stale,
+            release_statuses: c.release_statuses.clone(),
+            max_request_bytes: c.max_request_bytes,
+            max_response_bytes: c.max_response_bytes,
+            fingerprint: FingerprintRules::new(headers, ignore),
+            scope,
+            keys: KeyRules::new(key_from, derive_key).for_route(route),
+            observe: (c.mode == Mode::Observe).then(|| ObserveRoute::new(c.observe_window)),
+            replay_body_field: (!c.replay_body_field.is_empty())
+                .then(|| Arc::from(c.replay_body_field.as_str())),
+            mcp: None,
+        })
+    }
+
     pub fn covers(&self, method: &Method) -> bool {
         self.methods.contains(method)
     }
@@ -168,6 +213,36 @@ impl Policies {
             .iter()
             .map(|(_, p)| p)
             .find(|p| &*p.route == name)
+    }
+}
+
+/// Parses every entry of the list `field` of `at`, reporting each one that
+/// does not parse as `<at>.<field>: why`.
+pub fn parse_each<T>(
+    at: &str,
+    field: &str,
+    values: &[String],
+    parse: impl Fn(&str) -> Result<T, String>,
+    problems: &mut Vec<String>,
+) -> Vec<T> {
+    values
+        .iter()
+        .filter_map(|value| match parse(value) {
+            Ok(parsed) => Some(parsed),
+            Err(why) => {
+                problems.push(format!("{at}.{field}: {why}"));
+                None
+            }
+        })
+        .collect()
+}
+
+/// An upper-case HTTP method: `post` would never match, since methods are
+/// case-sensitive.
+fn parse_method(m: &str) -> Result<Method, String> {
+    match Method::from_bytes(m.as_bytes()) {
+        Ok(method) if m.to_ascii_uppercase() == m => Ok(method),
+        _ => Err(format!("`{m}` is not an upper-case HTTP method")),
     }
 }
 

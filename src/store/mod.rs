@@ -21,6 +21,7 @@ pub mod embedded;
 pub mod memory;
 pub mod redis;
 pub mod sealed;
+pub mod settings;
 
 use std::sync::Arc;
 
@@ -33,6 +34,7 @@ pub use self::redis::RedisStore;
 pub use cache::CachedStore;
 pub use embedded::EmbeddedStore;
 pub use memory::MemoryStore;
+pub use settings::{Compression, StoreKind, StoreSettings, DEFAULT_LOCAL_CACHE_ENTRIES};
 
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {

@@ -20,8 +20,9 @@ use rustls_pki_types::CertificateDer;
 use super::connections::{Conn, Connector, LoopConnections};
 use super::removals::RemovalChannel;
 use super::sentinel::{SentinelConn, SentinelPrimary};
-use super::{RedisSettings, RedisStore};
+use super::RedisStore;
 use crate::core::Clock;
+use crate::store::settings::StoreSettings;
 use crate::store::StoreError;
 
 /// Floor of the connect and response timeouts. `store.timeout` (250 ms by
@@ -40,17 +41,16 @@ impl RedisStore {
     /// `rediss://`), with the credentials, database and CA of `config`, and
     /// loads the scripts. Fails if Redis cannot be reached or refuses the
     /// credentials; once connected, the store reconnects by itself.
-    pub async fn connect(config: impl Into<RedisSettings>) -> Result<RedisStore, StoreError> {
+    pub async fn connect(config: &StoreSettings) -> Result<RedisStore, StoreError> {
         Self::connect_within(config, Duration::ZERO).await
     }
 
     /// [`RedisStore::connect`], trying again for up to `wait` while Redis is
     /// not up yet (see [`open`](super::open)).
     pub async fn connect_within(
-        config: impl Into<RedisSettings>,
+        config: &StoreSettings,
         wait: Duration,
     ) -> Result<RedisStore, StoreError> {
-        let config = &config.into();
         let info = config
             .url
             .as_str()
@@ -73,19 +73,16 @@ impl RedisStore {
     /// Connects to the Redis Cluster whose seed nodes are `config.urls`
     /// (`config.url` alone when `urls` is empty), with the credentials and CA
     /// of `config`, and loads the scripts on every primary.
-    pub async fn connect_cluster(
-        config: impl Into<RedisSettings>,
-    ) -> Result<RedisStore, StoreError> {
+    pub async fn connect_cluster(config: &StoreSettings) -> Result<RedisStore, StoreError> {
         Self::connect_cluster_within(config, Duration::ZERO).await
     }
 
     /// [`RedisStore::connect_cluster`], trying again for up to `wait` while
     /// the cluster is not up yet (see [`open`](super::open)).
     pub async fn connect_cluster_within(
-        config: impl Into<RedisSettings>,
+        config: &StoreSettings,
         wait: Duration,
     ) -> Result<RedisStore, StoreError> {
-        let config = &config.into();
         let urls: Vec<&str> = if config.urls.is_empty() {
             vec![config.url.as_str()]
         } else {
@@ -150,10 +147,9 @@ impl RedisStore {
     /// `config` for the data nodes (and the same user and password for the
     /// Sentinels), and follows it across failovers.
     pub async fn connect_sentinel_within(
-        config: impl Into<RedisSettings>,
+        config: &StoreSettings,
         wait: Duration,
     ) -> Result<RedisStore, StoreError> {
-        let config = &config.into();
         let mut addrs = Vec::with_capacity(config.sentinels.len());
         for url in &config.sentinels {
             let info = url
@@ -229,7 +225,7 @@ impl RedisStore {
         conn: Conn,
         connector: Connector,
         removals: Arc<RemovalChannel>,
-        config: &RedisSettings,
+        config: &StoreSettings,
         kind: &'static str,
     ) -> Result<RedisStore, StoreError> {
         let store = RedisStore {
@@ -320,7 +316,7 @@ fn eviction_warning(policy: Option<&str>, maxmemory: Option<&str>) -> Option<Str
 /// the address came from, for errors.
 fn node_client(
     info: ConnectionInfo,
-    config: &RedisSettings,
+    config: &StoreSettings,
     database: Option<i64>,
     field: &str,
 ) -> Result<Client, StoreError> {
@@ -352,13 +348,13 @@ fn tcp_settings() -> TcpSettings {
     TcpSettings::default().set_nodelay(true)
 }
 
-fn io_timeout(config: &RedisSettings) -> Duration {
+fn io_timeout(config: &StoreSettings) -> Duration {
     config.timeout.saturating_mul(4).max(MIN_IO_TIMEOUT)
 }
 
 /// The password `config` asks for: `password`, else the variable named by
 /// `password_env` (read now, at connect), else none (the URL's, if any).
-fn password(config: &RedisSettings) -> Result<Option<String>, StoreError> {
+fn password(config: &StoreSettings) -> Result<Option<String>, StoreError> {
     if let Some(password) = &config.password {
         return Ok(Some(password.clone()));
     }
@@ -377,7 +373,7 @@ fn password(config: &RedisSettings) -> Result<Option<String>, StoreError> {
 /// redis-rs takes a single PEM bundle, which then replaces the system roots,
 /// so the system roots are appended to it here.
 fn tls_certificates(
-    config: &RedisSettings,
+    config: &StoreSettings,
     tls: bool,
 ) -> Result<Option<TlsCertificates>, StoreError> {
     let Some(path) = &config.ca_file else {
@@ -510,7 +506,7 @@ mod tests {
 
     #[test]
     fn password_precedence() {
-        let mut config = RedisSettings::default();
+        let mut config = StoreSettings::default();
         assert_eq!(password(&config).ok().flatten(), None);
         config.password_env = Some("IDEMPROXY_TEST_SURELY_UNSET_VARIABLE".into());
         assert!(matches!(

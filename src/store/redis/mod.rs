@@ -100,7 +100,6 @@ mod walk;
 
 pub use connect::{check_url, redact_url};
 
-use std::path::PathBuf;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -113,6 +112,7 @@ use self::claim::{claim_unless_held, decide_read, swap};
 use self::connections::{Conn, LoopConnections};
 use self::removals::RemovalChannel;
 use self::value::{claim_id, pexpire_ms, read_stored, stored_completed, unexpected, Reply};
+use super::settings::{StoreKind, StoreSettings};
 use super::RemovalWatcher;
 use super::{
     Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor, ScanPage, SharedStore,
@@ -160,41 +160,6 @@ pub fn redis_key(prefix: &str, key: &RecordKey) -> String {
     name
 }
 
-/// Where the Redis store connects and how: the `[store]` settings it reads.
-#[derive(Clone, Debug, Default)]
-pub struct RedisSettings {
-    /// A Redis Cluster (seed nodes in `urls`) rather than a standalone Redis.
-    pub cluster: bool,
-    /// `redis://` or `rediss://` (TLS) URL of a standalone Redis; may carry
-    /// `user:password@` and a `/db` number.
-    pub url: String,
-    /// Seed nodes of a Redis Cluster.
-    pub urls: Vec<String>,
-    /// ACL user name; overrides one in the URL.
-    pub username: Option<String>,
-    /// Password; overrides one in the URL.
-    pub password: Option<String>,
-    /// Name of an environment variable holding the password.
-    pub password_env: Option<String>,
-    /// Database number (standalone only); overrides one in the URL.
-    pub database: Option<i64>,
-    /// Prefix of every Redis key this proxy writes.
-    pub key_prefix: String,
-    /// Extra PEM CA bundle trusted for `rediss://`.
-    pub ca_file: Option<PathBuf>,
-    /// The caller's bound on every store call; connection timeouts derive
-    /// from it.
-    pub timeout: Duration,
-    /// Sentinels watching the primary (`kind = "redis-sentinel"`); the
-    /// store is the primary they name for `master_name`.
-    pub sentinels: Vec<String>,
-    pub master_name: String,
-    /// Replicas that must have a claim or a completion (`WAIT`) before it
-    /// counts; 0 = do not wait.
-    pub min_replica_acks: u32,
-    pub replica_ack_timeout: Duration,
-}
-
 /// How long [`open`] waits for a Redis that is not up yet.
 pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
 
@@ -204,22 +169,21 @@ pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
 /// append-only file), instead of exiting into a restart loop that backs off
 /// longer each time. Anything else (credentials, TLS, configuration) fails
 /// at once.
-pub async fn open(config: impl Into<RedisSettings>) -> Result<SharedStore, StoreError> {
+pub async fn open(config: &StoreSettings) -> Result<SharedStore, StoreError> {
     open_within(config, STARTUP_WAIT).await
 }
 
 /// [`open`] with another bound on the wait.
 pub async fn open_within(
-    config: impl Into<RedisSettings>,
+    config: &StoreSettings,
     wait: Duration,
 ) -> Result<SharedStore, StoreError> {
-    let config = config.into();
-    Ok(std::sync::Arc::new(if config.cluster {
-        RedisStore::connect_cluster_within(config, wait).await?
-    } else if !config.sentinels.is_empty() {
-        RedisStore::connect_sentinel_within(config, wait).await?
-    } else {
-        RedisStore::connect_within(config, wait).await?
+    Ok(std::sync::Arc::new(match config.kind {
+        StoreKind::RedisCluster => RedisStore::connect_cluster_within(config, wait).await?,
+        StoreKind::RedisSentinel if !config.sentinels.is_empty() => {
+            RedisStore::connect_sentinel_within(config, wait).await?
+        }
+        _ => RedisStore::connect_within(config, wait).await?,
     }))
 }
 

@@ -54,7 +54,8 @@ impl Hints {
 }
 
 /// Which tools `[mcp]` protects before the globs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Protect {
     /// Every tool not annotated `readOnlyHint: true`.
     Auto,

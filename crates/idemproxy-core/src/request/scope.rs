@@ -122,7 +122,8 @@ impl fmt::Display for ScopeAttribute {
 }
 
 /// What a request without any identity gets (`anonymous`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Anonymous {
     /// The shared anonymous scope: keys there are only as private as they
     /// are unguessable.
