@@ -6,7 +6,7 @@
 //! binary trains a dictionary from what its store holds. Real Redis
 //! servers, a real embedded store file, the real binary.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

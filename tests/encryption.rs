@@ -4,7 +4,7 @@
 //! embedded store file, the real binary reading its keys from the
 //! environment.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 

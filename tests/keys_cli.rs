@@ -5,7 +5,7 @@
 //! operator checked the upstream, and the retry executes. A running claim
 //! is listed as pending and not forgotten without `--force`.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

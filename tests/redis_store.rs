@@ -19,10 +19,7 @@ use idemproxy::store::{
     BeginOutcome, CachedStore, OnStale, RedisStore, Removal, Removed, ScanCursor, Store, StoreError,
 };
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
-#[path = "support/store_fixtures.rs"]
-mod store_fixtures;
+use crate::support::{redis_server, store_fixtures};
 
 use redis_server::{RedisCluster, RedisOptions, RedisServer, TlsFiles};
 use store_fixtures::{begin, new_key, walk, TTL};

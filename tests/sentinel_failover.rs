@@ -10,7 +10,7 @@
 //! has it, so the promoted replica knows every claim whose request ran: no
 //! key executes twice. With 0 the run reports how many did.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -20,17 +20,14 @@ use idemproxy::store::{
 };
 use tempfile::TempDir;
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
-#[path = "support/store_fixtures.rs"]
-mod store_fixtures;
+use crate::support::{redis_server, store_fixtures};
 
 use store_fixtures::{begin, completed, new_key, walk, TTL};
 
 /// A store under test, and whatever must outlive it (a temporary directory).
-pub struct Backend {
-    pub store: SharedStore,
-    pub _guard: Option<TempDir>,
+struct Backend {
+    store: SharedStore,
+    _guard: Option<TempDir>,
 }
 
 impl std::fmt::Debug for Backend {
@@ -143,19 +140,19 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let backend = $make().await;
-                crate::cases::$case(backend.store.clone()).await;
+                crate::store_contract::cases::$case(backend.store.clone()).await;
             }
         )+
     };
 }
 
 contract! {
-    memory => crate::memory_backend,
-    embedded => crate::embedded_backend,
-    embedded_opened => crate::embedded_opened_backend,
-    memory_cached => crate::memory_cached_backend,
-    redis => crate::redis_backend,
-    redis_cluster => crate::redis_cluster_backend,
+    memory => crate::store_contract::memory_backend,
+    embedded => crate::store_contract::embedded_backend,
+    embedded_opened => crate::store_contract::embedded_opened_backend,
+    memory_cached => crate::store_contract::memory_cached_backend,
+    redis => crate::store_contract::redis_backend,
+    redis_cluster => crate::store_contract::redis_cluster_backend,
 }
 
 // ---------------------------------------------------------------- fixtures
