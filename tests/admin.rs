@@ -771,22 +771,17 @@ async fn stored_record(store: &dyn Store, n: u8, body: usize) -> String {
     key.to_hex()
 }
 
-/// The memory, embedded and Redis stores, raw (no compression, no cache),
-/// each with a proxy whose admin API lists it; a keeper for what must
-/// outlive them.
+/// The memory, embedded and Redis (at `redis_url`) stores, raw (no
+/// compression, no cache), each with a proxy whose admin API lists it.
 async fn listed_stores(
     upstream: &TestUpstream,
     dir: &std::path::Path,
+    redis_url: &str,
 ) -> Vec<(&'static str, idemproxy::store::SharedStore, Config)> {
     let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
     c.store.local_cache_entries = 0;
     let prefix = support::redis_server::unique_prefix("listing");
-    // Off the runtime's thread: these tests run on one thread, as the
-    // log-capturing test in this binary needs (see its comment).
-    let redis_url = tokio::task::spawn_blocking(|| support::redis_server::shared().url())
-        .await
-        .expect("the shared Redis starts");
-    let redis_c = support::proxy::redis_config(&upstream.url(), &redis_url, &prefix);
+    let redis_c = support::proxy::redis_config(&upstream.url(), redis_url, &prefix);
     let redis = idemproxy::store::redis::open(&redis_c.store)
         .await
         .expect("redis");
@@ -837,7 +832,10 @@ async fn pages(admin: &Admin, limit: usize) -> Vec<Vec<String>> {
 async fn a_listing_page_holds_at_most_its_limit_and_the_cursor_walks_the_rest() {
     let upstream = TestUpstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    for (kind, store, c) in listed_stores(&upstream, dir.path()).await {
+    let shared = tokio::task::spawn_blocking(|| support::redis_server::shared().url())
+        .await
+        .expect("the shared Redis starts");
+    for (kind, store, c) in listed_stores(&upstream, dir.path(), &shared).await {
         let mut all = Vec::new();
         for n in 1..=7 {
             all.push(stored_record(&*store, n, 10).await);
@@ -870,7 +868,13 @@ async fn a_listing_reads_no_stored_response_and_is_bounded_by_bytes() {
     const BODY: usize = 2_000_000;
     let upstream = TestUpstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    for (kind, store, c) in listed_stores(&upstream, dir.path()).await {
+    // A Redis of its own: the bytes it sends are this test's alone (other
+    // tests use the shared one at the same time, in this process).
+    let redis = tokio::task::spawn_blocking(support::redis_server::RedisServer::start)
+        .await
+        .expect("a private Redis starts");
+    let redis = Arc::new(redis);
+    for (kind, store, c) in listed_stores(&upstream, dir.path(), &redis.url()).await {
         if kind == "memory" {
             continue;
         }
@@ -882,7 +886,8 @@ async fn a_listing_reads_no_stored_response_and_is_bounded_by_bytes() {
         let proxy = TestProxy::start_with_store(c, store).await;
         let admin = Admin::bearer(&proxy);
         let sent = || async {
-            tokio::task::spawn_blocking(|| support::redis_server::shared().cli(&["INFO", "stats"]))
+            let redis = redis.clone();
+            tokio::task::spawn_blocking(move || redis.cli(&["INFO", "stats"]))
                 .await
                 .expect("redis-cli")
                 .lines()

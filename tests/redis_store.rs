@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use idemproxy::config::{StoreConfig, StoreKind};
 use idemproxy::core::{
-    now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnknownCause,
+    now_millis, Clock, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey,
+    UnknownCause,
 };
 use idemproxy::store::redis::{open, redis_key};
 use idemproxy::store::{
@@ -330,19 +331,25 @@ async fn records_are_strings_under_prefix_and_hash_tag_with_their_expiry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_expired_by_the_proxies_clock_is_replaced_even_if_redis_keeps_it() {
     let server = RedisServer::start();
-    let store = connect(&server).await;
+    let c = config(server.url());
+    let writer = RedisStore::connect(&c).await.expect("connect to redis");
     let key = new_key();
-    let name = store.redis_key(&key);
+    let name = writer.redis_key(&key);
     let mut short = begin(key, 1, Duration::from_millis(50), OnStale::Store);
-    short.ttl = Duration::from_millis(50);
-    let old = match store.begin(&short).await.expect("begin") {
+    short.ttl = Duration::from_secs(10);
+    let old = match writer.begin(&short).await.expect("begin") {
         BeginOutcome::Acquired { token, .. } => token,
         other => panic!("expected Acquired, got {other:?}"),
     };
     // Redis would reclaim it at the same instant; PERSIST stands for a Redis
-    // whose clock runs behind the proxies'.
+    // whose clock runs behind the proxies'. The proxy from here on is one
+    // whose clock is past the record's expiry (a clock, not a sleep: Redis
+    // must not drop the record before PERSIST, however slow the machine).
     assert_eq!(server.cli(&["persist", &name]).trim(), "1");
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    let store = RedisStore::connect(&c)
+        .await
+        .expect("connect to redis")
+        .with_clock(Clock::tokio_from(now_millis() + 11_000));
     assert_eq!(store.get(&key).await.expect("get"), None);
 
     // A different request may claim it: the old record is gone for good.
