@@ -77,11 +77,7 @@ fn assert_corrupt<T: std::fmt::Debug>(what: &str, result: Result<T, StoreError>)
 
 /// A plain connection for poking at what the store wrote.
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(url)
-        .expect("redis url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("raw connection")
+    redis_server::connection(url).await
 }
 
 async fn pttl(url: &str, key: &str) -> i64 {

@@ -100,7 +100,7 @@ async fn embedded_opened_backend() -> Backend {
     }
 }
 
-/// One private redis-server per test binary; each test writes under a key
+/// The one private redis-server of the test process; each test writes under a key
 /// prefix of its own.
 async fn redis_backend() -> Backend {
     let config = StoreConfig {
@@ -111,7 +111,7 @@ async fn redis_backend() -> Backend {
     redis_store(RedisStore::connect(&config).await)
 }
 
-/// One private 3-master Redis Cluster per test binary, as for `redis`.
+/// The one private 3-master Redis Cluster of the test process, as for `redis`.
 async fn redis_cluster_backend() -> Backend {
     let config = StoreConfig {
         urls: redis_server::shared_cluster().urls(),

@@ -1,6 +1,5 @@
 //! Records and claims for the store tests (`store_contract.rs`,
-//! `redis_store.rs`), which include this file by path so that they do not
-//! compile the rest of `support/`.
+//! `redis_store.rs`).
 
 #![allow(unreachable_pub)]
 
