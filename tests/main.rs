@@ -51,3 +51,31 @@ mod store_contract;
 mod tls;
 mod traces;
 mod upstream_client;
+
+/// With `autotests = false` a file in tests/ that no `mod` above names is
+/// never compiled nor run, silently: each must be declared here.
+#[test]
+fn every_test_file_is_a_module_of_this_binary() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let main = std::fs::read_to_string(dir.join("main.rs")).expect("read tests/main.rs");
+    let declared: std::collections::BTreeSet<&str> = main
+        .lines()
+        .filter_map(|line| line.strip_prefix("mod ")?.strip_suffix(';'))
+        .collect();
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("read tests/") {
+        let name = entry.expect("a tests/ entry").file_name();
+        let name = name.to_string_lossy();
+        if let Some(module) = name.strip_suffix(".rs") {
+            if module != "main" && !declared.contains(module) {
+                missing.push(format!("mod {module};"));
+            }
+        }
+    }
+    missing.sort();
+    assert!(
+        missing.is_empty(),
+        "tests/ files that tests/main.rs does not declare (so never run): add {}",
+        missing.join(" ")
+    );
+}
