@@ -2,18 +2,18 @@
 //! (`GET`/`DELETE /v1/keys/{hash}`, `POST /v1/keys/lookup`), its token, and
 //! the reconciliation flow for an `outcome-unknown` key.
 
-mod support;
+use crate::support;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use http::Method;
-use idemproxy::config::{Config, RouteConfig};
+use idemproxy::config::{Config, LogFormat, RouteConfig};
 use idemproxy::core::{CompletedRecord, FencingToken, Record, RecordKey};
 use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Removal, Removed, Store, StoreError};
 use serde_json::{json, Value};
+use support::binary::ProxyProcess;
 use support::keys;
 use support::proxy::{config, Reply, TestClient, TestProxy};
 use support::upstream::TestUpstream;
@@ -35,22 +35,27 @@ fn with_routes(mut c: Config, token: Option<&str>) -> Config {
 }
 
 /// The admin API, as an operator calls it.
-struct Admin<'a> {
+struct Admin {
     client: TestClient,
-    proxy: &'a TestProxy,
+    /// `http://ADMIN_ADDR`: the in-process proxy's or the binary's.
+    base: String,
     auth: Option<String>,
 }
 
-impl<'a> Admin<'a> {
-    fn new(proxy: &'a TestProxy, auth: Option<&str>) -> Self {
+impl Admin {
+    fn new(proxy: &TestProxy, auth: Option<&str>) -> Self {
+        Self::at(proxy.admin_url(""), auth)
+    }
+
+    fn at(base: String, auth: Option<&str>) -> Self {
         Admin {
             client: TestClient::new(),
-            proxy,
+            base,
             auth: auth.map(str::to_owned),
         }
     }
 
-    fn bearer(proxy: &'a TestProxy) -> Self {
+    fn bearer(proxy: &TestProxy) -> Self {
         Self::new(proxy, Some(&format!("Bearer {TOKEN}")))
     }
 
@@ -62,7 +67,7 @@ impl<'a> Admin<'a> {
         self.client
             .send(
                 method,
-                &self.proxy.admin_url(path),
+                &format!("{}{path}", self.base),
                 &headers,
                 body.to_string(),
             )
@@ -298,58 +303,30 @@ async fn the_key_api_requires_the_bearer_token() {
 }
 
 /// Collects what the `tracing` JSON formatter writes.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+/// The `idemproxy::request` lines of the binary's JSON log.
+fn request_events(logs: &str) -> Vec<Value> {
+    logs.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["target"] == "idemproxy::request")
+        .collect()
 }
 
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
-    }
-
-    /// The `idemproxy::request` events' fields.
-    fn request_events(&self) -> Vec<Value> {
-        self.text()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter(|e| e["target"] == "idemproxy::request")
-            .map(|e| e["fields"].clone())
-            .collect()
-    }
-}
-
-// A current-thread runtime, and worker threads that take the subscriber of
-// the thread that starts them: the scoped log subscriber below sees this
-// test's proxy's events (and only them).
-#[tokio::test(flavor = "current_thread")]
+// The proxy is the real binary, logging JSON to a file of its own, so the
+// test reads exactly this proxy's log, whatever else runs in the test
+// process. (A scoped subscriber, `tracing::subscriber::set_default`, lost
+// events when a multi-thread runtime ran beside it: tracing caches each
+// call site's interest process-wide. All the tests share one process.)
+#[tokio::test]
 async fn lookup_and_get_describe_a_completed_key_by_its_logged_hash() {
-    let logs = Captured::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .json()
-        .with_writer(move || writer.clone())
-        .finish();
-    let _logging = tracing::subscriber::set_default(subscriber);
-
     let upstream = TestUpstream::start().await;
-    let proxy = TestProxy::start(with_routes(config(&upstream.url()), Some(TOKEN))).await;
+    let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
+    c.log.format = LogFormat::Json;
+    c.log.level = "info".into();
+    let mut proxy = ProxyProcess::start(c).await;
     let client = TestClient::new();
-    let admin = Admin::bearer(&proxy);
+    let admin = Admin::at(proxy.admin_url(""), Some(&format!("Bearer {TOKEN}")));
     let raw_key = "order-7f3a9c-raw-key";
-    let done = post(&client, &proxy, "/v1/payments", raw_key, TENANT_A).await;
+    let done = post_to(&client, &proxy.url("/v1/payments"), raw_key, TENANT_A).await;
     assert_eq!(done.status, 201, "{done:?}");
     let expected_hash = hash_of("/v1/payments", raw_key, TENANT_A);
 
@@ -379,7 +356,11 @@ async fn lookup_and_get_describe_a_completed_key_by_its_logged_hash() {
 
     // The hash is the request log's `key_hash`; the log never carries the
     // raw key or the caller's credential.
-    let events = logs.request_events();
+    // (Lines reach the file in batches: wait for the request's.)
+    let text = proxy
+        .logs_when(|logs| !request_events(logs).is_empty())
+        .await;
+    let events = request_events(&text);
     let executed: Vec<&Value> = events
         .iter()
         .filter(|e| e["outcome"] == "executed")
@@ -387,7 +368,6 @@ async fn lookup_and_get_describe_a_completed_key_by_its_logged_hash() {
     assert_eq!(executed.len(), 1, "{events:?}");
     assert_eq!(executed[0]["key_hash"], expected_hash.as_str());
     assert_eq!(executed[0]["route"], "payments");
-    let text = logs.text();
     assert!(!text.contains(raw_key), "raw key logged: {text}");
     assert!(!text.contains("sk_tenant_a"), "credential logged: {text}");
 
@@ -410,6 +390,14 @@ async fn lookup_and_get_describe_a_completed_key_by_its_logged_hash() {
         .lookup(json!({"key": raw_key, "headers": {"authorization": TENANT_A}}))
         .await;
     assert_eq!(default_route.json(), record);
+
+    // Nor does any line logged since (the lookups'), all in the file once
+    // the binary has drained and exited.
+    proxy.terminate();
+    proxy.wait_exit(Duration::from_secs(15)).await;
+    let text = proxy.logs();
+    assert!(!text.contains(raw_key), "raw key logged: {text}");
+    assert!(!text.contains("sk_tenant_a"), "credential logged: {text}");
 }
 
 #[tokio::test]
@@ -786,22 +774,17 @@ async fn stored_record(store: &dyn Store, n: u8, body: usize) -> String {
     key.to_hex()
 }
 
-/// The memory, embedded and Redis stores, raw (no compression, no cache),
-/// each with a proxy whose admin API lists it; a keeper for what must
-/// outlive them.
+/// The memory, embedded and Redis (at `redis_url`) stores, raw (no
+/// compression, no cache), each with a proxy whose admin API lists it.
 async fn listed_stores(
     upstream: &TestUpstream,
     dir: &std::path::Path,
+    redis_url: &str,
 ) -> Vec<(&'static str, idemproxy::store::SharedStore, Config)> {
     let mut c = with_routes(config(&upstream.url()), Some(TOKEN));
     c.store.local_cache_entries = 0;
     let prefix = support::redis_server::unique_prefix("listing");
-    // Off the runtime's thread: these tests run on one thread, as the
-    // log-capturing test in this binary needs (see its comment).
-    let redis_url = tokio::task::spawn_blocking(|| support::redis_server::shared().url())
-        .await
-        .expect("the shared Redis starts");
-    let redis_c = support::proxy::redis_config(&upstream.url(), &redis_url, &prefix);
+    let redis_c = support::proxy::redis_config(&upstream.url(), redis_url, &prefix);
     let redis = idemproxy::store::redis::open(&redis_c.store)
         .await
         .expect("redis");
@@ -817,7 +800,7 @@ async fn listed_stores(
 }
 
 /// Follows `GET /v1/keys?limit=…` pages to the end; each page's hashes.
-async fn pages(admin: &Admin<'_>, limit: usize) -> Vec<Vec<String>> {
+async fn pages(admin: &Admin, limit: usize) -> Vec<Vec<String>> {
     let mut pages = Vec::new();
     let mut cursor: Option<String> = None;
     loop {
@@ -852,7 +835,10 @@ async fn pages(admin: &Admin<'_>, limit: usize) -> Vec<Vec<String>> {
 async fn a_listing_page_holds_at_most_its_limit_and_the_cursor_walks_the_rest() {
     let upstream = TestUpstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    for (kind, store, c) in listed_stores(&upstream, dir.path()).await {
+    let shared = tokio::task::spawn_blocking(|| support::redis_server::shared().url())
+        .await
+        .expect("the shared Redis starts");
+    for (kind, store, c) in listed_stores(&upstream, dir.path(), &shared).await {
         let mut all = Vec::new();
         for n in 1..=7 {
             all.push(stored_record(&*store, n, 10).await);
@@ -885,7 +871,13 @@ async fn a_listing_reads_no_stored_response_and_is_bounded_by_bytes() {
     const BODY: usize = 2_000_000;
     let upstream = TestUpstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    for (kind, store, c) in listed_stores(&upstream, dir.path()).await {
+    // A Redis of its own: the bytes it sends are this test's alone (other
+    // tests use the shared one at the same time, in this process).
+    let redis = tokio::task::spawn_blocking(support::redis_server::RedisServer::start)
+        .await
+        .expect("a private Redis starts");
+    let redis = Arc::new(redis);
+    for (kind, store, c) in listed_stores(&upstream, dir.path(), &redis.url()).await {
         if kind == "memory" {
             continue;
         }
@@ -897,7 +889,8 @@ async fn a_listing_reads_no_stored_response_and_is_bounded_by_bytes() {
         let proxy = TestProxy::start_with_store(c, store).await;
         let admin = Admin::bearer(&proxy);
         let sent = || async {
-            tokio::task::spawn_blocking(|| support::redis_server::shared().cli(&["INFO", "stats"]))
+            let redis = redis.clone();
+            tokio::task::spawn_blocking(move || redis.cli(&["INFO", "stats"]))
                 .await
                 .expect("redis-cli")
                 .lines()

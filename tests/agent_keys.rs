@@ -3,7 +3,7 @@
 //! carries (`derive_key`), and the replay marker a tool wrapper can hand
 //! the model (`replay_body_field`). Real proxy, real counting upstream.
 
-mod support;
+use crate::support;
 
 use http::Method;
 use serde_json::json;

@@ -6,7 +6,7 @@
 //! connection closes (HTTP/1.0) must never see an aborted relay end in a
 //! clean close: the proxy resets the connection instead.
 
-mod support;
+use crate::support;
 
 use std::io::ErrorKind;
 use std::net::SocketAddr;

@@ -1,7 +1,7 @@
 //! The real binary: `idemproxy check`, and a smoke run that serves, replays
 //! and exits cleanly on SIGTERM.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::{Command, Output};

@@ -6,7 +6,7 @@
 //! binary trains a dictionary from what its store holds. Real Redis
 //! servers, a real embedded store file, the real binary.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -375,11 +375,7 @@ async fn a_record_written_before_compression_still_replays() {
     let upstream = TestUpstream::start().await;
     let redis = RedisServer::start();
     let prefix = unique_prefix("before");
-    let client = redis::Client::open(redis.url()).expect("url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut conn = support::redis_server::connection(&redis.url()).await;
     let _: () = redis::cmd("SET")
         .arg(format!("{prefix}{NAME}"))
         .arg(&value)

@@ -2,7 +2,7 @@
 //! on the memory store, and on the embedded store, which commits the
 //! changes in flight together in groups.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! (409, `ietf` 422) and the same request still in flight (425, `ietf` 409,
 //! or held with `on_in_flight = "wait"`).
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

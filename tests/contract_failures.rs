@@ -2,7 +2,7 @@
 //! releasing, slow or broken upstream, a proxy that died holding a key, an
 //! oversized response, a client that goes away, and a failing store.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! DESIGN.md §1, the key rows: which requests are covered, a missing key,
 //! malformed keys, the accepted forms of a key, and per-route overrides.
 
-mod support;
+use crate::support;
 
 use std::str::FromStr;
 

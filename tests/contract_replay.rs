@@ -2,7 +2,7 @@
 //! retry of the same request replays it; what "the same request" (the
 //! fingerprint) and "the same caller" (the scope) mean; the record's TTL.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, SystemTime};
 

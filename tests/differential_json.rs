@@ -12,7 +12,7 @@
 //! Python reads the member; and through the real proxy, no such body runs
 //! twice when sent twice.
 
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::process::{Command, Stdio};

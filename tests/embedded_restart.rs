@@ -1,7 +1,7 @@
 //! The embedded store survives a restart of the proxy: a retry sent to the
 //! new process replays the answer the old one stored.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! embedded store file, the real binary reading its keys from the
 //! environment.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 
@@ -51,11 +51,7 @@ fn contains(haystack: &[u8], needle: &str) -> bool {
 
 /// Every value under `prefix` in Redis, as bytes.
 async fn redis_values(redis: &RedisServer, prefix: &str) -> Vec<Vec<u8>> {
-    let client = redis::Client::open(redis.url()).expect("redis url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect to redis");
+    let mut conn = support::redis_server::connection(&redis.url()).await;
     let names: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{prefix}*"))
         .query_async(&mut conn)

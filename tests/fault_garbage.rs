@@ -6,7 +6,7 @@
 //! reach the upstream, and never disturb the good requests served
 //! concurrently, which all succeed.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -6,7 +6,7 @@
 //! on another replica). The same SIGKILL on the embedded store (the
 //! default): what was answered survives, what was mid-call fails closed.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -6,7 +6,7 @@
 //! crash still replay. The same for one master of a Redis Cluster: only its
 //! slots fail, closed.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -3,7 +3,7 @@
 //! Redis, against a slow upstream. Every operation executes exactly once;
 //! every answer is the execution's 201, its replay, or 425 in flight.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

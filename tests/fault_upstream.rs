@@ -5,7 +5,7 @@
 //! for a broken body) and replayed, by this process and by another replica,
 //! and the upstream executes each request once.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! token is the same caller's retry, and a token that does not verify
 //! chooses no scope (401 `invalid-token`, nothing forwarded).
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! before its body is read or its key claimed, so memory stays bounded and
 //! nothing executes; an execution whose client went away keeps counting.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! SDK, driven by that SDK's own client. Every test checks what the
 //! client saw and what the server says it executed.
 
-mod support;
+use crate::support;
 
 use idemproxy::config::{Config, IdempotencySettings, Protocol, RouteConfig};
 use serde_json::{json, Value};

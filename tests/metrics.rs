@@ -3,7 +3,7 @@
 //! exactly one outcome, labels are route names, histograms, store errors,
 //! releases, expired leases, the in-flight gauge, readiness.
 
-mod support;
+use crate::support;
 
 use idemproxy::observe::RequestOutcome;
 

@@ -17,12 +17,7 @@ use idemproxy::observe::Metrics;
 use idemproxy::store::{MemoryStore, SharedStore, Store};
 use tower::{Layer, Service, ServiceExt};
 
-#[path = "support/faulty.rs"]
-#[allow(dead_code)]
-mod faulty;
-#[path = "support/keys.rs"]
-#[allow(dead_code)]
-mod keys;
+use crate::support::{faulty, keys};
 
 use faulty::{Fault, FaultyStore};
 

@@ -3,7 +3,7 @@
 //! counted. The real binary on a real Redis, so that a store outage is a
 //! killed `redis-server` and the log lines can be read.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

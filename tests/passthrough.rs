@@ -1,7 +1,7 @@
 //! Uncovered requests are forwarded untouched and unbuffered; what the
 //! upstream sees of the client; HTTP/2 (h2c) clients.
 
-mod support;
+use crate::support;
 
 use bytes::Bytes;
 use http::{Method, Request, Version};

@@ -12,17 +12,15 @@ use std::time::{Duration, Instant};
 
 use idemproxy::config::{StoreKind, StoreSettings};
 use idemproxy::core::{
-    now_millis, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey, UnknownCause,
+    now_millis, Clock, CompletedRecord, FencingToken, KeyState, Outcome, Record, RecordKey,
+    UnknownCause,
 };
 use idemproxy::store::redis::{open, redis_key};
 use idemproxy::store::{
     BeginOutcome, CachedStore, OnStale, RedisStore, Removal, Removed, ScanCursor, Store, StoreError,
 };
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
-#[path = "support/store_fixtures.rs"]
-mod store_fixtures;
+use crate::support::{redis_server, store_fixtures};
 
 use redis_server::{RedisCluster, RedisOptions, RedisServer, TlsFiles};
 use store_fixtures::{begin, new_key, walk, TTL};
@@ -79,11 +77,7 @@ fn assert_corrupt<T: std::fmt::Debug>(what: &str, result: Result<T, StoreError>)
 
 /// A plain connection for poking at what the store wrote.
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(url)
-        .expect("redis url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("raw connection")
+    redis_server::connection(url).await
 }
 
 async fn pttl(url: &str, key: &str) -> i64 {
@@ -333,19 +327,25 @@ async fn records_are_strings_under_prefix_and_hash_tag_with_their_expiry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_expired_by_the_proxies_clock_is_replaced_even_if_redis_keeps_it() {
     let server = RedisServer::start();
-    let store = connect(&server).await;
+    let c = config(server.url());
+    let writer = RedisStore::connect(&c).await.expect("connect to redis");
     let key = new_key();
-    let name = store.redis_key(&key);
+    let name = writer.redis_key(&key);
     let mut short = begin(key, 1, Duration::from_millis(50), OnStale::Store);
-    short.ttl = Duration::from_millis(50);
-    let old = match store.begin(&short).await.expect("begin") {
+    short.ttl = Duration::from_secs(10);
+    let old = match writer.begin(&short).await.expect("begin") {
         BeginOutcome::Acquired { token, .. } => token,
         other => panic!("expected Acquired, got {other:?}"),
     };
     // Redis would reclaim it at the same instant; PERSIST stands for a Redis
-    // whose clock runs behind the proxies'.
+    // whose clock runs behind the proxies'. The proxy from here on is one
+    // whose clock is past the record's expiry (a clock, not a sleep: Redis
+    // must not drop the record before PERSIST, however slow the machine).
     assert_eq!(server.cli(&["persist", &name]).trim(), "1");
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    let store = RedisStore::connect(&c)
+        .await
+        .expect("connect to redis")
+        .with_clock(Clock::tokio_from(now_millis() + 11_000));
     assert_eq!(store.get(&key).await.expect("get"), None);
 
     // A different request may claim it: the old record is gone for good.

@@ -7,7 +7,7 @@
 //! replica is dropped from the others' caches, and a replica that cannot
 //! hear removals answers nothing from its cache.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

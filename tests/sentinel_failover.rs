@@ -10,7 +10,7 @@
 //! has it, so the promoted replica knows every claim whose request ran: no
 //! key executes twice. With 0 the run reports how many did.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +24,14 @@ use tokio::time::Instant;
 
 /// How long traffic goes on once the Sentinels name the new primary.
 const AFTER_FAILOVER: Duration = Duration::from_secs(4);
+/// Jobs taken before the replica is made to lag: the first keys' copies
+/// (50 jobs later) then come during the failover.
+const BEFORE_LAG: usize = 50;
+/// Jobs a run takes at the least (it goes on past [`AFTER_FAILOVER`] until
+/// then): every shared key of the first 150 jobs is sent again. On a
+/// loaded machine the traffic's pace halves or worse; a count, not a time,
+/// says when there was enough of it.
+const MIN_JOBS: usize = 100;
 /// Concurrent clients.
 const CLIENTS: usize = 6;
 /// How long a client keeps retrying one request (503 while the store
@@ -93,7 +101,9 @@ async fn failover_under_traffic(min_replica_acks: u32) -> Run {
             let client = TestClient::new();
             loop {
                 let stopped = *stop.lock().unwrap_or_else(|e| e.into_inner());
-                if stopped.is_some_and(|at| Instant::now() > at) {
+                if stopped.is_some_and(|at| Instant::now() > at)
+                    && next.load(Ordering::Relaxed) > MIN_JOBS
+                {
                     return;
                 }
                 let n = next.fetch_add(1, Ordering::Relaxed);
@@ -134,6 +144,14 @@ async fn failover_under_traffic(min_replica_acks: u32) -> Run {
     // later the primary is killed (SIGKILL) with those writes. The
     // Sentinels promote the replica; then the killed node comes back.
     tokio::time::sleep(Duration::from_millis(800)).await;
+    let started = Instant::now();
+    while next.load(Ordering::Relaxed) < BEFORE_LAG {
+        assert!(
+            started.elapsed() < PATIENCE,
+            "traffic stalled before the failover"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let replica_cli = support::redis_server::cli_bin();
     let lag = std::thread::spawn(move || {
         std::process::Command::new(replica_cli)
@@ -181,7 +199,7 @@ async fn failover_under_traffic(min_replica_acks: u32) -> Run {
         .into_iter()
         .filter(|key| upstream.executions(&format!("/v1/k/{key}")) > 1)
         .collect();
-    assert!(jobs > 100, "traffic ran: {jobs} requests");
+    assert!(jobs > MIN_JOBS, "traffic ran: {jobs} requests");
     let run = Run {
         executed_twice,
         served_after_failover: *served_after.lock().unwrap_or_else(|e| e.into_inner()),

@@ -4,14 +4,19 @@
 //!
 //! Backend-specific behaviour (durability across reopen, purging, corrupt
 //! values, file locking) follows the contract, per backend.
+//!
+//! The memory and embedded stores run on paused time (`start_paused`,
+//! their [`Clock`] on tokio's): a lease or a TTL runs out when the test
+//! sleeps past it, at once and whatever the machine's load. Redis counts
+//! its TTLs itself, and the embedded store as the binary opens it has the
+//! wall clock: those wait in real time.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use idemproxy::config::StoreSettings;
 use idemproxy::core::{
-    millis, now_millis, FencingToken, Fingerprint, KeyState, Outcome, Record, RecordKey,
-    UnknownCause,
+    millis, Clock, FencingToken, Fingerprint, KeyState, Outcome, Record, RecordKey, UnknownCause,
 };
 use idemproxy::store::embedded::{FILE_NAME, RECORDS_TABLE};
 use idemproxy::store::{
@@ -20,17 +25,17 @@ use idemproxy::store::{
 };
 use tempfile::TempDir;
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
-#[path = "support/store_fixtures.rs"]
-mod store_fixtures;
+use crate::support::{redis_server, store_fixtures};
 
-use store_fixtures::{begin, completed, new_key, walk, TTL};
+use store_fixtures::{begin, completed, completed_by, new_key, walk, TTL};
 
 /// A store under test, and whatever must outlive it (a temporary directory).
-pub struct Backend {
-    pub store: SharedStore,
-    pub _guard: Option<TempDir>,
+struct Backend {
+    store: SharedStore,
+    /// The store's clock, for the records a case writes and the times it
+    /// checks.
+    clock: Clock,
+    _guard: Option<TempDir>,
 }
 
 impl std::fmt::Debug for Backend {
@@ -42,17 +47,21 @@ impl std::fmt::Debug for Backend {
 }
 
 async fn memory_backend() -> Backend {
+    let clock = Clock::tokio();
     Backend {
-        store: Arc::new(MemoryStore::new()),
+        store: Arc::new(MemoryStore::new().with_clock(clock)),
+        clock,
         _guard: None,
     }
 }
 
 async fn embedded_backend() -> Backend {
+    let clock = Clock::tokio();
     let dir = tempfile::tempdir().expect("create a temporary directory");
     let store = EmbeddedStore::open(dir.path()).expect("open the embedded store");
     Backend {
-        store: Arc::new(store),
+        store: Arc::new(store.with_clock(clock)),
+        clock,
         _guard: Some(dir),
     }
 }
@@ -60,8 +69,11 @@ async fn embedded_backend() -> Backend {
 /// The memory store behind a local replay cache: the cache must keep the
 /// contract too.
 async fn memory_cached_backend() -> Backend {
+    let clock = Clock::tokio();
+    let memory = Arc::new(MemoryStore::new().with_clock(clock));
     Backend {
-        store: Arc::new(CachedStore::new(Arc::new(MemoryStore::new()), 64)),
+        store: Arc::new(CachedStore::new(memory, 64).with_clock(clock)),
+        clock,
         _guard: None,
     }
 }
@@ -83,11 +95,12 @@ async fn embedded_opened_backend() -> Backend {
     );
     Backend {
         store,
+        clock: Clock::wall(),
         _guard: Some(dir),
     }
 }
 
-/// One private redis-server per test binary; each test writes under a key
+/// The one private redis-server of the test process; each test writes under a key
 /// prefix of its own.
 async fn redis_backend() -> Backend {
     let config = StoreSettings {
@@ -98,7 +111,7 @@ async fn redis_backend() -> Backend {
     redis_store(RedisStore::connect(&config).await)
 }
 
-/// One private 3-master Redis Cluster per test binary, as for `redis`.
+/// The one private 3-master Redis Cluster of the test process, as for `redis`.
 async fn redis_cluster_backend() -> Backend {
     let config = StoreSettings {
         urls: redis_server::shared_cluster().urls(),
@@ -111,16 +124,18 @@ async fn redis_cluster_backend() -> Backend {
 fn redis_store(connected: Result<RedisStore, StoreError>) -> Backend {
     Backend {
         store: Arc::new(connected.expect("connect to redis")),
+        clock: Clock::wall(),
         _guard: None,
     }
 }
 
-/// Generates one `#[tokio::test]` per (backend, case).
+/// Generates one test per (backend, case), each with its backend's
+/// runtime attribute.
 macro_rules! contract {
-    ($($backend:ident => $make:path),+ $(,)?) => {
+    ($(#[$runtime:meta] $backend:ident => $make:path),+ $(,)?) => {
         $(
             mod $backend {
-                contract!(@cases $make;
+                contract!(@cases #[$runtime] $make;
                     absent_key_acquires_and_duplicates_wait,
                     completed_record_replays,
                     wrong_token_is_fenced,
@@ -138,24 +153,30 @@ macro_rules! contract {
             }
         )+
     };
-    (@cases $make:path; $($case:ident),+ $(,)?) => {
+    (@cases #[$runtime:meta] $make:path; $($case:ident),+ $(,)?) => {
         $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            #[$runtime]
             async fn $case() {
                 let backend = $make().await;
-                crate::cases::$case(backend.store.clone()).await;
+                crate::store_contract::cases::$case(backend.store.clone(), backend.clock).await;
             }
         )+
     };
 }
 
 contract! {
-    memory => crate::memory_backend,
-    embedded => crate::embedded_backend,
-    embedded_opened => crate::embedded_opened_backend,
-    memory_cached => crate::memory_cached_backend,
-    redis => crate::redis_backend,
-    redis_cluster => crate::redis_cluster_backend,
+    #[tokio::test(start_paused = true)]
+    memory => crate::store_contract::memory_backend,
+    #[tokio::test(start_paused = true)]
+    embedded => crate::store_contract::embedded_backend,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    embedded_opened => crate::store_contract::embedded_opened_backend,
+    #[tokio::test(start_paused = true)]
+    memory_cached => crate::store_contract::memory_cached_backend,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    redis => crate::store_contract::redis_backend,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    redis_cluster => crate::store_contract::redis_cluster_backend,
 }
 
 // ---------------------------------------------------------------- fixtures
@@ -199,9 +220,9 @@ fn assert_fenced(result: Result<(), StoreError>, what: &str) {
 mod cases {
     use super::*;
 
-    pub(crate) async fn absent_key_acquires_and_duplicates_wait(store: SharedStore) {
+    pub(crate) async fn absent_key_acquires_and_duplicates_wait(store: SharedStore, clock: Clock) {
         let key = new_key();
-        let before = now_millis();
+        let before = clock.now_millis();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
 
         let Some(Record::Pending(pending)) = store.get(&key).await.expect("get") else {
@@ -210,7 +231,7 @@ mod cases {
         assert_eq!(pending.token, token);
         assert_eq!(pending.fingerprint, Fingerprint([1; 32]));
         assert!(pending.lease_expires_at >= before + millis(LONG_LEASE));
-        assert!(pending.lease_expires_at <= now_millis() + millis(LONG_LEASE));
+        assert!(pending.lease_expires_at <= clock.now_millis() + millis(LONG_LEASE));
         assert_eq!(pending.expires_at, pending.lease_expires_at + millis(TTL));
 
         let again = store
@@ -241,10 +262,10 @@ mod cases {
         );
     }
 
-    pub(crate) async fn completed_record_replays(store: SharedStore) {
+    pub(crate) async fn completed_record_replays(store: SharedStore, clock: Clock) {
         let key = new_key();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
-        let record = completed(1, TTL);
+        let record = completed_by(clock, 1, TTL);
         store
             .complete(&key, token, &record)
             .await
@@ -274,7 +295,7 @@ mod cases {
         );
 
         // A settled key has no holder any more, not even its former one.
-        let mut rewrite = completed(1, TTL);
+        let mut rewrite = completed_by(clock, 1, TTL);
         rewrite.outcome = Outcome::NotStored { status: 500 };
         assert_fenced(
             store.complete(&key, token, &rewrite).await,
@@ -287,11 +308,15 @@ mod cases {
         );
     }
 
-    pub(crate) async fn wrong_token_is_fenced(store: SharedStore) {
+    pub(crate) async fn wrong_token_is_fenced(store: SharedStore, clock: Clock) {
         let absent = new_key();
         assert_fenced(
             store
-                .complete(&absent, FencingToken::random(), &completed(1, TTL))
+                .complete(
+                    &absent,
+                    FencingToken::random(),
+                    &completed_by(clock, 1, TTL),
+                )
                 .await,
             "complete of an absent key",
         );
@@ -306,7 +331,9 @@ mod cases {
         let before = store.get(&key).await.expect("get");
         let intruder = FencingToken(token.0.wrapping_add(1));
         assert_fenced(
-            store.complete(&key, intruder, &completed(1, TTL)).await,
+            store
+                .complete(&key, intruder, &completed_by(clock, 1, TTL))
+                .await,
             "complete with a wrong token",
         );
         assert_fenced(
@@ -315,7 +342,7 @@ mod cases {
         );
         assert_eq!(store.get(&key).await.expect("get"), before);
 
-        let record = completed(1, TTL);
+        let record = completed_by(clock, 1, TTL);
         store
             .complete(&key, token, &record)
             .await
@@ -326,7 +353,7 @@ mod cases {
         );
     }
 
-    pub(crate) async fn release_frees_the_key(store: SharedStore) {
+    pub(crate) async fn release_frees_the_key(store: SharedStore, _clock: Clock) {
         let key = new_key();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
         store
@@ -341,7 +368,7 @@ mod cases {
         assert_ne!(next, token);
     }
 
-    pub(crate) async fn takeover_fences_the_stale_holder(store: SharedStore) {
+    pub(crate) async fn takeover_fences_the_stale_holder(store: SharedStore, clock: Clock) {
         let key = new_key();
         let a = claim(&*store, key, 1, SHORT_LEASE).await;
 
@@ -363,7 +390,7 @@ mod cases {
         assert_ne!(a, b);
 
         assert_fenced(
-            store.complete(&key, a, &completed(1, TTL)).await,
+            store.complete(&key, a, &completed_by(clock, 1, TTL)).await,
             "stale holder completes",
         );
         assert_fenced(store.release(&key, a).await, "stale holder releases");
@@ -372,7 +399,7 @@ mod cases {
         };
         assert_eq!(pending.token, b);
 
-        let record = completed(1, TTL);
+        let record = completed_by(clock, 1, TTL);
         store
             .complete(&key, b, &record)
             .await
@@ -386,7 +413,7 @@ mod cases {
         );
     }
 
-    pub(crate) async fn stale_claim_settles_as_unknown(store: SharedStore) {
+    pub(crate) async fn stale_claim_settles_as_unknown(store: SharedStore, clock: Clock) {
         let key = new_key();
         let a = claim(&*store, key, 1, SHORT_LEASE).await;
         let Some(Record::Pending(pending)) = store.get(&key).await.expect("get") else {
@@ -443,7 +470,7 @@ mod cases {
         );
 
         assert_fenced(
-            store.complete(&key, a, &completed(1, TTL)).await,
+            store.complete(&key, a, &completed_by(clock, 1, TTL)).await,
             "the dead holder completes",
         );
         assert_fenced(store.release(&key, a).await, "the dead holder releases");
@@ -453,10 +480,10 @@ mod cases {
         );
     }
 
-    pub(crate) async fn completed_record_expires(store: SharedStore) {
+    pub(crate) async fn completed_record_expires(store: SharedStore, clock: Clock) {
         let key = new_key();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
-        let record = completed(1, Duration::from_millis(500));
+        let record = completed_by(clock, 1, Duration::from_millis(500));
         store
             .complete(&key, token, &record)
             .await
@@ -480,7 +507,7 @@ mod cases {
         acquired(again, false);
     }
 
-    pub(crate) async fn abandoned_claim_expires(store: SharedStore) {
+    pub(crate) async fn abandoned_claim_expires(store: SharedStore, _clock: Clock) {
         // A claim is kept for lease + ttl; after that it is forgotten rather
         // than settled as abandoned.
         let key = new_key();
@@ -498,7 +525,7 @@ mod cases {
         acquired(again, false);
     }
 
-    pub(crate) async fn get_remove_ping(store: SharedStore) {
+    pub(crate) async fn get_remove_ping(store: SharedStore, clock: Clock) {
         store.ping().await.expect("ping");
         assert!(!store.kind().is_empty());
 
@@ -526,13 +553,15 @@ mod cases {
         );
         assert_eq!(store.get(&key).await.expect("get"), None);
         assert_fenced(
-            store.complete(&key, token, &completed(1, TTL)).await,
+            store
+                .complete(&key, token, &completed_by(clock, 1, TTL))
+                .await,
             "complete after remove",
         );
 
         let token = claim(&*store, key, 1, LONG_LEASE).await;
         store
-            .complete(&key, token, &completed(1, TTL))
+            .complete(&key, token, &completed_by(clock, 1, TTL))
             .await
             .expect("complete");
         assert_eq!(
@@ -564,7 +593,7 @@ mod cases {
         ));
     }
 
-    pub(crate) async fn a_running_claim_is_removed_only_by_force(store: SharedStore) {
+    pub(crate) async fn a_running_claim_is_removed_only_by_force(store: SharedStore, clock: Clock) {
         // A request executing now keeps its claim against a guarded removal.
         let key = new_key();
         let token = claim(&*store, key, 1, LONG_LEASE).await;
@@ -583,7 +612,7 @@ mod cases {
         );
         // Still its holder's: it completes, and a completion goes unforced.
         store
-            .complete(&key, token, &completed(1, TTL))
+            .complete(&key, token, &completed_by(clock, 1, TTL))
             .await
             .expect("complete after a refused removal");
         assert_eq!(
@@ -632,7 +661,9 @@ mod cases {
             Removed::Deleted
         );
         assert_fenced(
-            store.complete(&forced, token, &completed(1, TTL)).await,
+            store
+                .complete(&forced, token, &completed_by(clock, 1, TTL))
+                .await,
             "complete after a forced removal",
         );
     }
@@ -640,14 +671,14 @@ mod cases {
     /// `scan` pages through every record present for the whole walk (a
     /// record may come twice on Redis, never not at all), claims and
     /// completions alike, and leaves out expired ones.
-    pub(crate) async fn a_walk_meets_every_live_record(store: SharedStore) {
+    pub(crate) async fn a_walk_meets_every_live_record(store: SharedStore, clock: Clock) {
         let mut live = std::collections::BTreeSet::new();
         for i in 0..600 {
             let key = new_key();
             let token = claim(&*store, key, 1, LONG_LEASE).await;
             if i % 6 != 0 {
                 store
-                    .complete(&key, token, &completed(1, TTL))
+                    .complete(&key, token, &completed_by(clock, 1, TTL))
                     .await
                     .expect("complete");
             }
@@ -656,7 +687,11 @@ mod cases {
         let expired = new_key();
         let token = claim(&*store, expired, 1, LONG_LEASE).await;
         store
-            .complete(&expired, token, &completed(1, Duration::from_millis(50)))
+            .complete(
+                &expired,
+                token,
+                &completed_by(clock, 1, Duration::from_millis(50)),
+            )
             .await
             .expect("complete");
         tokio::time::sleep(Duration::from_millis(120)).await;
@@ -687,7 +722,10 @@ mod cases {
     /// admits, and its cursor goes on right after the last one examined:
     /// a walk meets every live record (once or more on Redis), never an
     /// expired one, and reads their metadata without their responses.
-    pub(crate) async fn a_listing_keeps_its_limit_and_meets_every_live_record(store: SharedStore) {
+    pub(crate) async fn a_listing_keeps_its_limit_and_meets_every_live_record(
+        store: SharedStore,
+        clock: Clock,
+    ) {
         use idemproxy::core::{KeyState, RecordMeta};
         use idemproxy::store::ListWant;
         let (mut live, mut claims) = (std::collections::BTreeSet::new(), 0);
@@ -698,7 +736,7 @@ mod cases {
                 claims += 1;
             } else {
                 store
-                    .complete(&key, token, &completed(1, TTL))
+                    .complete(&key, token, &completed_by(clock, 1, TTL))
                     .await
                     .expect("complete");
             }
@@ -707,7 +745,11 @@ mod cases {
         let expired = new_key();
         let token = claim(&*store, expired, 1, LONG_LEASE).await;
         store
-            .complete(&expired, token, &completed(1, Duration::from_millis(50)))
+            .complete(
+                &expired,
+                token,
+                &completed_by(clock, 1, Duration::from_millis(50)),
+            )
             .await
             .expect("complete");
         tokio::time::sleep(Duration::from_millis(120)).await;
@@ -756,7 +798,7 @@ mod cases {
         }
     }
 
-    pub(crate) async fn concurrent_begins_acquire_once(store: SharedStore) {
+    pub(crate) async fn concurrent_begins_acquire_once(store: SharedStore, _clock: Clock) {
         const N: usize = 50;
         let key = new_key();
         let barrier = Arc::new(tokio::sync::Barrier::new(N));
@@ -819,15 +861,16 @@ mod memory_only {
         assert!(clone.get(&key).await.expect("get").is_some());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn purge_drops_only_expired_records() {
-        let store = MemoryStore::default();
+        let clock = Clock::tokio();
+        let store = MemoryStore::default().with_clock(clock);
         let short = Duration::from_millis(50);
         for _ in 0..2 {
             let key = new_key();
             let token = claim(&store, key, 1, LONG_LEASE).await;
             store
-                .complete(&key, token, &completed(1, short))
+                .complete(&key, token, &completed_by(clock, 1, short))
                 .await
                 .expect("complete");
         }
@@ -846,14 +889,19 @@ mod memory_only {
         assert!(store.get(&kept).await.expect("get").is_some());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn the_purger_drops_expired_records_on_its_own_and_stops_with_the_store() {
-        let store = MemoryStore::default();
+        let clock = Clock::tokio();
+        let store = MemoryStore::default().with_clock(clock);
         let purger = store.spawn_purger(Duration::from_millis(20));
         let expiring = new_key();
         let token = claim(&store, expiring, 1, LONG_LEASE).await;
         store
-            .complete(&expiring, token, &completed(1, Duration::from_millis(30)))
+            .complete(
+                &expiring,
+                token,
+                &completed_by(clock, 1, Duration::from_millis(30)),
+            )
             .await
             .expect("complete");
         let kept = new_key();

@@ -1,7 +1,7 @@
 //! The traffic listener over TLS: the same contract, HTTP/2 by ALPN, and
 //! `X-Forwarded-Proto: https` for the upstream.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 

@@ -16,7 +16,7 @@
 //! with SIGTERM first, which flushes the last batch before the process
 //! exits.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! protocols, TLS, and the classification of failures by whether the
 //! request could have executed.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -9,5 +9,6 @@ pub mod otlp;
 pub mod proxy;
 pub mod raw;
 pub mod redis_server;
+pub mod store_fixtures;
 pub mod tokens;
 pub mod upstream;

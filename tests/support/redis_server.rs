@@ -77,6 +77,20 @@ pub fn require_binaries() {
     });
 }
 
+/// A connection of the test's own to the Redis at `url` (to read or write
+/// behind the store's back), patient as the tests must be on a loaded
+/// machine: redis-rs gives up on an answer after 500 ms by default.
+pub async fn connection(url: &str) -> redis::aio::MultiplexedConnection {
+    let patient = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(10)))
+        .set_response_timeout(Some(Duration::from_secs(30)));
+    redis::Client::open(url)
+        .expect("redis url")
+        .get_multiplexed_async_connection_with_config(&patient)
+        .await
+        .expect("connect to redis")
+}
+
 /// A port that is free on 127.0.0.1 now, as is port + 10000 (a cluster
 /// node's bus port). Drawn below Linux's ephemeral range, so that outgoing
 /// connections do not take it in the meantime.
@@ -503,8 +517,8 @@ impl RedisServer {
     }
 }
 
-/// One standalone server for the whole test binary (kept in a `static`; the
-/// supervisor stops it when the process exits). Keep data private per test
+/// One standalone server for the whole test binary, every test file's
+/// (kept in a `static`; the supervisor stops it when the process exits). Keep data private per test
 /// with a unique key prefix.
 pub fn shared() -> &'static RedisServer {
     static SERVER: OnceLock<RedisServer> = OnceLock::new();

@@ -1,6 +1,5 @@
 //! Records and claims for the store tests (`store_contract.rs`,
-//! `redis_store.rs`), which include this file by path so that they do not
-//! compile the rest of `support/`.
+//! `redis_store.rs`).
 
 #![allow(unreachable_pub)]
 
@@ -8,8 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idemproxy::core::{
-    millis, now_millis, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey,
-    StoredResponse,
+    millis, Clock, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey, StoredResponse,
 };
 use idemproxy::store::{Begin, OnStale, ScanCursor, Store};
 
@@ -32,7 +30,13 @@ pub fn begin(key: RecordKey, fingerprint: u8, lease: Duration, on_stale: OnStale
 
 /// A completed response record that lives `ttl` from now.
 pub fn completed(fingerprint: u8, ttl: Duration) -> CompletedRecord {
-    let now = now_millis();
+    completed_by(Clock::wall(), fingerprint, ttl)
+}
+
+/// [`completed`] at `clock`'s now: for a store on the same clock (paused
+/// time, [`Clock::tokio`]).
+pub fn completed_by(clock: Clock, fingerprint: u8, ttl: Duration) -> CompletedRecord {
+    let now = clock.now_millis();
     CompletedRecord {
         fingerprint: Fingerprint([fingerprint; 32]),
         created_at: now - 5,

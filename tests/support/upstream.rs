@@ -216,12 +216,22 @@ impl TestUpstream {
     }
 }
 
-/// An `http://127.0.0.1:PORT` URL where nothing listens (the port was just
-/// bound and released), for connection-refused tests.
+/// An `http://127.0.0.1:PORT` URL where nothing listens, for
+/// connection-refused tests. The port stays bound, never listening, for
+/// the rest of the test process: a connection to it is refused, and no
+/// other test's listener (all run in one process, side by side) can take
+/// it, as one could a port bound and released.
 pub fn unused_port_url() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    let addr = listener.local_addr().expect("ephemeral address");
-    drop(listener);
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+        .expect("a TCP socket");
+    let any = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    socket.bind(&any.into()).expect("bind an ephemeral port");
+    let addr = socket
+        .local_addr()
+        .expect("ephemeral address")
+        .as_socket()
+        .expect("an IP address");
+    std::mem::forget(socket);
     format!("http://{addr}")
 }
 
