@@ -218,7 +218,7 @@ pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
                     ));
                 }
                 if let Some(mcp) = mcp_route(&route.name, &config.mcp, &mut problems) {
-                    policy.on_in_flight = config.mcp.on_in_flight;
+                    policy.settings.on_in_flight = config.mcp.on_in_flight;
                     policy.mcp = Some(Arc::new(mcp));
                 }
             }
@@ -428,10 +428,10 @@ mod tests {
     fn unset_route_fields_inherit_the_defaults() {
         let p = policies(&config()).expect("valid");
         let payments = p.for_path("/v1/payments");
-        assert!(payments.require_key);
+        assert!(payments.settings.require_key);
         assert!(payments.covers(&Method::POST) && payments.covers(&Method::PATCH));
         let v1 = p.for_path("/v1/x");
-        assert!(!v1.require_key);
+        assert!(!v1.settings.require_key);
         assert!(v1.covers(&Method::PUT) && !v1.covers(&Method::POST));
         assert_eq!(v1.lease, Duration::from_secs(35));
     }

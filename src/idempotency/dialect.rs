@@ -75,14 +75,14 @@ pub(super) async fn settle_ambiguous(
     cause: UnknownCause,
     respond: Responder,
 ) {
-    let released = holder.cx.policy.on_ambiguous == OnAmbiguous::Release;
+    let released = holder.cx.policy.settings.on_ambiguous == OnAmbiguous::Release;
     if released {
         holder.release().await;
     } else {
         holder.complete(Outcome::Unknown { cause }).await;
     }
     let rejection = Rejection::OutcomeUnknown { cause, released };
-    let response = dialect.refuse(rejection, holder.cx.policy.profile);
+    let response = dialect.refuse(rejection, holder.cx.policy.settings.profile);
     holder
         .cx
         .answer(respond, RequestOutcome::OutcomeUnknown, response);

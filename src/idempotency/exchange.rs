@@ -132,7 +132,7 @@ where
             Some(Err(KeyRefusal::UnreadableBody { at })) => {
                 return self.reject(RequestOutcome::BadBody, Rejection::InvalidBody { at })
             }
-            None if self.cx.policy.require_key => {
+            None if self.cx.policy.settings.require_key => {
                 return self.reject(RequestOutcome::MissingKey, Rejection::MissingKey)
             }
             None => {
@@ -169,7 +169,7 @@ where
             Err(e) => Rejection::PassthroughFailed {
                 timeout: e.into().is_timeout(),
             }
-            .into_response(self.cx.policy.profile),
+            .into_response(self.cx.policy.settings.profile),
         };
         let RequestContext { log, permit, .. } = self.cx;
         log.finish(outcome, &response);
@@ -201,7 +201,7 @@ where
         // Owns what it needs: the exchange is not `Sync`.
         let timeout = self.cx.settings.request_body_timeout;
         let declared = crate::http::headers::content_length(&parts.headers);
-        let read = read_request_body(declared, body, self.cx.policy.max_request_bytes);
+        let read = read_request_body(declared, body, self.cx.policy.settings.max_request_bytes);
         async move {
             let rejection = match tokio::time::timeout(timeout, read).await {
                 Ok(Ok(body)) => return Ok(body),
@@ -247,7 +247,9 @@ where
     }
 
     pub(super) fn reject(self, outcome: RequestOutcome, rejection: Rejection) -> Response<Body> {
-        let response = self.dialect.refuse(rejection, self.cx.policy.profile);
+        let response = self
+            .dialect
+            .refuse(rejection, self.cx.policy.settings.profile);
         self.cx.log.finish(outcome, &response);
         response
     }
@@ -258,7 +260,9 @@ where
         outcome: RequestOutcome,
         rejection: Rejection,
     ) {
-        let response = self.dialect.refuse(rejection, self.cx.policy.profile);
+        let response = self
+            .dialect
+            .refuse(rejection, self.cx.policy.settings.profile);
         self.cx.answer(respond, outcome, response);
     }
 
@@ -269,8 +273,8 @@ where
             key: claim.key,
             fingerprint: claim.fingerprint,
             lease: policy.lease,
-            ttl: policy.ttl,
-            on_stale: policy.on_stale,
+            ttl: policy.settings.ttl,
+            on_stale: policy.settings.on_stale,
             token: FencingToken::random(),
         }
     }
@@ -313,7 +317,7 @@ where
     /// done or the wait is over.
     async fn run(mut self, claim: Claim, request: Request<Body>, respond: Responder) {
         let begin = self.begin_of(&claim);
-        let mut waiting = Waiting::new(self.cx.policy.wait_timeout);
+        let mut waiting = Waiting::new(self.cx.policy.settings.wait_timeout);
         loop {
             if self.draining() {
                 return self.answer_rejection(
@@ -341,7 +345,7 @@ where
                     return self.store_failed(request, respond, e, pass).await;
                 }
             };
-            let (profile, dialect) = (self.cx.policy.profile, &self.dialect);
+            let (profile, dialect) = (self.cx.policy.settings.profile, &self.dialect);
             let (outcome, response) = match outcome {
                 BeginOutcome::Acquired { token, took_over } => {
                     let claim = self.acquired(claim, asked_at, took_over);
@@ -350,7 +354,7 @@ where
                         .await;
                 }
                 BeginOutcome::InFlight { lease_expires_at } => {
-                    let wait = self.cx.policy.on_in_flight == OnInFlight::Wait;
+                    let wait = self.cx.policy.settings.on_in_flight == OnInFlight::Wait;
                     if wait && waiting.pause(&respond).await {
                         continue;
                     }
@@ -406,7 +410,7 @@ where
     /// is there, maybe with a side effect already done behind it, so
     /// forwarding could repeat it. Fail closed.
     fn passes(&self, error: &StoreError) -> bool {
-        self.cx.policy.on_store_error == OnStoreError::Pass
+        self.cx.policy.settings.on_store_error == OnStoreError::Pass
             && matches!(error, StoreError::Unavailable(_))
     }
 
@@ -459,7 +463,7 @@ where
             Rejection::PassthroughFailed {
                 timeout: e.into().is_timeout(),
             }
-            .into_response(cx.policy.profile)
+            .into_response(cx.policy.settings.profile)
         });
         (cx, response, deadline)
     }
@@ -492,8 +496,10 @@ where
             Err(UpstreamFailure::NotSent(why)) => {
                 tracing::warn!(error = %why, "upstream unreachable; releasing the key");
                 holder.release().await;
-                let response =
-                    dialect.refuse(Rejection::UpstreamUnreachable, holder.cx.policy.profile);
+                let response = dialect.refuse(
+                    Rejection::UpstreamUnreachable,
+                    holder.cx.policy.settings.profile,
+                );
                 return holder
                     .cx
                     .answer(respond, RequestOutcome::UpstreamUnreachable, response);

@@ -265,7 +265,7 @@ impl McpCall {
             return self.relay_events(holder, response, deadline, respond).await;
         }
         let (head, mut body) = response.into_parts();
-        let limit = holder.cx.policy.max_response_bytes;
+        let limit = holder.cx.policy.settings.max_response_bytes;
         let (read, over) = match read_up_to(&mut body, limit, deadline).await {
             Ok(read) => read,
             Err(cause) => return settle_ambiguous(holder, &self, cause, respond).await,
@@ -318,7 +318,7 @@ impl McpCall {
         let id = &self.id;
         // An event over the cap could be stored but never replayed (the
         // key would be stuck), and would grow the parser without bound.
-        let mut parser = EventParser::with_limit(holder.cx.policy.max_response_bytes);
+        let mut parser = EventParser::with_limit(holder.cx.policy.settings.max_response_bytes);
         let mut settled: Option<RequestOutcome> = None;
         let ended = loop {
             let frame = match tokio::time::timeout_at(deadline, upstream.frame()).await {

@@ -355,7 +355,7 @@ where
                 let response = Rejection::PassthroughFailed {
                     timeout: e.into().is_timeout(),
                 }
-                .into_response(self.cx.policy.profile);
+                .into_response(self.cx.policy.settings.profile);
                 self.cx.log.finish(RequestOutcome::Passthrough, &response);
                 return response;
             }
@@ -369,10 +369,11 @@ where
         );
         let body = if is_event_stream(&head.headers) {
             head.headers.remove(CONTENT_LENGTH);
-            rewrite_events(body, self.cx.policy.max_response_bytes, rewrite)
+            rewrite_events(body, self.cx.policy.settings.max_response_bytes, rewrite)
         } else if head.status.is_success() {
             let mut body = body;
-            match read_up_to(&mut body, self.cx.policy.max_response_bytes, deadline).await {
+            let max = self.cx.policy.settings.max_response_bytes;
+            match read_up_to(&mut body, max, deadline).await {
                 Ok((read, false)) => {
                     let bytes = Bytes::from(read.concat());
                     let text = std::str::from_utf8(&bytes).ok();
@@ -400,7 +401,7 @@ where
                     let response = Rejection::PassthroughFailed {
                         timeout: cause == UnknownCause::Timeout,
                     }
-                    .into_response(self.cx.policy.profile);
+                    .into_response(self.cx.policy.settings.profile);
                     self.cx.log.finish(RequestOutcome::Passthrough, &response);
                     return response;
                 }

@@ -76,7 +76,7 @@ where
         let declared = content_length(&parts.headers);
         let policy = &self.cx.policy;
         let timeout = self.cx.settings.request_body_timeout;
-        let read = read_or_keep(declared, body, policy.max_request_bytes);
+        let read = read_or_keep(declared, body, policy.settings.max_request_bytes);
         let body = match tokio::time::timeout(timeout, read).await {
             Ok(Ok(ReadOrKeep::Whole(body))) => body,
             Ok(Ok(ReadOrKeep::TooLarge(body))) => {
@@ -139,7 +139,7 @@ where
                 self.cx.log.set_first_request_id(first_request_id);
                 RequestOutcome::ObservedUnkeyedDuplicate
             }
-            Sighting::First if policy.require_key => RequestOutcome::MissingKey,
+            Sighting::First if policy.settings.require_key => RequestOutcome::MissingKey,
             Sighting::First => RequestOutcome::Passthrough,
         }
     }

@@ -11,7 +11,6 @@ use http::Method;
 use super::mcp_catalog::SharedCatalog;
 use super::observe::ObserveRoute;
 use super::settings::{IdempotencySettings, Mode};
-use crate::core::OnStale;
 use crate::mcp::{SessionCalls, ToolCatalog, ToolRules};
 use crate::request::fingerprint::{parse_header, validate_pointer, FingerprintRules};
 use crate::request::key_source::{KeyAttribute, KeyRules, KeySource};
@@ -26,21 +25,17 @@ pub struct Policy {
     /// The `route` label of metrics and logs: a configured name, never a raw
     /// path, so label cardinality stays bounded.
     pub route: Arc<str>,
+    /// The route's settings as the file says them, `[idempotency]` laid
+    /// under its own table: what the request path reads as it is
+    /// (`settings.ttl`, `settings.on_in_flight`, …). A new plain option is
+    /// a field there and the code that reads it; what follows here is only
+    /// what had to be parsed or built from them. (On an MCP route,
+    /// `on_in_flight` is `[mcp]`'s: its retries are tool calls.)
+    pub settings: IdempotencySettings,
     pub methods: Vec<Method>,
-    pub require_key: bool,
-    pub profile: Profile,
-    pub ttl: Duration,
     /// How long a pending claim protects the key: the upstream timeout plus a
     /// margin, so a live holder always finishes inside its lease.
     pub lease: Duration,
-    pub on_in_flight: OnInFlight,
-    pub wait_timeout: Duration,
-    pub on_store_error: OnStoreError,
-    pub on_ambiguous: OnAmbiguous,
-    pub on_stale: OnStale,
-    pub release_statuses: Vec<u16>,
-    pub max_request_bytes: usize,
-    pub max_response_bytes: usize,
     pub fingerprint: FingerprintRules,
     pub scope: ScopeRules,
     /// `key_from` and `derive_key`.
@@ -126,19 +121,9 @@ impl Policy {
         }
         Some(Policy {
             route: Arc::from(route),
+            settings: c.clone(),
             methods,
-            require_key: c.require_key,
-            profile: c.profile,
-            ttl: c.ttl,
             lease,
-            on_in_flight: c.on_in_flight,
-            wait_timeout: c.wait_timeout,
-            on_store_error: c.on_store_error,
-            on_ambiguous: c.on_ambiguous,
-            on_stale: c.on_stale,
-            release_statuses: c.release_statuses.clone(),
-            max_request_bytes: c.max_request_bytes,
-            max_response_bytes: c.max_response_bytes,
             fingerprint: FingerprintRules::new(headers, ignore),
             scope,
             keys: KeyRules::new(key_from, derive_key).for_route(route),
@@ -154,7 +139,7 @@ impl Policy {
     }
 
     pub fn releases(&self, status: u16) -> bool {
-        self.release_statuses.contains(&status)
+        self.settings.release_statuses.contains(&status)
     }
 }
 

@@ -50,7 +50,7 @@ pub(super) async fn stream_and_store(
     let (head, mut upstream) = response.into_parts();
     holder.cx.log.set_status(head.status.as_u16());
     let declared = content_length(&head.headers);
-    let max_response_bytes = holder.cx.policy.max_response_bytes;
+    let max_response_bytes = holder.cx.policy.settings.max_response_bytes;
     let mut copy = BoundedCopy::new(max_response_bytes);
     let whole_limit = WHOLE_BODY_LIMIT.min(max_response_bytes as u64);
     // The body's end is only the upstream's close: a FIN halfway looks

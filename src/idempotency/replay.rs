@@ -40,19 +40,19 @@ pub(super) fn replay(record: &CompletedRecord, policy: &Policy) -> Response<Body
             response
         }
         Outcome::NotStored { status } => {
-            Rejection::ResponseNotStored { status: *status }.into_response(policy.profile)
+            Rejection::ResponseNotStored { status: *status }.into_response(policy.settings.profile)
         }
         Outcome::Unknown { cause } => Rejection::OutcomeUnknown {
             cause: *cause,
             released: false,
         }
-        .into_response(policy.profile),
+        .into_response(policy.settings.profile),
         // The stores open what they sealed and unpack what they packed
         // before answering; a record still sealed or packed here cannot be
         // read, and the request behind it ran: an error of the proxy's,
         // never a second execution.
         Outcome::Sealed(_) | Outcome::Packed(_) => {
-            Rejection::Internal.into_response(policy.profile)
+            Rejection::Internal.into_response(policy.settings.profile)
         }
     };
     let headers = response.headers_mut();

@@ -118,7 +118,7 @@ where
             HeadKey::Key(key) => Some(key),
             HeadKey::NeedsBody => None,
             HeadKey::Keyless if observe => None,
-            HeadKey::Keyless if policy.require_key => {
+            HeadKey::Keyless if policy.settings.require_key => {
                 return ResponseFuture::rejected(
                     log,
                     RequestOutcome::MissingKey,
@@ -285,7 +285,7 @@ impl<S: Service<Request<Body>>> ResponseFuture<S> {
         rejection: Rejection,
         policy: &Policy,
     ) -> Self {
-        let response = rejection.into_response(policy.profile);
+        let response = rejection.into_response(policy.settings.profile);
         log.finish(outcome, &response);
         ResponseFuture::Ready {
             response: Some(response),

@@ -3,7 +3,9 @@
 //! override any field (the configuration lays the defaults under each
 //! route's table before reading it). `[mcp]` says how `protocol = "mcp"`
 //! routes protect tool calls. The composition root turns these into a
-//! [`Policy`](super::Policy). Nothing else of this layer is named here.
+//! [`Policy`](super::Policy), which carries them as they are
+//! (`policy.settings`) beside what it parses from them. Nothing else of
+//! this layer is named here.
 
 use std::time::Duration;
 

@@ -33,7 +33,7 @@ impl Holder {
             fingerprint: self.claim.fingerprint,
             created_at: self.claim.arrived_at,
             completed_at: now,
-            expires_at: now.saturating_add(millis(self.cx.policy.ttl)),
+            expires_at: now.saturating_add(millis(self.cx.policy.settings.ttl)),
             outcome,
         };
         let completion = Box::new(self.cx.settings.store.prepare(&self.claim.key, record));
