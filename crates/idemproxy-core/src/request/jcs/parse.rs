@@ -110,29 +110,6 @@ struct LastObject {
     order: [u8; LAST_MAX],
 }
 
-/// The innermost open container while [`Parser::document`] reads: the
-/// position of its header on the tape, how many are open, and whether it
-/// is an object. Copied around rather than kept in the parser, so that it
-/// stays in registers.
-#[derive(Clone, Copy, Default)]
-struct Open {
-    head: usize,
-    depth: usize,
-    in_object: bool,
-}
-
-impl Open {
-    /// The container whose header is at `head`, opened inside this one.
-    #[inline(always)]
-    fn enter(self, head: usize, in_object: bool) -> Self {
-        Self {
-            head,
-            depth: self.depth + 1,
-            in_object,
-        }
-    }
-}
-
 impl LastObject {
     /// Sorts the names `own` of an object (at least two), refusing a
     /// duplicate (`at` is for the error); remembers the order they sort
@@ -194,37 +171,35 @@ impl<'a> Parser<'a> {
         let text = self.text;
         let bytes = text.as_bytes();
         let mut at = 0;
-        let mut open = Open::default();
+        // The header of the innermost open container, how many are open,
+        // and whether that one is an object.
+        let mut open = 0;
+        let mut depth = 0;
+        let mut in_object = false;
         loop {
             // A value starts here.
             at = skip_space(bytes, at);
             match bytes.get(at) {
                 Some(b'"') => at = self.string(text, at + 1, false)?,
                 Some(b'-' | b'0'..=b'9') => at = self.number(text, at)?,
-                Some(b'[' | b'{') if open.depth == MAX_DEPTH => {
+                Some(b'[' | b'{') if depth == MAX_DEPTH => {
                     return Err(error(at, "nested too deep"));
                 }
                 Some(b'[') => {
-                    let head = self.tape.len();
-                    self.tape.push(Entry::Array { end: open.head });
+                    let head = self.open_array(open);
                     at = skip_space(bytes, at + 1);
                     if bytes.get(at) != Some(&b']') {
-                        open = open.enter(head, false);
+                        (open, depth, in_object) = (head, depth + 1, false);
                         continue;
                     }
                     at += 1;
                     self.close_array(head);
                 }
                 Some(b'{') => {
-                    let head = self.tape.len();
-                    self.tape.push(Entry::Object {
-                        end: open.head,
-                        first: self.names.len(),
-                        len: 0,
-                    });
+                    let head = self.open_object(open);
                     at = skip_space(bytes, at + 1);
                     if bytes.get(at) != Some(&b'}') {
-                        open = open.enter(head, true);
+                        (open, depth, in_object) = (head, depth + 1, true);
                         at = self.member_name(text, at)?;
                         continue;
                     }
@@ -236,46 +211,61 @@ impl<'a> Parser<'a> {
                 Some(b'n') => at = self.literal(bytes, at, b"null", Entry::Null)?,
                 _ => return Err(error(at, "expected a value")),
             }
-            match self.after_value(at, &mut open)? {
-                Some(next) => at = next,
-                None => return Ok(()),
+            // A value ended here: what follows is a separator, or the end
+            // of its container, which is a value that ended too.
+            loop {
+                at = skip_space(bytes, at);
+                if depth == 0 {
+                    return match bytes.get(at) {
+                        None => Ok(()),
+                        Some(_) => Err(error(at, "trailing characters")),
+                    };
+                }
+                match (bytes.get(at), in_object) {
+                    (Some(b','), false) => {
+                        at += 1;
+                        break;
+                    }
+                    (Some(b','), true) => {
+                        at = self.member_name(text, skip_space(bytes, at + 1))?;
+                        break;
+                    }
+                    (Some(b']'), false) => {
+                        at += 1;
+                        open = self.close_array(open);
+                    }
+                    (Some(b'}'), true) => {
+                        at += 1;
+                        open = self.close_object(open, at)?;
+                    }
+                    _ => return Err(error(at, "expected `,` or the end of the container")),
+                }
+                depth -= 1;
+                in_object = matches!(self.tape.get(open), Some(Entry::Object { .. }));
             }
         }
     }
 
-    /// What follows a value that ended at `at`: a separator, or the end of
-    /// its container, which is a value that ended too. Where the next
-    /// value starts, or `None` at the end of the document.
+    /// Opens an array inside the container whose header is at `outer`;
+    /// the position of its own header.
     #[inline(always)]
-    fn after_value(&mut self, mut at: usize, open: &mut Open) -> Result<Option<usize>, ParseError> {
-        let text = self.text;
-        let bytes = text.as_bytes();
-        loop {
-            at = skip_space(bytes, at);
-            if open.depth == 0 {
-                return match bytes.get(at) {
-                    None => Ok(None),
-                    Some(_) => Err(error(at, "trailing characters")),
-                };
-            }
-            match (bytes.get(at), open.in_object) {
-                (Some(b','), false) => return Ok(Some(at + 1)),
-                (Some(b','), true) => {
-                    return self.member_name(text, skip_space(bytes, at + 1)).map(Some);
-                }
-                (Some(b']'), false) => {
-                    at += 1;
-                    open.head = self.close_array(open.head);
-                }
-                (Some(b'}'), true) => {
-                    at += 1;
-                    open.head = self.close_object(open.head, at)?;
-                }
-                _ => return Err(error(at, "expected `,` or the end of the container")),
-            }
-            open.depth -= 1;
-            open.in_object = matches!(self.tape.get(open.head), Some(Entry::Object { .. }));
-        }
+    fn open_array(&mut self, outer: usize) -> usize {
+        let head = self.tape.len();
+        self.tape.push(Entry::Array { end: outer });
+        head
+    }
+
+    /// Opens an object inside the container whose header is at `outer`;
+    /// the position of its own header.
+    #[inline(always)]
+    fn open_object(&mut self, outer: usize) -> usize {
+        let head = self.tape.len();
+        self.tape.push(Entry::Object {
+            end: outer,
+            first: self.names.len(),
+            len: 0,
+        });
+        head
     }
 
     /// An object member's name, at `at`, and the colon after it; the
