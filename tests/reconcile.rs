@@ -3,11 +3,14 @@
 //! the upstream by the retry that takes it over. Found: the lookup's
 //! answer is stored and replayed, marked `Idempotency-Reconciled`; absent:
 //! the retry executes, once; anything else: `outcome-unknown`, nothing
-//! executes. On the memory store and on Redis (in-process proxies), and
-//! with SIGKILL of a real binary on Redis.
+//! executes. On the memory, embedded and Redis stores (in-process proxies,
+//! behind the local replay cache), and with SIGKILL of a real binary
+//! holding a request: the retry through another binary on Redis, and
+//! through the restarted sidecar on the embedded store.
 
 use crate::support;
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,31 +27,37 @@ use tokio::task::JoinSet;
 const BODY: &str = r#"{"amount":5}"#;
 
 /// Where the tests' stores are.
-#[derive(Clone, Copy, Debug)]
-enum On {
+#[derive(Clone, Copy)]
+enum On<'a> {
     Memory,
-    Redis,
+    /// Each proxy on a file of its own under this directory.
+    Embedded(&'a Path),
+    Redis(&'a RedisServer),
+}
+
+impl std::fmt::Debug for On<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            On::Memory => "memory",
+            On::Embedded(_) => "embedded",
+            On::Redis(_) => "redis",
+        })
+    }
 }
 
 /// A proxy on `on` whose route looks keys up at `lookup` (a template).
-async fn proxy(
-    on: On,
-    upstream: &TestUpstream,
-    redis: Option<&RedisServer>,
-    lookup: &str,
-) -> TestProxy {
-    proxy_with(on, upstream, redis, lookup, |_| {}).await
+async fn proxy(on: On<'_>, upstream: &TestUpstream, lookup: &str) -> TestProxy {
+    proxy_with(on, upstream, lookup, |_| {}).await
 }
 
 async fn proxy_with(
-    on: On,
+    on: On<'_>,
     upstream: &TestUpstream,
-    redis: Option<&RedisServer>,
     lookup: &str,
     tune: impl FnOnce(&mut Config),
 ) -> TestProxy {
-    let mut c = match (on, redis) {
-        (On::Redis, Some(redis)) => redis_config(
+    let mut c = match on {
+        On::Redis(redis) => redis_config(
             &upstream.url(),
             &redis.url(),
             &redis_server::unique_prefix("reconcile"),
@@ -59,8 +68,15 @@ async fn proxy_with(
     tune(&mut c);
     let store: SharedStore = match on {
         On::Memory => Arc::new(idemproxy::store::MemoryStore::new()),
-        On::Redis => Arc::new(RedisStore::connect(&c.store).await.expect("redis")),
+        On::Embedded(dir) => {
+            let file = dir.join(redis_server::unique_prefix("data"));
+            Arc::new(idemproxy::store::EmbeddedStore::open(&file).expect("embedded"))
+        }
+        On::Redis(_) => Arc::new(RedisStore::connect(&c.store).await.expect("redis")),
     };
+    // Behind the local replay cache, as `idemproxy` builds its store: it
+    // must not answer an unknown outcome a lookup could resolve.
+    let store = idemproxy::store::cache::wrap(store, c.store.local_cache_entries);
     TestProxy::start_with_store(c, store).await
 }
 
@@ -79,12 +95,9 @@ fn assert_reconciled(reply: &Reply, upstream_path: &str) {
     );
 }
 
-async fn a_stale_claim_found_by_the_lookup_is_stored_and_replayed(
-    on: On,
-    redis: Option<&RedisServer>,
-) {
+async fn a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on: On<'_>) {
     let upstream = TestUpstream::start().await;
-    let proxy = proxy(on, &upstream, redis, "/lookup/{key}?status=200").await;
+    let proxy = proxy(on, &upstream, "/lookup/{key}?status=200").await;
     let client = TestClient::new();
     keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale/1", BODY.as_bytes()).await;
 
@@ -121,9 +134,9 @@ async fn a_stale_claim_found_by_the_lookup_is_stored_and_replayed(
     );
 }
 
-async fn a_lookup_answering_404_lets_the_retry_execute_once(on: On, redis: Option<&RedisServer>) {
+async fn a_lookup_answering_404_lets_the_retry_execute_once(on: On<'_>) {
     let upstream = TestUpstream::start().await;
-    let proxy = proxy(on, &upstream, redis, "/lookup/{key}?status=404").await;
+    let proxy = proxy(on, &upstream, "/lookup/{key}?status=404").await;
     let client = TestClient::new();
     keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-2", BODY.as_bytes()).await;
 
@@ -143,7 +156,7 @@ async fn a_lookup_answering_404_lets_the_retry_execute_once(on: On, redis: Optio
     assert_eq!(upstream.executions("/lookup/stale-2"), 1);
 }
 
-async fn a_failed_lookup_leaves_outcome_unknown(on: On, redis: Option<&RedisServer>) {
+async fn a_failed_lookup_leaves_outcome_unknown(on: On<'_>) {
     let upstream = TestUpstream::start().await;
     for (lookup, key) in [
         ("/lookup/{key}?status=500", "stale-500"),
@@ -151,7 +164,7 @@ async fn a_failed_lookup_leaves_outcome_unknown(on: On, redis: Option<&RedisServ
         ("/lookup/{key}?delay_ms=3000", "stale-slow"),
         ("/lookup/{header:x-missing}", "stale-missing"),
     ] {
-        let proxy = proxy_with(on, &upstream, redis, lookup, |c| {
+        let proxy = proxy_with(on, &upstream, lookup, |c| {
             c.idempotency.reconcile_timeout = Duration::from_millis(300);
         })
         .await;
@@ -171,22 +184,13 @@ async fn a_failed_lookup_leaves_outcome_unknown(on: On, redis: Option<&RedisServ
     );
 }
 
-async fn an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(
-    on: On,
-    redis: Option<&RedisServer>,
-) {
+async fn an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on: On<'_>) {
     let upstream = TestUpstream::start().await;
     // Lease: 300 ms upstream timeout + 1.4 s margin + 300 ms lookup.
-    let proxy = proxy_with(
-        on,
-        &upstream,
-        redis,
-        "/lookup/{json:/ref}?status=200",
-        |c| {
-            c.upstream.timeout = Duration::from_millis(300);
-            c.idempotency.lease_margin = Duration::from_millis(1400);
-        },
-    )
+    let proxy = proxy_with(on, &upstream, "/lookup/{json:/ref}?status=200", |c| {
+        c.upstream.timeout = Duration::from_millis(300);
+        c.idempotency.lease_margin = Duration::from_millis(1400);
+    })
     .await;
     let client = TestClient::new();
     let url = proxy.url("/v1/orders?delay_ms=1000");
@@ -223,15 +227,9 @@ async fn an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(
     );
 }
 
-async fn concurrent_retries_make_one_lookup(on: On, redis: Option<&RedisServer>) {
+async fn concurrent_retries_make_one_lookup(on: On<'_>) {
     let upstream = TestUpstream::start().await;
-    let proxy = proxy(
-        on,
-        &upstream,
-        redis,
-        "/lookup/{key}?status=200&delay_ms=300",
-    )
-    .await;
+    let proxy = proxy(on, &upstream, "/lookup/{key}?status=200&delay_ms=300").await;
     keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-4", BODY.as_bytes()).await;
     let url = proxy.url("/v1/orders");
     let mut retries = JoinSet::new();
@@ -261,38 +259,49 @@ async fn concurrent_retries_make_one_lookup(on: On, redis: Option<&RedisServer>)
 
 #[tokio::test]
 async fn memory_a_stale_claim_found_by_the_lookup_is_stored_and_replayed() {
-    a_stale_claim_found_by_the_lookup_is_stored_and_replayed(On::Memory, None).await;
+    a_stale_claim_found_by_the_lookup_is_stored_and_replayed(On::Memory).await;
 }
 
 #[tokio::test]
 async fn memory_a_lookup_answering_404_lets_the_retry_execute_once() {
-    a_lookup_answering_404_lets_the_retry_execute_once(On::Memory, None).await;
+    a_lookup_answering_404_lets_the_retry_execute_once(On::Memory).await;
 }
 
 #[tokio::test]
 async fn memory_a_failed_lookup_leaves_outcome_unknown() {
-    a_failed_lookup_leaves_outcome_unknown(On::Memory, None).await;
+    a_failed_lookup_leaves_outcome_unknown(On::Memory).await;
 }
 
 #[tokio::test]
 async fn memory_an_outcome_unknown_record_is_reconciled_once_its_lease_is_over() {
-    an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(On::Memory, None).await;
+    an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(On::Memory).await;
 }
 
 #[tokio::test]
 async fn memory_concurrent_retries_make_one_lookup() {
-    concurrent_retries_make_one_lookup(On::Memory, None).await;
+    concurrent_retries_make_one_lookup(On::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_reconciles_as_memory_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let on = On::Embedded(dir.path());
+    a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on).await;
+    a_lookup_answering_404_lets_the_retry_execute_once(on).await;
+    a_failed_lookup_leaves_outcome_unknown(on).await;
+    an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on).await;
+    concurrent_retries_make_one_lookup(on).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_reconciles_as_memory_does() {
     let redis = RedisServer::start();
-    let on = Some(&redis);
-    a_stale_claim_found_by_the_lookup_is_stored_and_replayed(On::Redis, on).await;
-    a_lookup_answering_404_lets_the_retry_execute_once(On::Redis, on).await;
-    a_failed_lookup_leaves_outcome_unknown(On::Redis, on).await;
-    an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(On::Redis, on).await;
-    concurrent_retries_make_one_lookup(On::Redis, on).await;
+    let on = On::Redis(&redis);
+    a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on).await;
+    a_lookup_answering_404_lets_the_retry_execute_once(on).await;
+    a_failed_lookup_leaves_outcome_unknown(on).await;
+    an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on).await;
+    concurrent_retries_make_one_lookup(on).await;
 }
 
 /// The issue's done-when: a proxy killed (SIGKILL) while the upstream
@@ -314,12 +323,23 @@ async fn a_proxy_killed_mid_call_is_reconciled_through_another() {
     let second = ProxyProcess::start(c).await;
     let path = "/v1/charges?delay_ms=1500";
     let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1", BODY).await;
+    reconciled_after_the_lease(&second, &upstream, path, sent_at + lease).await;
+}
 
-    let client = TestClient::new();
-    let url = second.url(path);
+/// Retries of `crash-1`, whose proxy died mid-call, through `proxy`: one
+/// before `lease_end` finds the dead proxy's claim in flight; the first
+/// after it that is not 425 gets the lookup's answer, reconciled, as does
+/// the next; the upstream ran the request once and was looked up once.
+async fn reconciled_after_the_lease(
+    proxy: &ProxyProcess,
+    upstream: &TestUpstream,
+    path: &str,
+    lease_end: tokio::time::Instant,
+) {
+    let (client, url) = (TestClient::new(), proxy.url(path));
     let early = client.post_json(&url, "crash-1", BODY).await;
     early.assert_problem(425, "in-flight");
-    tokio::time::sleep_until(sent_at + lease).await;
+    tokio::time::sleep_until(lease_end).await;
     let give_up = tokio::time::Instant::now() + Duration::from_secs(3);
     let reconciled = loop {
         let reply = client.post_json(&url, "crash-1", BODY).await;
@@ -331,6 +351,28 @@ async fn a_proxy_killed_mid_call_is_reconciled_through_another() {
     assert_reconciled(&reconciled, "/v1/charges/by-key/crash-1");
     let again = client.post_json(&url, "crash-1", BODY).await;
     assert_reconciled(&again, "/v1/charges/by-key/crash-1");
-    assert_eq!(upstream.executions("/v1/charges"), 1, "{}", second.logs());
+    assert_eq!(upstream.executions("/v1/charges"), 1, "{}", proxy.logs());
     assert_eq!(upstream.executions("/v1/charges/by-key/crash-1"), 1);
+}
+
+/// The same on the embedded store: the sidecar killed mid-call restarts
+/// on its file, and the retry after the lease is reconciled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_killed_on_the_embedded_store_is_reconciled_after_its_restart() {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut c = config(&upstream.url());
+    c.store.kind = idemproxy::config::StoreKind::Embedded;
+    c.store.path = dir.path().join("data");
+    // The restart happens inside the lease: leave it room.
+    c.upstream.timeout = Duration::from_secs(5);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    c.idempotency.reconcile_timeout = Duration::from_millis(500);
+    c.idempotency.reconcile_url = "/v1/charges/by-key/{key}?status=200".into();
+    let lease = Duration::from_millis(6900);
+    let mut first = ProxyProcess::start(c.clone()).await;
+    let path = "/v1/charges?delay_ms=4000";
+    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1", BODY).await;
+    let second = ProxyProcess::start(c).await;
+    reconciled_after_the_lease(&second, &upstream, path, sent_at + lease).await;
 }
