@@ -132,6 +132,10 @@ async fn a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on: On<'_>) {
         text.contains(r#"idemproxy_reconciled_total{route="default",result="found"} 1"#),
         "{text}"
     );
+    assert!(
+        text.contains(r#"idemproxy_expired_leases_total{route="default"} 1"#),
+        "the dead holder is counted: {text}"
+    );
 }
 
 async fn a_lookup_answering_404_lets_the_retry_execute_once(on: On<'_>) {

@@ -283,7 +283,7 @@ where
     pub(super) fn acquired(&self, claim: Claim, asked_at: Instant, took_over: bool) -> Claim {
         if took_over {
             self.cx.log.metrics().lease_expired();
-            tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
+            tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\", or to reconcile it)");
         }
         Claim {
             lease_ends: asked_at + self.lease(),

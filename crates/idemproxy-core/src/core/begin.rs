@@ -52,7 +52,8 @@ pub enum BeginOutcome {
     /// The caller now holds the key and must complete or release it.
     Acquired {
         token: FencingToken,
-        /// True when a stale claim was taken over (`on_stale = "retry"`).
+        /// True when a stale claim was taken over (`on_stale = "retry"`,
+        /// or to reconcile it): its holder died, which is counted.
         took_over: bool,
         /// Set when the key's outcome is unknown (a claim past its lease,
         /// or an `outcome-unknown` record) and the caller asked to
@@ -138,7 +139,7 @@ pub fn decide_begin(
             },
             None,
         ),
-        Some(Record::Pending(_)) if begin.reconcile => claim(false, Some(UnknownCause::Abandoned)),
+        Some(Record::Pending(_)) if begin.reconcile => claim(true, Some(UnknownCause::Abandoned)),
         Some(Record::Pending(p)) => match begin.on_stale {
             OnStale::Retry => claim(true, None),
             OnStale::Store => {
@@ -237,6 +238,13 @@ mod tests {
     fn a_stale_claim_is_taken_over_to_reconcile_when_asked() {
         let (outcome, write) = decide_begin(&begin(true), Some(stale_claim()), 6_000);
         assert_eq!(reconciling(&outcome), Some(UnknownCause::Abandoned));
+        assert!(matches!(
+            outcome,
+            BeginOutcome::Acquired {
+                took_over: true,
+                ..
+            }
+        ));
         assert!(matches!(write, Some(Record::Pending(p)) if p.lease_expires_at == 16_000));
         // Without a lookup it settles fail-closed, as always.
         let (outcome, _) = decide_begin(&begin(false), Some(stale_claim()), 6_000);
@@ -248,6 +256,14 @@ mod tests {
         let record = unknown(0, UnknownCause::Timeout);
         let (outcome, write) = decide_begin(&begin(true), Some(record.clone()), 10_000);
         assert_eq!(reconciling(&outcome), Some(UnknownCause::Timeout));
+        // Its holder's end was counted when it settled.
+        assert!(matches!(
+            outcome,
+            BeginOutcome::Acquired {
+                took_over: false,
+                ..
+            }
+        ));
         assert!(matches!(write, Some(Record::Pending(_))));
         // The upstream may still be working on it: the record stands.
         let (outcome, write) = decide_begin(&begin(true), Some(record.clone()), 9_999);
