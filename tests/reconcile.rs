@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemproxy::config::Config;
-use idemproxy::store::{RedisStore, SharedStore};
+use idemproxy::core::{Outcome, Record};
+use idemproxy::store::{RedisStore, SharedStore, StoreError};
 use support::binary::ProxyProcess;
 use support::fault::killed_mid_call;
 use support::keys;
@@ -99,11 +100,23 @@ async fn a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on: On<'_>) {
     let upstream = TestUpstream::start().await;
     let proxy = proxy(on, &upstream, "/lookup/{key}?status=200").await;
     let client = TestClient::new();
-    keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale/1", BODY.as_bytes()).await;
+    let (record_key, dead_holder) =
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale/1", BODY.as_bytes()).await;
 
     let url = proxy.url("/v1/orders");
     let first = client.post_json(&url, "stale/1", BODY).await;
     assert_reconciled(&first, "/lookup/stale%2F1");
+    // The dead holder, were it to come back, cannot overwrite the answer.
+    let mut zombie = match proxy.store.get(&record_key).await.expect("store") {
+        Some(Record::Completed(record)) => record,
+        other => panic!("{on:?}: {other:?}"),
+    };
+    zombie.outcome = Outcome::NotStored { status: 500 };
+    let late = proxy
+        .store
+        .complete(&record_key, dead_holder, &zombie)
+        .await;
+    assert!(matches!(late, Err(StoreError::Fenced)), "{on:?}: {late:?}");
     let again = client.post_json(&url, "stale/1", BODY).await;
     assert_reconciled(&again, "/lookup/stale%2F1");
     assert_eq!(again.body, first.body);

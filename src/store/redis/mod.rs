@@ -522,14 +522,17 @@ mod tests {
         let now = now_millis();
         let claimed = |token| Record::Pending(new_claim(&begin, now, FencingToken(token)));
         // The `SET` ran, its reply was lost, the one sent again read it.
-        for took_over in [false, true] {
+        // A takeover to reconcile read back so must still look the outcome
+        // up before executing.
+        let reconciling = [None, Some(crate::core::UnknownCause::Abandoned)];
+        for (took_over, reconcile) in [false, true].into_iter().zip(reconciling) {
             assert_eq!(
-                decide_read(&begin, claimed(7), now, took_over, None),
+                decide_read(&begin, claimed(7), now, took_over, reconcile),
                 (
                     BeginOutcome::Acquired {
                         token: FencingToken(7),
                         took_over,
-                        reconcile: None,
+                        reconcile,
                     },
                     None
                 )
