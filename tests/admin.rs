@@ -751,6 +751,7 @@ async fn stored_record(store: &dyn Store, n: u8, body: usize) -> String {
         ttl: Duration::from_secs(3600),
         on_stale: idemproxy::store::OnStale::Store,
         token: FencingToken::random(),
+        reconcile: false,
     };
     let BeginOutcome::Acquired { token, .. } = store.begin(&begin).await.expect("begin") else {
         panic!("{n}: not a free key");

@@ -83,6 +83,7 @@ fn begin(key: RecordKey) -> Begin {
         ttl: Duration::from_secs(3600),
         on_stale: OnStale::Store,
         token: FencingToken::random(),
+        reconcile: false,
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idemproxy::config::Config;
 use support::binary::ProxyProcess;
-use support::fault::{raw_exchange, raw_post, Executions};
+use support::fault::{killed_mid_call, raw_exchange, raw_post, Executions};
 use support::proxy::{redis_config, Reply, TestClient};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
@@ -26,39 +26,6 @@ fn on_redis(upstream: &TestUpstream, redis: &RedisServer, prefix: &str) -> Confi
     let mut c = redis_config(&upstream.url(), &redis.url(), prefix);
     c.log.level = "info".into();
     c
-}
-
-/// Sends `key`'s request to `proxy` and kills the proxy (SIGKILL) once the
-/// upstream has the request; the client gets no answer. Returns when the
-/// request was sent.
-async fn killed_mid_call(
-    proxy: &mut ProxyProcess,
-    upstream: &TestUpstream,
-    path: &'static str,
-    key: &'static str,
-) -> Instant {
-    let sent_at = Instant::now();
-    let doomed = {
-        let addr = proxy.addr;
-        tokio::spawn(async move {
-            raw_exchange(addr, &raw_post(path, key, BODY), Duration::from_secs(10)).await
-        })
-    };
-    assert!(
-        upstream
-            .wait_for_executions(path, 1, Duration::from_secs(5))
-            .await,
-        "the request reached the upstream:\n{}",
-        proxy.logs()
-    );
-    proxy.kill();
-    let lost = doomed.await.expect("the first client");
-    assert_eq!(
-        lost.status(),
-        None,
-        "no answer from a killed proxy: {lost:?}"
-    );
-    sent_at
 }
 
 /// Retries of `key`, whose proxy died holding it (request sent at
@@ -114,7 +81,7 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
     // The first request: its proxy dies while the upstream works on it, so
     // its client gets no answer (the connection breaks).
     let pid = first.pid();
-    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1").await;
+    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1", BODY).await;
 
     let url = second.url(path);
 
@@ -165,7 +132,7 @@ async fn a_sidecar_killed_on_the_embedded_store_keeps_its_answers_and_fails_clos
     assert!(!done.replayed());
 
     let path = "/v1/charges?delay_ms=6000";
-    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1").await;
+    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1", BODY).await;
 
     // The sidecar restarts on the same file.
     let second = ProxyProcess::start(c).await;

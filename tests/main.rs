@@ -45,6 +45,7 @@ mod metrics;
 mod middleware;
 mod observe_mode;
 mod passthrough;
+mod reconcile;
 mod redis_store;
 mod replicas;
 mod sentinel_failover;

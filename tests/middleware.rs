@@ -147,6 +147,7 @@ async fn a_dead_holders_lease_runs_out_by_the_clock() {
             ttl: Duration::from_secs(3600),
             on_stale: OnStale::Store,
             token: FencingToken::random(),
+            reconcile: false,
         })
         .await
         .expect("begin");

@@ -130,6 +130,7 @@ async fn a_holder_whose_lease_expired_is_fenced_out_by_the_new_owner() {
         BeginOutcome::Acquired {
             token,
             took_over: true,
+            ..
         } => token,
         other => panic!("expected a takeover, got {other:?}"),
     };
@@ -354,7 +355,9 @@ async fn a_record_expired_by_the_proxies_clock_is_replaced_even_if_redis_keeps_i
         .await
         .expect("begin")
     {
-        BeginOutcome::Acquired { token, took_over } => {
+        BeginOutcome::Acquired {
+            token, took_over, ..
+        } => {
             assert!(!took_over, "an expired record is absent, not taken over");
             token
         }

@@ -187,7 +187,9 @@ const SHORT_LEASE: Duration = Duration::from_millis(250);
 const PAST_SHORT_LEASE: Duration = Duration::from_millis(400);
 fn acquired(outcome: BeginOutcome, expect_took_over: bool) -> FencingToken {
     match outcome {
-        BeginOutcome::Acquired { token, took_over } => {
+        BeginOutcome::Acquired {
+            token, took_over, ..
+        } => {
             assert_eq!(took_over, expect_took_over, "took_over");
             token
         }
@@ -822,7 +824,9 @@ mod cases {
         let winners: Vec<_> = outcomes
             .iter()
             .filter_map(|o| match o {
-                BeginOutcome::Acquired { token, took_over } => {
+                BeginOutcome::Acquired {
+                    token, took_over, ..
+                } => {
                     assert!(!took_over);
                     Some(*token)
                 }

@@ -1,9 +1,12 @@
 //! One covered request from its body to its answer: claim the key
 //! (`begin`), then replay, reject, wait, or execute, the same for every
 //! [`Dialect`]; what executing relays and stores is the dialect's
-//! `capture`, and settling the key is [`settle`]'s.
+//! `capture`, and settling the key is [`settle`]'s. A key whose outcome
+//! is unknown, on a route with `reconcile_url`, is looked up before
+//! anything executes ([`reconcile`]).
 //!
 //! [`settle`]: super::settle
+//! [`reconcile`]: super::reconcile
 
 use std::future::Future;
 use std::pin::Pin;
@@ -22,12 +25,14 @@ use super::context::{Claim, RequestContext, Responder};
 use super::detach::DetachOnDrop;
 use super::dialect::{settle_ambiguous, Dialect, Http};
 use super::policy::{OnInFlight, OnStoreError};
+use super::reconcile::{look_up, lookup_of, lookup_timeout, settle_looked_up, Lookup};
 use super::rejection::Rejection;
 use super::settle::Holder;
 use super::store_call::{owned_begin, release_unanswered_claim, timed, OwnedBegin};
+use super::waiting::Waiting;
 use crate::core::{
-    Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, RecordKey, UnknownCause,
-    UpstreamFailure,
+    Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, Outcome, RecordKey,
+    UnknownCause, UpstreamFailure,
 };
 use crate::observe::{trace, RequestOutcome};
 use crate::request::key::IdempotencyKey;
@@ -41,49 +46,20 @@ pub(super) struct Exchange<S, D> {
     pub(super) inner: S,
     pub(super) dialect: D,
     pub(super) cx: RequestContext,
-}
-
-/// How a duplicate waits for the request in flight under its key
-/// (`on_in_flight = "wait"`): polling `begin`, with a growing pause.
-struct Waiting {
-    until: Instant,
-    backoff: Duration,
-    /// Set once the store said that this same request is running under
-    /// the key: from then on a store failure is no reason to forward it,
-    /// whatever `on_store_error` says, since that would run it a second
-    /// time.
-    seen_in_flight: bool,
-}
-
-impl Waiting {
-    fn new(timeout: Duration) -> Self {
-        Self {
-            until: Instant::now() + timeout,
-            backoff: Duration::from_millis(10),
-            seen_in_flight: false,
-        }
-    }
-
-    /// Pauses before the next look, or says the wait is over (its time is
-    /// up, or the client left).
-    async fn pause(&mut self, respond: &Responder) -> bool {
-        let now = Instant::now();
-        if now >= self.until || respond.is_closed() {
-            return false;
-        }
-        self.seen_in_flight = true;
-        // Polling `begin` is one round trip per look, works across
-        // replicas, and takes the key over at once if the first request
-        // released it.
-        tokio::time::sleep(self.backoff.min(self.until - now)).await;
-        self.backoff = (self.backoff * 2).min(Duration::from_millis(250));
-        true
-    }
+    /// The upstream's lookup of this request (`reconcile_url`), when its
+    /// route has one and the request has every value it names: then a
+    /// key whose outcome is unknown is taken over and looked up.
+    pub(super) lookup: Option<Request<Body>>,
 }
 
 impl<S, D> Exchange<S, D> {
     pub(super) fn new(inner: S, cx: RequestContext, dialect: D) -> Self {
-        Self { inner, dialect, cx }
+        Self {
+            inner,
+            dialect,
+            cx,
+            lookup: None,
+        }
     }
 
     /// The same request, answered in `dialect` from now on.
@@ -92,6 +68,7 @@ impl<S, D> Exchange<S, D> {
             inner: self.inner,
             dialect,
             cx: self.cx,
+            lookup: self.lookup,
         }
     }
 }
@@ -107,7 +84,7 @@ where
     /// head, the body names it (`json:` sources, derived keys), or the
     /// request has none.
     pub(super) async fn start(
-        self,
+        mut self,
         req: Request<Body>,
         key: Option<IdempotencyKey>,
     ) -> Response<Body> {
@@ -142,6 +119,7 @@ where
             }
         };
         let fingerprint = self.cx.policy.fingerprint.fingerprint(&parts, &body);
+        self.lookup = lookup_of(&self.cx.policy, &parts, &body, &key);
         let request = Request::from_parts(parts, Body::from(body));
         self.claim_and_run(&scope, &key, fingerprint, request).await
     }
@@ -272,11 +250,20 @@ where
         Begin {
             key: claim.key,
             fingerprint: claim.fingerprint,
-            lease: policy.lease,
+            lease: self.lease(),
             ttl: policy.settings.ttl,
             on_stale: policy.settings.on_stale,
             token: FencingToken::random(),
+            reconcile: self.lookup.is_some(),
         }
+    }
+
+    /// How long a claim of this request's protects its key: long enough
+    /// for a lookup and then the execution it may allow, so that no
+    /// retry finds the claim stale while the upstream may still act on it.
+    fn lease(&self) -> Duration {
+        let lookup = self.lookup.as_ref().map(|_| lookup_timeout(&self.cx));
+        self.cx.policy.lease + lookup.unwrap_or_default()
     }
 
     /// Asks the store for the key: when it was asked (the lease counts
@@ -296,10 +283,10 @@ where
     pub(super) fn acquired(&self, claim: Claim, asked_at: Instant, took_over: bool) -> Claim {
         if took_over {
             self.cx.log.metrics().lease_expired();
-            tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\")");
+            tracing::warn!(key = %claim.key.to_hex(), "took over a stale key (on_stale = \"retry\", or to reconcile it)");
         }
         Claim {
-            lease_ends: asked_at + self.cx.policy.lease,
+            lease_ends: asked_at + self.lease(),
             ..claim
         }
     }
@@ -347,8 +334,15 @@ where
             };
             let (profile, dialect) = (self.cx.policy.settings.profile, &self.dialect);
             let (outcome, response) = match outcome {
-                BeginOutcome::Acquired { token, took_over } => {
+                BeginOutcome::Acquired {
+                    token,
+                    took_over,
+                    reconcile,
+                } => {
                     let claim = self.acquired(claim, asked_at, took_over);
+                    if let Some(cause) = reconcile {
+                        return self.reconcile(claim, request, token, cause, respond).await;
+                    }
                     return self
                         .execute(claim, uncompressed(request), token, respond)
                         .await;
@@ -374,6 +368,33 @@ where
             };
             return self.cx.answer(respond, outcome, response);
         }
+    }
+
+    /// Holding a new claim on a key whose outcome was unknown (`cause`),
+    /// asks the upstream's lookup before anything executes (see
+    /// [`super::reconcile`]).
+    async fn reconcile(
+        mut self,
+        claim: Claim,
+        request: Request<Body>,
+        token: FencingToken,
+        cause: UnknownCause,
+        respond: Responder,
+    ) {
+        let Some(lookup) = self.lookup.take() else {
+            return self.answer_rejection(respond, RequestOutcome::Internal, Rejection::Internal);
+        };
+        let outcome = match look_up(self.inner.clone(), &self.cx, claim.key, lookup).await {
+            Lookup::Absent => {
+                return self
+                    .execute(claim, uncompressed(request), token, respond)
+                    .await
+            }
+            Lookup::Found(outcome) => outcome,
+            Lookup::Failed => Outcome::Unknown { cause },
+        };
+        let Self { dialect, cx, .. } = self;
+        settle_looked_up(Holder { cx, claim, token }, &dialect, outcome, respond).await
     }
 
     /// Answers the request whose `begin` found the key's claim abandoned
@@ -481,6 +502,7 @@ where
             inner,
             dialect,
             mut cx,
+            ..
         } = self;
         // Counted until the outcome is stored (this function awaits the
         // streaming of the body too).

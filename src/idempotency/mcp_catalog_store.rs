@@ -92,6 +92,7 @@ async fn share_catalog(settings: &Settings, route: &McpRoute) {
             ttl: SHARED_TTL,
             on_stale: OnStale::Retry,
             token: FencingToken::random(),
+            reconcile: false,
         };
         let outcome = match tokio::time::timeout(timeout, store.begin(&begin)).await {
             Ok(Ok(outcome)) => outcome,

@@ -48,6 +48,7 @@ mod mcp_request;
 pub mod observe;
 mod observe_dialect;
 pub mod policy;
+mod reconcile;
 mod rejection;
 mod relay;
 mod replay;
@@ -55,6 +56,7 @@ mod service;
 pub mod settings;
 mod settle;
 mod store_call;
+mod waiting;
 
 pub use layer::{IdempotencyLayer, DEFAULT_MAX_IN_FLIGHT};
 pub use policy::{Policies, Policy};

@@ -163,7 +163,10 @@ where
             Ok(outcome) => outcome,
             Err(e) => return self.store_failed(request, respond, e, true).await,
         };
-        if let BeginOutcome::Acquired { token, took_over } = outcome {
+        if let BeginOutcome::Acquired {
+            token, took_over, ..
+        } = outcome
+        {
             let claim = self.acquired(claim, asked_at, took_over);
             if let Some(observe) = &self.cx.policy.observe {
                 observe.remember(claim.key, self.cx.log.request_id());

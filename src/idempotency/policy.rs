@@ -14,6 +14,7 @@ use super::settings::{IdempotencySettings, Mode};
 use crate::mcp::{SessionCalls, ToolCatalog, ToolRules};
 use crate::request::fingerprint::{parse_header, validate_pointer, FingerprintRules};
 use crate::request::key_source::{KeyAttribute, KeyRules, KeySource};
+use crate::request::reconcile::LookupTemplate;
 use crate::request::scope::ScopeRules;
 
 /// The settings enums the policy carries as they are.
@@ -47,6 +48,9 @@ pub struct Policy {
     /// Set on a `protocol = "mcp"` route: its POSTs are JSON-RPC, and each
     /// `tools/call` is keyed and protected as `[mcp]` says.
     pub mcp: Option<Arc<McpRoute>>,
+    /// `reconcile_url`, parsed; `None` when unset, and in observe mode
+    /// (which answers nothing from the store).
+    pub reconcile: Option<LookupTemplate>,
 }
 
 /// What an MCP route knows besides its policy: the tool classification,
@@ -116,6 +120,7 @@ impl Policy {
                 "{at}.observe_window: must be more than 0 (e.g. \"10m\") in observe mode"
             ));
         }
+        let reconcile = parse_reconcile(at, c, problems);
         if problems.len() > before {
             return None;
         }
@@ -131,7 +136,21 @@ impl Policy {
             replay_body_field: (!c.replay_body_field.is_empty())
                 .then(|| Arc::from(c.replay_body_field.as_str())),
             mcp: None,
+            reconcile: reconcile.filter(|_| c.mode == Mode::Enforce),
         })
+    }
+
+    /// Whether a lookup status means the operation happened (found) or
+    /// never will (absent); `None`: neither, the outcome stays unknown.
+    pub fn lookup_found(&self, status: u16) -> Option<bool> {
+        let c = &self.settings;
+        if c.reconcile_found_statuses.contains(&status) {
+            Some(true)
+        } else if c.reconcile_absent_statuses.contains(&status) {
+            Some(false)
+        } else {
+            None
+        }
     }
 
     pub fn covers(&self, method: &Method) -> bool {
@@ -305,6 +324,39 @@ fn decode_unreserved(path: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// `reconcile_url` and its statuses; `None` when unset or refused (each
+/// problem added to `problems`).
+fn parse_reconcile(
+    at: &str,
+    c: &IdempotencySettings,
+    problems: &mut Vec<String>,
+) -> Option<LookupTemplate> {
+    if c.reconcile_url.is_empty() {
+        return None;
+    }
+    let template = c
+        .reconcile_url
+        .parse::<LookupTemplate>()
+        .map_err(|why| problems.push(format!("{at}.reconcile_url: {why}")))
+        .ok();
+    let found = &c.reconcile_found_statuses;
+    let absent = &c.reconcile_absent_statuses;
+    if let Some(both) = found.iter().find(|s| absent.contains(s)) {
+        problems.push(format!(
+            "{at}.reconcile_absent_statuses: {both} is also a found status"
+        ));
+    }
+    for (field, statuses) in [
+        ("reconcile_found_statuses", found),
+        ("reconcile_absent_statuses", absent),
+    ] {
+        if let Some(bad) = statuses.iter().find(|s| !(100..=599).contains(*s)) {
+            problems.push(format!("{at}.{field}: {bad} is not an HTTP status"));
+        }
+    }
+    template
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -335,5 +387,52 @@ mod tests {
             normalize_path("/v1/payments/p_1"),
             Cow::Borrowed(_)
         ));
+    }
+
+    fn reconcile_problems(tune: impl FnOnce(&mut IdempotencySettings)) -> Vec<String> {
+        let mut settings = IdempotencySettings::default();
+        tune(&mut settings);
+        let mut problems = Vec::new();
+        let scope = |_: &mut Vec<String>| ScopeRules::default();
+        Policy::new(
+            "routes[0]",
+            "r",
+            &settings,
+            scope,
+            Duration::from_secs(35),
+            &mut problems,
+        );
+        problems
+    }
+
+    #[test]
+    fn reconcile_settings_are_checked_at_startup() {
+        assert!(reconcile_problems(|_| {}).is_empty());
+        let good = reconcile_problems(|s| s.reconcile_url = "/v1/p?ref={json:/order}".into());
+        assert!(good.is_empty(), "{good:?}");
+        let problems = reconcile_problems(|s| {
+            s.reconcile_url = "/v1/p/{order}".into();
+            s.reconcile_absent_statuses = vec![404, 200];
+            s.reconcile_found_statuses = vec![200, 700];
+        });
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(problems[0].starts_with("routes[0].reconcile_url: `{order}`"));
+        assert!(problems[1].starts_with("routes[0].reconcile_absent_statuses: 200"));
+        assert!(problems[2].starts_with("routes[0].reconcile_found_statuses: 700"));
+    }
+
+    #[test]
+    fn observe_mode_never_reconciles() {
+        let mut settings = IdempotencySettings {
+            reconcile_url: "/v1/p/{key}".into(),
+            ..IdempotencySettings::default()
+        };
+        let scope = |_: &mut Vec<String>| ScopeRules::default();
+        let lease = Duration::from_secs(35);
+        let enforce = Policy::new("r", "r", &settings, scope, lease, &mut Vec::new());
+        assert!(enforce.is_some_and(|p| p.reconcile.is_some()));
+        settings.mode = Mode::Observe;
+        let observe = Policy::new("r", "r", &settings, scope, lease, &mut Vec::new());
+        assert!(observe.is_some_and(|p| p.reconcile.is_none()));
     }
 }

@@ -56,6 +56,20 @@ pub struct IdempotencySettings {
     /// When set, a replayed JSON object body gains this member:
     /// `{"replayed": true, "original_date": "<RFC 3339>"}`.
     pub replay_body_field: String,
+    /// The upstream's lookup of a request whose outcome is unknown (a
+    /// path-and-query template: `{key}`, `{header:<name>}`,
+    /// `{json:<pointer>}`, `{query:<name>}`); empty: no lookup, such keys
+    /// stay `outcome-unknown`. Plain HTTP routes in enforce mode only.
+    pub reconcile_url: String,
+    /// Lookup statuses that mean the operation happened: the lookup's
+    /// answer becomes the stored outcome.
+    pub reconcile_found_statuses: Vec<u16>,
+    /// Lookup statuses that mean it never happened and never will: the
+    /// request executes.
+    pub reconcile_absent_statuses: Vec<u16>,
+    /// How long the lookup may take; 0 means `upstream.timeout`.
+    #[serde(with = "humantime_serde")]
+    pub reconcile_timeout: Duration,
 }
 
 impl Default for IdempotencySettings {
@@ -83,6 +97,10 @@ impl Default for IdempotencySettings {
             mode: Mode::Enforce,
             observe_window: Duration::from_secs(600),
             replay_body_field: String::new(),
+            reconcile_url: String::new(),
+            reconcile_found_statuses: vec![200],
+            reconcile_absent_statuses: vec![404],
+            reconcile_timeout: Duration::ZERO,
         }
     }
 }

@@ -28,14 +28,24 @@ pub(super) struct Holder {
 impl Holder {
     /// Stores `outcome` as the key's completed record.
     pub(super) async fn complete(&mut self, outcome: Outcome) {
+        let record = self.record_of(outcome);
+        self.complete_with(record).await;
+    }
+
+    /// The completed record `outcome` makes of the key held, as of now.
+    pub(super) fn record_of(&self, outcome: Outcome) -> CompletedRecord {
         let now = self.cx.settings.clock.now_millis();
-        let record = CompletedRecord {
+        CompletedRecord {
             fingerprint: self.claim.fingerprint,
             created_at: self.claim.arrived_at,
             completed_at: now,
             expires_at: now.saturating_add(millis(self.cx.policy.settings.ttl)),
             outcome,
-        };
+        }
+    }
+
+    /// Stores `record` (made by [`Self::record_of`]) as the key's.
+    pub(super) async fn complete_with(&mut self, record: CompletedRecord) {
         let completion = Box::new(self.cx.settings.store.prepare(&self.claim.key, record));
         self.settle(Settling::Complete(completion)).await;
     }

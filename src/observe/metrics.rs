@@ -28,6 +28,35 @@ struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReconciledLabels {
+    route: String,
+    result: &'static str,
+}
+
+/// What a lookup of an unknown outcome (`reconcile_url`) said.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reconciled {
+    /// The operation happened: its answer is stored.
+    Found,
+    /// It never happened: the request executes.
+    Absent,
+    /// No answer to go by: the key stays `outcome-unknown`.
+    Failed,
+}
+
+impl Reconciled {
+    const ALL: [Reconciled; 3] = [Reconciled::Found, Reconciled::Absent, Reconciled::Failed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reconciled::Found => "found",
+            Reconciled::Absent => "absent",
+            Reconciled::Failed => "failed",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ToolOutcomeLabels {
     route: Arc<str>,
     tool: Arc<str>,
@@ -100,6 +129,7 @@ pub struct Metrics {
     settling: Gauge,
     released: Family<RouteLabels, Counter>,
     stale: Family<RouteLabels, Counter>,
+    reconciled: Family<ReconciledLabels, Counter>,
     /// MCP `tools/call` outcomes per tool: created on first use, since the
     /// tools are known only once a server lists them.
     tool_calls: Family<ToolOutcomeLabels, Counter>,
@@ -143,6 +173,7 @@ impl Metrics {
             settling: Gauge::default(),
             released: Family::default(),
             stale: Family::default(),
+            reconciled: Family::default(),
             tool_calls: Family::default(),
             mcp_batches: Family::default(),
             cache_hits: Counter::default(),
@@ -201,6 +232,11 @@ impl Metrics {
             self.stale.clone(),
         );
         self.registry.register(
+            "reconciled",
+            "Lookups of unknown outcomes (reconcile_url) by route and result: found (stored and replayed), absent (executed), failed (left outcome-unknown)",
+            self.reconciled.clone(),
+        );
+        self.registry.register(
             "mcp_tool_calls",
             "MCP tools/call requests by route, tool and outcome; a tool no tools/list named counts as (unlisted)",
             self.tool_calls.clone(),
@@ -245,6 +281,12 @@ impl Metrics {
             upstream: self.upstream_duration.get_or_create_owned(&labels),
             released: self.released.get_or_create_owned(&labels),
             stale: self.stale.get_or_create_owned(&labels),
+            reconciled: Reconciled::ALL.map(|result| {
+                self.reconciled.get_or_create_owned(&ReconciledLabels {
+                    route: route.to_owned(),
+                    result: result.as_str(),
+                })
+            }),
             batches: self.mcp_batches.get_or_create_owned(&labels),
             tool_calls: self.tool_calls.clone(),
             name: Arc::from(route),
@@ -317,6 +359,7 @@ pub struct RouteMetrics {
     upstream: Histogram,
     released: Counter,
     stale: Counter,
+    reconciled: [Counter; Reconciled::ALL.len()],
     batches: Counter,
     tool_calls: Family<ToolOutcomeLabels, Counter>,
     name: Arc<str>,
@@ -349,6 +392,10 @@ impl RouteMetrics {
 
     pub fn lease_expired(&self) {
         self.stale.inc();
+    }
+
+    pub fn reconciled(&self, result: Reconciled) {
+        self.reconciled[result as usize].inc();
     }
 
     /// Counts an MCP `tools/call` of `tool` (a listed tool's name, else

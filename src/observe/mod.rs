@@ -13,6 +13,6 @@ pub mod request_id;
 mod request_log;
 pub mod trace;
 
-pub use metrics::{Metrics, RouteMetrics};
+pub use metrics::{Metrics, Reconciled, RouteMetrics};
 pub use outcome::RequestOutcome;
 pub use request_log::RequestLog;

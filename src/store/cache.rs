@@ -350,7 +350,12 @@ impl<S: Store + ?Sized> CachedStore<S> {
 #[async_trait]
 impl<S: Store + ?Sized> Store for CachedStore<S> {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
-        if let Some(record) = self.lookup(&begin.key) {
+        // An unknown outcome a lookup may resolve is the store's to decide
+        // on (`decide_begin`): the cache would replay it for good.
+        let cached = self.lookup(&begin.key).filter(|record| {
+            !(begin.reconcile && matches!(record.outcome, Outcome::Unknown { .. }))
+        });
+        if let Some(record) = cached {
             self.shared.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(if record.fingerprint == begin.fingerprint {
                 BeginOutcome::Completed(record)
@@ -362,8 +367,17 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         }
         let epoch = self.shared.epoch();
         let outcome = self.inner.begin(begin).await?;
-        if let BeginOutcome::Completed(record) | BeginOutcome::Settled(record) = &outcome {
-            self.insert(begin.key, record.clone(), epoch);
+        match &outcome {
+            BeginOutcome::Completed(record) | BeginOutcome::Settled(record) => {
+                self.insert(begin.key, record.clone(), epoch);
+            }
+            // Taken over to be looked up: the record cached is replaced.
+            BeginOutcome::Acquired {
+                reconcile: Some(_), ..
+            } => {
+                self.shared.cache.remove(&begin.key);
+            }
+            _ => {}
         }
         Ok(outcome)
     }
@@ -542,6 +556,7 @@ mod tests {
             ttl: TTL,
             on_stale: OnStale::Store,
             token: FencingToken::random(),
+            reconcile: false,
         }
     }
 
@@ -578,6 +593,38 @@ mod tests {
             Ok(BeginOutcome::Acquired { token, .. }) => token,
             other => panic!("expected Acquired, got {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn an_unknown_outcome_to_reconcile_is_the_stores_to_decide() {
+        let (inner, store) = cached(16);
+        let mut unknown = completed(1, TTL);
+        unknown.created_at -= millis(LEASE);
+        unknown.outcome = Outcome::Unknown {
+            cause: crate::core::UnknownCause::Timeout,
+        };
+        let k = complete_new_key(&store, &unknown).await;
+        let before = inner.begins.load(Ordering::SeqCst);
+        // Without a lookup the cache answers it, as any completion.
+        let replayed = store.begin(&begin(k, 1)).await.expect("begin");
+        assert!(matches!(replayed, BeginOutcome::Completed(_)));
+        assert_eq!(inner.begins.load(Ordering::SeqCst), before);
+        let reconciling = Begin {
+            reconcile: true,
+            ..begin(k, 1)
+        };
+        let taken = store.begin(&reconciling).await.expect("begin");
+        assert!(matches!(
+            taken,
+            BeginOutcome::Acquired {
+                reconcile: Some(_),
+                ..
+            }
+        ));
+        assert_eq!(inner.begins.load(Ordering::SeqCst), before + 1);
+        // The claim replaced it: nobody is answered the old record.
+        let after = store.begin(&begin(k, 1)).await.expect("begin");
+        assert!(matches!(after, BeginOutcome::InFlight { .. }), "{after:?}");
     }
 
     #[tokio::test]

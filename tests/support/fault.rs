@@ -11,6 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::binary::ProxyProcess;
 use super::proxy::Reply;
 use super::upstream::TestUpstream;
 
@@ -158,4 +159,38 @@ pub fn slug(reply: &Reply) -> Option<String> {
         .as_str()?
         .strip_prefix("urn:idemproxy:problem:")
         .map(str::to_string)
+}
+
+/// Sends `key`'s request to `proxy` and kills the proxy (SIGKILL) once the
+/// upstream has the request; the client gets no answer. Returns when the
+/// request was sent.
+pub async fn killed_mid_call(
+    proxy: &mut ProxyProcess,
+    upstream: &TestUpstream,
+    path: &'static str,
+    key: &'static str,
+    body: &'static str,
+) -> Instant {
+    let sent_at = Instant::now();
+    let doomed = {
+        let addr = proxy.addr;
+        tokio::spawn(async move {
+            raw_exchange(addr, &raw_post(path, key, body), Duration::from_secs(10)).await
+        })
+    };
+    assert!(
+        upstream
+            .wait_for_executions(path, 1, Duration::from_secs(5))
+            .await,
+        "the request reached the upstream:\n{}",
+        proxy.logs()
+    );
+    proxy.kill();
+    let lost = doomed.await.expect("the first client");
+    assert_eq!(
+        lost.status(),
+        None,
+        "no answer from a killed proxy: {lost:?}"
+    );
+    sent_at
 }

@@ -65,6 +65,7 @@ pub async fn plant_stale_claim(
             ttl: Duration::from_secs(3600),
             on_stale: OnStale::Store,
             token: FencingToken::random(),
+            reconcile: false,
         })
         .await
         .expect("begin");

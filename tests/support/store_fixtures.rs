@@ -25,6 +25,7 @@ pub fn begin(key: RecordKey, fingerprint: u8, lease: Duration, on_stale: OnStale
         ttl: TTL,
         on_stale,
         token: FencingToken::random(),
+        reconcile: false,
     }
 }
 

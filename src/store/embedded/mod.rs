@@ -508,6 +508,7 @@ mod tests {
             ttl: Duration::from_millis(300),
             on_stale,
             token: FencingToken::random(),
+            reconcile: false,
         }
     }
 

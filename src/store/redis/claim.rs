@@ -7,7 +7,9 @@ use bytes::Bytes;
 use super::connections::Conn;
 use super::value::{pexpire_ms, stored, stored_pending};
 use super::{redis_error, SCRIPTS};
-use crate::core::{decide_begin, Begin, BeginOutcome, PendingRecord, Record, UnixMillis};
+use crate::core::{
+    decide_begin, Begin, BeginOutcome, PendingRecord, Record, UnixMillis, UnknownCause,
+};
 use crate::store::StoreError;
 
 /// `SET key claim NX GET PX …`: writes `claim` if the key is free (`None`),
@@ -62,10 +64,16 @@ pub(super) fn decide_read(
     existing: Record,
     now: UnixMillis,
     took_over: bool,
+    reconcile: Option<UnknownCause>,
 ) -> (BeginOutcome, Option<Record>) {
     if matches!(&existing, Record::Pending(p) if p.token == begin.token) {
         let token = begin.token;
-        return (BeginOutcome::Acquired { token, took_over }, None);
+        let acquired = BeginOutcome::Acquired {
+            token,
+            took_over,
+            reconcile,
+        };
+        return (acquired, None);
     }
     let live = (existing.expires_at() > now).then_some(existing);
     decide_begin(begin, live, now)

@@ -356,6 +356,11 @@ impl Store for RedisStore {
         // then (or, after a failed one, from a later `SET`: the claim is
         // this call's either way; `took_over` only feeds a metric).
         let mut took_over = false;
+        // Likewise whether a takeover to reconcile was written (and the
+        // cause it settles with if the lookup fails): a claim of this
+        // call's read back after it must still look the outcome up before
+        // executing, or a lost swap reply would execute a second time.
+        let mut reconcile = None;
         for attempt in 1..=BEGIN_ATTEMPTS {
             let now = self.clock.now_millis();
             // The claim to write if the key is free: prepared here, because
@@ -368,23 +373,26 @@ impl Store for RedisStore {
                 return Ok(BeginOutcome::Acquired {
                     token: claim.token,
                     took_over: false,
+                    reconcile: None,
                 });
             };
             let existing = read_stored(&current)?;
-            let (outcome, replacement) = decide_read(begin, existing, now, took_over);
+            let (outcome, replacement) = decide_read(begin, existing, now, took_over, reconcile);
             let Some(replacement) = replacement else {
                 return Ok(outcome);
             };
             if attempt == BEGIN_ATTEMPTS {
                 break;
             }
-            took_over |= matches!(
-                outcome,
-                BeginOutcome::Acquired {
-                    took_over: true,
-                    ..
-                }
-            );
+            if let BeginOutcome::Acquired {
+                took_over: taken,
+                reconcile: cause,
+                ..
+            } = outcome
+            {
+                took_over |= taken;
+                reconcile = reconcile.or(cause);
+            }
             if swap(&mut conn, &key, &current, &replacement, now).await? {
                 if let Err(why) = self.replicated(&mut conn, &key).await {
                     if matches!(outcome, BeginOutcome::Acquired { .. }) {
@@ -509,17 +517,22 @@ mod tests {
             ttl: Duration::from_secs(60),
             on_stale: crate::store::OnStale::Store,
             token: FencingToken(7),
+            reconcile: false,
         };
         let now = now_millis();
         let claimed = |token| Record::Pending(new_claim(&begin, now, FencingToken(token)));
         // The `SET` ran, its reply was lost, the one sent again read it.
-        for took_over in [false, true] {
+        // A takeover to reconcile read back so must still look the outcome
+        // up before executing.
+        let reconciling = [None, Some(crate::core::UnknownCause::Abandoned)];
+        for (took_over, reconcile) in [false, true].into_iter().zip(reconciling) {
             assert_eq!(
-                decide_read(&begin, claimed(7), now, took_over),
+                decide_read(&begin, claimed(7), now, took_over, reconcile),
                 (
                     BeginOutcome::Acquired {
                         token: FencingToken(7),
-                        took_over
+                        took_over,
+                        reconcile,
                     },
                     None
                 )
@@ -527,7 +540,7 @@ mod tests {
         }
         // Anyone else's live claim is theirs.
         assert!(matches!(
-            decide_read(&begin, claimed(8), now, false),
+            decide_read(&begin, claimed(8), now, false, None),
             (BeginOutcome::InFlight { .. }, None)
         ));
     }

@@ -38,6 +38,13 @@ pub struct Begin {
     /// caller that never heard the answer release the claim. Never shared
     /// between requests.
     pub token: FencingToken,
+    /// Whether the caller can ask the upstream what became of a key whose
+    /// outcome is unknown (a route with `reconcile_url`): then a claim
+    /// past its lease, and an `outcome-unknown` record whose request's
+    /// lease has run out, are taken over by a new claim that must look
+    /// the outcome up before executing anything (see
+    /// [`BeginOutcome::Acquired`]'s `reconcile`).
+    pub reconcile: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,8 +52,15 @@ pub enum BeginOutcome {
     /// The caller now holds the key and must complete or release it.
     Acquired {
         token: FencingToken,
-        /// True when a stale claim was taken over (`on_stale = "retry"`).
+        /// True when a stale claim was taken over (`on_stale = "retry"`,
+        /// or to reconcile it): its holder died, which is counted.
         took_over: bool,
+        /// Set when the key's outcome is unknown (a claim past its lease,
+        /// or an `outcome-unknown` record) and the caller asked to
+        /// reconcile: the claim is held to look the outcome up first, and
+        /// the request executes only if the lookup says it never happened.
+        /// A lookup that fails settles the key with this cause, as it was.
+        reconcile: Option<UnknownCause>,
     },
     /// The key has a settled outcome for this same request. Shared: a
     /// replay cache hands out the record it holds without copying its
@@ -87,33 +101,47 @@ pub fn decide_begin(
     existing: Option<Record>,
     now: UnixMillis,
 ) -> (BeginOutcome, Option<Record>) {
-    let claim = |took_over: bool| {
+    let claim = |took_over: bool, reconcile: Option<UnknownCause>| {
         let claim = new_claim(begin, now, begin.token);
         (
             BeginOutcome::Acquired {
                 token: claim.token,
                 took_over,
+                reconcile,
             },
             Some(Record::Pending(claim)),
         )
     };
     match existing {
-        None => claim(false),
+        None => claim(false, None),
         Some(record) if record.fingerprint() != &begin.fingerprint => (
             BeginOutcome::Mismatch {
                 state: record.state(),
             },
             None,
         ),
-        Some(Record::Completed(done)) => (BeginOutcome::Completed(Arc::new(done)), None),
+        Some(Record::Completed(done)) => match done.outcome {
+            // Its request's lease is over, so by what `reconcile_url`
+            // promises ("absent" means the upstream will never perform it)
+            // a lookup now is final. Before that, an upstream that timed
+            // out may still be working on it: the record stands.
+            Outcome::Unknown { cause }
+                if begin.reconcile
+                    && done.created_at.saturating_add(millis(begin.lease)) <= now =>
+            {
+                claim(false, Some(cause))
+            }
+            _ => (BeginOutcome::Completed(Arc::new(done)), None),
+        },
         Some(Record::Pending(p)) if p.lease_expires_at > now => (
             BeginOutcome::InFlight {
                 lease_expires_at: p.lease_expires_at,
             },
             None,
         ),
+        Some(Record::Pending(_)) if begin.reconcile => claim(true, Some(UnknownCause::Abandoned)),
         Some(Record::Pending(p)) => match begin.on_stale {
-            OnStale::Retry => claim(true),
+            OnStale::Retry => claim(true, None),
             OnStale::Store => {
                 let done = CompletedRecord {
                     fingerprint: p.fingerprint,
@@ -162,5 +190,103 @@ pub fn running_lease(record: &Record, now: UnixMillis) -> Option<UnixMillis> {
     match record {
         Record::Pending(claim) if claim.lease_expires_at > now => Some(claim.lease_expires_at),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(10);
+
+    fn begin(reconcile: bool) -> Begin {
+        Begin {
+            key: RecordKey::from_bytes([1; 32]),
+            fingerprint: Fingerprint([2; 32]),
+            lease: LEASE,
+            ttl: Duration::from_secs(3600),
+            on_stale: OnStale::Store,
+            token: FencingToken::random(),
+            reconcile,
+        }
+    }
+
+    fn unknown(created_at: UnixMillis, cause: UnknownCause) -> Record {
+        Record::Completed(CompletedRecord {
+            fingerprint: Fingerprint([2; 32]),
+            created_at,
+            completed_at: created_at + 1_000,
+            expires_at: created_at + 3_600_000,
+            outcome: Outcome::Unknown { cause },
+        })
+    }
+
+    fn stale_claim() -> Record {
+        let mut claim = new_claim(&begin(false), 0, FencingToken::random());
+        claim.lease_expires_at = 5_000;
+        Record::Pending(claim)
+    }
+
+    fn reconciling(outcome: &BeginOutcome) -> Option<UnknownCause> {
+        match outcome {
+            BeginOutcome::Acquired { reconcile, .. } => *reconcile,
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_stale_claim_is_taken_over_to_reconcile_when_asked() {
+        let (outcome, write) = decide_begin(&begin(true), Some(stale_claim()), 6_000);
+        assert_eq!(reconciling(&outcome), Some(UnknownCause::Abandoned));
+        assert!(matches!(
+            outcome,
+            BeginOutcome::Acquired {
+                took_over: true,
+                ..
+            }
+        ));
+        assert!(matches!(write, Some(Record::Pending(p)) if p.lease_expires_at == 16_000));
+        // Without a lookup it settles fail-closed, as always.
+        let (outcome, _) = decide_begin(&begin(false), Some(stale_claim()), 6_000);
+        assert!(matches!(outcome, BeginOutcome::Settled(_)));
+    }
+
+    #[test]
+    fn an_unknown_outcome_is_taken_over_to_reconcile_once_its_lease_is_over() {
+        let record = unknown(0, UnknownCause::Timeout);
+        let (outcome, write) = decide_begin(&begin(true), Some(record.clone()), 10_000);
+        assert_eq!(reconciling(&outcome), Some(UnknownCause::Timeout));
+        // Its holder's end was counted when it settled.
+        assert!(matches!(
+            outcome,
+            BeginOutcome::Acquired {
+                took_over: false,
+                ..
+            }
+        ));
+        assert!(matches!(write, Some(Record::Pending(_))));
+        // The upstream may still be working on it: the record stands.
+        let (outcome, write) = decide_begin(&begin(true), Some(record.clone()), 9_999);
+        assert!(matches!(outcome, BeginOutcome::Completed(_)) && write.is_none());
+        let (outcome, write) = decide_begin(&begin(false), Some(record), 60_000);
+        assert!(matches!(outcome, BeginOutcome::Completed(_)) && write.is_none());
+    }
+
+    #[test]
+    fn reconciling_leaves_known_outcomes_and_other_requests_alone() {
+        let mut known = unknown(0, UnknownCause::Abandoned);
+        if let Record::Completed(done) = &mut known {
+            done.outcome = Outcome::NotStored { status: 201 };
+        }
+        let (outcome, write) = decide_begin(&begin(true), Some(known), 60_000);
+        assert!(matches!(outcome, BeginOutcome::Completed(_)) && write.is_none());
+        let mut other = unknown(0, UnknownCause::Abandoned);
+        if let Record::Completed(done) = &mut other {
+            done.fingerprint = Fingerprint([3; 32]);
+        }
+        let (outcome, write) = decide_begin(&begin(true), Some(other), 60_000);
+        assert!(matches!(outcome, BeginOutcome::Mismatch { .. }) && write.is_none());
+        let (outcome, _) = decide_begin(&begin(true), None, 60_000);
+        assert_eq!(reconciling(&outcome), None);
     }
 }

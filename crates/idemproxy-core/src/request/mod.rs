@@ -10,11 +10,14 @@
 //! - [`scope`]: whose key it is (the caller's namespace), over
 //!   [`identity`] (verified bearer tokens);
 //! - [`fingerprint`]: what "the same request" means, over `jcs`
-//!   (RFC 8785 canonical JSON).
+//!   (RFC 8785 canonical JSON);
+//! - [`reconcile`]: the upstream's lookup for a key whose outcome is
+//!   unknown (`reconcile_url`).
 
 pub mod fingerprint;
 pub mod identity;
 mod jcs;
 pub mod key;
 pub mod key_source;
+pub mod reconcile;
 pub mod scope;

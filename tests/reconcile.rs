@@ -1,0 +1,395 @@
+//! Reconciliation (`reconcile_url`, DESIGN §1): a key whose outcome is
+//! unknown (its holder died, or the upstream timed out) is looked up on
+//! the upstream by the retry that takes it over. Found: the lookup's
+//! answer is stored and replayed, marked `Idempotency-Reconciled`; absent:
+//! the retry executes, once; anything else: `outcome-unknown`, nothing
+//! executes. On the memory, embedded and Redis stores (in-process proxies,
+//! behind the local replay cache), and with SIGKILL of a real binary
+//! holding a request: the retry through another binary on Redis, and
+//! through the restarted sidecar on the embedded store.
+
+use crate::support;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemproxy::config::Config;
+use idemproxy::core::{Outcome, Record};
+use idemproxy::store::{RedisStore, SharedStore, StoreError};
+use support::binary::ProxyProcess;
+use support::fault::killed_mid_call;
+use support::keys;
+use support::proxy::{config, redis_config, Reply, TestClient, TestProxy};
+use support::redis_server::{self, RedisServer};
+use support::upstream::TestUpstream;
+use tokio::task::JoinSet;
+
+const BODY: &str = r#"{"amount":5}"#;
+
+/// Where the tests' stores are.
+#[derive(Clone, Copy)]
+enum On<'a> {
+    Memory,
+    /// Each proxy on a file of its own under this directory.
+    Embedded(&'a Path),
+    Redis(&'a RedisServer),
+}
+
+impl std::fmt::Debug for On<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            On::Memory => "memory",
+            On::Embedded(_) => "embedded",
+            On::Redis(_) => "redis",
+        })
+    }
+}
+
+/// A proxy on `on` whose route looks keys up at `lookup` (a template).
+async fn proxy(on: On<'_>, upstream: &TestUpstream, lookup: &str) -> TestProxy {
+    proxy_with(on, upstream, lookup, |_| {}).await
+}
+
+async fn proxy_with(
+    on: On<'_>,
+    upstream: &TestUpstream,
+    lookup: &str,
+    tune: impl FnOnce(&mut Config),
+) -> TestProxy {
+    let mut c = match on {
+        On::Redis(redis) => redis_config(
+            &upstream.url(),
+            &redis.url(),
+            &redis_server::unique_prefix("reconcile"),
+        ),
+        _ => config(&upstream.url()),
+    };
+    c.idempotency.reconcile_url = lookup.to_owned();
+    tune(&mut c);
+    let store: SharedStore = match on {
+        On::Memory => Arc::new(idemproxy::store::MemoryStore::new()),
+        On::Embedded(dir) => {
+            let file = dir.join(redis_server::unique_prefix("data"));
+            Arc::new(idemproxy::store::EmbeddedStore::open(&file).expect("embedded"))
+        }
+        On::Redis(_) => Arc::new(RedisStore::connect(&c.store).await.expect("redis")),
+    };
+    // Behind the local replay cache, as `idemproxy` builds its store: it
+    // must not answer an unknown outcome a lookup could resolve.
+    let store = idemproxy::store::cache::wrap(store, c.store.local_cache_entries);
+    TestProxy::start_with_store(c, store).await
+}
+
+fn assert_reconciled(reply: &Reply, upstream_path: &str) {
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert!(reply.replayed(), "{reply:?}");
+    assert_eq!(
+        reply.header("idempotency-reconciled"),
+        Some("true"),
+        "{reply:?}"
+    );
+    assert_eq!(
+        reply.json()["path"],
+        upstream_path,
+        "the lookup's own answer"
+    );
+}
+
+async fn a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on: On<'_>) {
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy(on, &upstream, "/lookup/{key}?status=200").await;
+    let client = TestClient::new();
+    let (record_key, dead_holder) =
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale/1", BODY.as_bytes()).await;
+
+    let url = proxy.url("/v1/orders");
+    let first = client.post_json(&url, "stale/1", BODY).await;
+    assert_reconciled(&first, "/lookup/stale%2F1");
+    // The dead holder, were it to come back, cannot overwrite the answer.
+    let mut zombie = match proxy.store.get(&record_key).await.expect("store") {
+        Some(Record::Completed(record)) => record,
+        other => panic!("{on:?}: {other:?}"),
+    };
+    zombie.outcome = Outcome::NotStored { status: 500 };
+    let late = proxy
+        .store
+        .complete(&record_key, dead_holder, &zombie)
+        .await;
+    assert!(matches!(late, Err(StoreError::Fenced)), "{on:?}: {late:?}");
+    let again = client.post_json(&url, "stale/1", BODY).await;
+    assert_reconciled(&again, "/lookup/stale%2F1");
+    assert_eq!(again.body, first.body);
+    assert_eq!(
+        upstream.executions("/v1/orders"),
+        0,
+        "{on:?}: found, never executed"
+    );
+    assert_eq!(
+        upstream.executions("/lookup/stale%2F1"),
+        1,
+        "{on:?}: one lookup"
+    );
+    let asked = upstream
+        .last_headers("/lookup/stale%2F1")
+        .expect("looked up");
+    assert_eq!(
+        asked.get("idempotency-key").map(|v| v.as_bytes()),
+        Some(&b"stale/1"[..])
+    );
+    let metrics = client
+        .send(http::Method::GET, &proxy.admin_url("/metrics"), &[], "")
+        .await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains(r#"idemproxy_reconciled_total{route="default",result="found"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"idemproxy_expired_leases_total{route="default"} 1"#),
+        "the dead holder is counted: {text}"
+    );
+}
+
+async fn a_lookup_answering_404_lets_the_retry_execute_once(on: On<'_>) {
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy(on, &upstream, "/lookup/{key}?status=404").await;
+    let client = TestClient::new();
+    keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-2", BODY.as_bytes()).await;
+
+    let url = proxy.url("/v1/orders");
+    let first = client.post_json(&url, "stale-2", BODY).await;
+    assert_eq!(first.status, 201, "{on:?}: {first:?}");
+    assert!(!first.replayed());
+    assert_eq!(first.header("idempotency-reconciled"), None);
+    let again = client.post_json(&url, "stale-2", BODY).await;
+    assert_eq!(again.status, 201, "{again:?}");
+    assert!(again.replayed());
+    assert_eq!(
+        upstream.executions("/v1/orders"),
+        1,
+        "{on:?}: executed once"
+    );
+    assert_eq!(upstream.executions("/lookup/stale-2"), 1);
+}
+
+async fn a_failed_lookup_leaves_outcome_unknown(on: On<'_>) {
+    let upstream = TestUpstream::start().await;
+    for (lookup, key) in [
+        ("/lookup/{key}?status=500", "stale-500"),
+        ("/lookup/{key}?status=409", "stale-409"),
+        ("/lookup/{key}?delay_ms=3000", "stale-slow"),
+        ("/lookup/{header:x-missing}", "stale-missing"),
+    ] {
+        let proxy = proxy_with(on, &upstream, lookup, |c| {
+            c.idempotency.reconcile_timeout = Duration::from_millis(300);
+        })
+        .await;
+        let client = TestClient::new();
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", key, BODY.as_bytes()).await;
+        for attempt in 1..=2 {
+            let reply = client.post_json(&proxy.url("/v1/orders"), key, BODY).await;
+            reply.assert_problem(502, "outcome-unknown");
+            assert!(reply.replayed(), "{on:?} {lookup} #{attempt}: {reply:?}");
+            assert_eq!(reply.header("idempotency-reconciled"), None);
+        }
+    }
+    assert_eq!(
+        upstream.executions("/v1/orders"),
+        0,
+        "{on:?}: nothing executes"
+    );
+}
+
+async fn an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on: On<'_>) {
+    let upstream = TestUpstream::start().await;
+    // Lease: 300 ms upstream timeout + 1.4 s margin + 300 ms lookup.
+    let proxy = proxy_with(on, &upstream, "/lookup/{json:/ref}?status=200", |c| {
+        c.upstream.timeout = Duration::from_millis(300);
+        c.idempotency.lease_margin = Duration::from_millis(1400);
+    })
+    .await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders?delay_ms=1000");
+    let body = r#"{"ref":"order/7"}"#;
+    let headers = [
+        ("idempotency-key", "late-1"),
+        ("authorization", "Bearer alice"),
+    ];
+    let timed_out = client.post_json_with(&url, &headers, body).await;
+    timed_out.assert_problem(504, "outcome-unknown");
+    // The upstream may still be at work: the record stands, no lookup.
+    let early = client.post_json_with(&url, &headers, body).await;
+    early.assert_problem(504, "outcome-unknown");
+    assert_eq!(upstream.executions("/lookup/order%2F7"), 0, "{on:?}");
+
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let reconciled = client.post_json_with(&url, &headers, body).await;
+    assert_reconciled(&reconciled, "/lookup/order%2F7");
+    let again = client.post_json_with(&url, &headers, body).await;
+    assert_reconciled(&again, "/lookup/order%2F7");
+    assert_eq!(
+        upstream.executions("/v1/orders"),
+        1,
+        "{on:?}: ran once, the first time"
+    );
+    assert_eq!(upstream.executions("/lookup/order%2F7"), 1);
+    let asked = upstream
+        .last_headers("/lookup/order%2F7")
+        .expect("looked up");
+    assert_eq!(
+        asked.get("authorization").map(|v| v.as_bytes()),
+        Some(&b"Bearer alice"[..]),
+        "the request's own credentials"
+    );
+}
+
+async fn concurrent_retries_make_one_lookup(on: On<'_>) {
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy(on, &upstream, "/lookup/{key}?status=200&delay_ms=300").await;
+    keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-4", BODY.as_bytes()).await;
+    let url = proxy.url("/v1/orders");
+    let mut retries = JoinSet::new();
+    for _ in 0..6 {
+        let url = url.clone();
+        retries.spawn(async move { TestClient::new().post_json(&url, "stale-4", BODY).await });
+    }
+    let mut statuses = Vec::new();
+    while let Some(reply) = retries.join_next().await {
+        statuses.push(reply.expect("retry").status.as_u16());
+    }
+    statuses.sort_unstable();
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 425),
+        "{statuses:?}"
+    );
+    assert!(statuses.contains(&200), "{statuses:?}");
+    assert_eq!(
+        upstream.executions("/lookup/stale-4"),
+        1,
+        "{on:?}: {statuses:?}"
+    );
+    let after = TestClient::new().post_json(&url, "stale-4", BODY).await;
+    assert_reconciled(&after, "/lookup/stale-4");
+    assert_eq!(upstream.executions("/v1/orders"), 0);
+}
+
+#[tokio::test]
+async fn memory_a_stale_claim_found_by_the_lookup_is_stored_and_replayed() {
+    a_stale_claim_found_by_the_lookup_is_stored_and_replayed(On::Memory).await;
+}
+
+#[tokio::test]
+async fn memory_a_lookup_answering_404_lets_the_retry_execute_once() {
+    a_lookup_answering_404_lets_the_retry_execute_once(On::Memory).await;
+}
+
+#[tokio::test]
+async fn memory_a_failed_lookup_leaves_outcome_unknown() {
+    a_failed_lookup_leaves_outcome_unknown(On::Memory).await;
+}
+
+#[tokio::test]
+async fn memory_an_outcome_unknown_record_is_reconciled_once_its_lease_is_over() {
+    an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(On::Memory).await;
+}
+
+#[tokio::test]
+async fn memory_concurrent_retries_make_one_lookup() {
+    concurrent_retries_make_one_lookup(On::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_reconciles_as_memory_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let on = On::Embedded(dir.path());
+    a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on).await;
+    a_lookup_answering_404_lets_the_retry_execute_once(on).await;
+    a_failed_lookup_leaves_outcome_unknown(on).await;
+    an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on).await;
+    concurrent_retries_make_one_lookup(on).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_reconciles_as_memory_does() {
+    let redis = RedisServer::start();
+    let on = On::Redis(&redis);
+    a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on).await;
+    a_lookup_answering_404_lets_the_retry_execute_once(on).await;
+    a_failed_lookup_leaves_outcome_unknown(on).await;
+    an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on).await;
+    concurrent_retries_make_one_lookup(on).await;
+}
+
+/// The issue's done-when: a proxy killed (SIGKILL) while the upstream
+/// runs its request; the retry through another proxy on the same Redis,
+/// once the lease is over, gets the upstream's answer from the lookup,
+/// marked reconciled, and the upstream ran it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_mid_call_is_reconciled_through_another() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let prefix = redis_server::unique_prefix("reconcile-kill9");
+    let mut c = redis_config(&upstream.url(), &redis.url(), &prefix);
+    c.upstream.timeout = Duration::from_secs(2);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    c.idempotency.reconcile_timeout = Duration::from_millis(500);
+    c.idempotency.reconcile_url = "/v1/charges/by-key/{key}?status=200".into();
+    let lease = Duration::from_millis(3900);
+    let mut first = ProxyProcess::start(c.clone()).await;
+    let second = ProxyProcess::start(c).await;
+    let path = "/v1/charges?delay_ms=1500";
+    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1", BODY).await;
+    reconciled_after_the_lease(&second, &upstream, path, sent_at + lease).await;
+}
+
+/// Retries of `crash-1`, whose proxy died mid-call, through `proxy`: one
+/// before `lease_end` finds the dead proxy's claim in flight; the first
+/// after it that is not 425 gets the lookup's answer, reconciled, as does
+/// the next; the upstream ran the request once and was looked up once.
+async fn reconciled_after_the_lease(
+    proxy: &ProxyProcess,
+    upstream: &TestUpstream,
+    path: &str,
+    lease_end: tokio::time::Instant,
+) {
+    let (client, url) = (TestClient::new(), proxy.url(path));
+    let early = client.post_json(&url, "crash-1", BODY).await;
+    early.assert_problem(425, "in-flight");
+    tokio::time::sleep_until(lease_end).await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(3);
+    let reconciled = loop {
+        let reply = client.post_json(&url, "crash-1", BODY).await;
+        if reply.status != 425 || tokio::time::Instant::now() > give_up {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_reconciled(&reconciled, "/v1/charges/by-key/crash-1");
+    let again = client.post_json(&url, "crash-1", BODY).await;
+    assert_reconciled(&again, "/v1/charges/by-key/crash-1");
+    assert_eq!(upstream.executions("/v1/charges"), 1, "{}", proxy.logs());
+    assert_eq!(upstream.executions("/v1/charges/by-key/crash-1"), 1);
+}
+
+/// The same on the embedded store: the sidecar killed mid-call restarts
+/// on its file, and the retry after the lease is reconciled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_killed_on_the_embedded_store_is_reconciled_after_its_restart() {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut c = config(&upstream.url());
+    c.store.kind = idemproxy::config::StoreKind::Embedded;
+    c.store.path = dir.path().join("data");
+    // The restart happens inside the lease: leave it room.
+    c.upstream.timeout = Duration::from_secs(5);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    c.idempotency.reconcile_timeout = Duration::from_millis(500);
+    c.idempotency.reconcile_url = "/v1/charges/by-key/{key}?status=200".into();
+    let lease = Duration::from_millis(6900);
+    let mut first = ProxyProcess::start(c.clone()).await;
+    let path = "/v1/charges?delay_ms=4000";
+    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1", BODY).await;
+    let second = ProxyProcess::start(c).await;
+    reconciled_after_the_lease(&second, &upstream, path, sent_at + lease).await;
+}
