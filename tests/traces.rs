@@ -666,3 +666,70 @@ fn check_names_a_bad_telemetry_field() {
     assert_eq!(printed.telemetry.service_name, "checkout-proxy");
     assert_eq!(printed.telemetry.sample_ratio, 0.25);
 }
+
+/// A retry that reconciles an unknown outcome (`reconcile_url`) has a
+/// `reconcile` span under its request span, saying what the lookup found,
+/// and the lookup's own upstream call under that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconcile_lookup_is_a_span_of_the_retry() {
+    let upstream = TestUpstream::start().await;
+    let receiver = OtlpReceiver::start().await;
+    let mut c = traced_config(&upstream, &receiver);
+    // Lease: 300 ms upstream timeout + 1.4 s margin + 300 ms lookup.
+    c.upstream.timeout = Duration::from_millis(300);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    c.idempotency.reconcile_url = "/lookup/{key}?status=200".into();
+    c.routes = vec![RouteConfig {
+        name: "orders".into(),
+        path: "/v1/orders".into(),
+        idempotency: c.idempotency.clone(),
+        ..RouteConfig::default()
+    }];
+    let mut proxy = start_traced(c).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders?delay_ms=1000");
+    let key = ("idempotency-key", "trace-reconcile-1");
+    let timed_out = client.post_json_with(&url, &[key], "{}").await;
+    timed_out.assert_problem(504, "outcome-unknown");
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+
+    let trace = trace_id();
+    let parent = ("traceparent", traceparent(&trace, &span_id(), true));
+    let retry = client
+        .post_json_with(&url, &[key, (parent.0, &parent.1)], "{}")
+        .await;
+    assert_eq!(
+        retry.header("idempotency-reconciled"),
+        Some("true"),
+        "{retry:?}"
+    );
+    let spans = wait_for_request(&receiver, &trace, "/v1/orders", &["reconcile", "upstream"]).await;
+    let request = the_span(&spans, &trace, "POST orders");
+    let reconcile = the_span(&spans, &trace, "reconcile");
+    assert_eq!(
+        reconcile.parent_span_id(),
+        request.span_id(),
+        "{}",
+        describe_all(&spans)
+    );
+    assert_eq!(
+        reconcile.str_attr("idemproxy.reconcile.result"),
+        Some("found"),
+        "{}",
+        reconcile.describe()
+    );
+    assert_eq!(reconcile.int_attr("http.response.status_code"), Some(200));
+    let lookup = the_span(&spans, &trace, "upstream");
+    assert_eq!(
+        lookup.parent_span_id(),
+        reconcile.span_id(),
+        "the lookup's call is the reconcile span's child:\n{}",
+        describe_all(&spans)
+    );
+    assert_eq!(
+        upstream.executions("/v1/orders"),
+        1,
+        "ran once, the first time"
+    );
+    stop(&mut proxy).await;
+}

@@ -16,6 +16,7 @@ use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
+use tracing::Instrument;
 
 use super::context::{RequestContext, Responder};
 use super::dialect::Dialect;
@@ -24,7 +25,7 @@ use super::replay::{stored_headers, stored_outcome};
 use super::settle::Holder;
 use crate::core::{Outcome, RecordKey, UpstreamFailure};
 use crate::http::headers::X_REQUEST_ID;
-use crate::observe::{Reconciled, RequestOutcome};
+use crate::observe::{trace, Reconciled, RequestOutcome};
 use crate::request::key::{IdempotencyKey, IDEMPOTENCY_KEY};
 use crate::request::reconcile::LookupInput;
 
@@ -106,7 +107,8 @@ where
     S::Future: Send,
 {
     let started = Instant::now();
-    let asked = ask(inner, cx, request);
+    let span = trace::reconcile_span();
+    let asked = ask(inner, cx, request).instrument(span.clone());
     let (lookup, status) = match tokio::time::timeout(lookup_timeout(cx), asked).await {
         Ok(answered) => answered,
         Err(_elapsed) => (Lookup::Failed, None),
@@ -116,6 +118,7 @@ where
         Lookup::Absent => Reconciled::Absent,
         Lookup::Failed => Reconciled::Failed,
     };
+    trace::reconciled(&span, result, status);
     cx.log.metrics().reconciled(result);
     tracing::info!(
         key = %key.to_hex(),

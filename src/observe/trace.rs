@@ -30,6 +30,7 @@ use tracing::field::Empty;
 use tracing::{Instrument, Level, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use super::metrics::Reconciled;
 use crate::http::headers::X_REQUEST_ID;
 
 /// The `tracing` target of every span this module opens.
@@ -192,6 +193,34 @@ pub fn store_span(op: &'static str) -> Span {
 pub fn store_failed(span: &Span, kind: &'static str) {
     span.record("otel.status_code", "ERROR");
     span.record("error.type", kind);
+}
+
+/// The span of a reconcile lookup (`reconcile_url`), a child of the
+/// current span; the upstream call it makes is its own child.
+pub fn reconcile_span() -> Span {
+    if !in_traced_request() {
+        return Span::none();
+    }
+    tracing::info_span!(
+        target: TARGET,
+        "reconcile",
+        otel.kind = "internal",
+        otel.status_code = Empty,
+        idemproxy.reconcile.result = Empty,
+        http.response.status_code = Empty,
+    )
+}
+
+/// Records what a lookup found on its span; a failed one marks it an
+/// error.
+pub fn reconciled(span: &Span, result: Reconciled, status: Option<u16>) {
+    span.record("idemproxy.reconcile.result", result.as_str());
+    if let Some(status) = status {
+        span.record("http.response.status_code", i64::from(status));
+    }
+    if result == Reconciled::Failed {
+        span.record("otel.status_code", "ERROR");
+    }
 }
 
 /// The span of the call to the upstream, a child of the current span. Its
