@@ -50,7 +50,7 @@ use axum::body::Body;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 use tower::util::MapRequest;
-use tower::ServiceBuilder;
+use tower::{ServiceBuilder, ServiceExt};
 use tower_http::request_id::{
     PropagateRequestId, PropagateRequestIdLayer, SetRequestId, SetRequestIdLayer,
 };
@@ -155,7 +155,16 @@ pub fn app(config: &Config, store: SharedStore) -> Result<App, Error> {
         upstream: config.upstream.clone(),
     };
     let proxy = stack.build()?;
+    // `keys reconcile` sends its lookups as the traffic's requests go, on
+    // an upstream client of its own.
+    let forward = Forward::new(Upstream::new(&config.upstream)?, config.upstream.timeout);
+    let send: idempotency::LookupSender = Arc::new(move |request| {
+        let forward = forward.clone();
+        Box::pin(async move { forward.oneshot(request).await.map_err(Into::into) })
+    });
+    let reconciler = stack.layer.key_reconciler(send);
     let admin = admin::router(AdminState {
+        reconciler,
         tasks: tasks.clone(),
         store: store.clone(),
         store_timeout: config.store.timeout,

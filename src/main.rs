@@ -51,7 +51,7 @@ enum Command {
     /// Work on the store the configuration names.
     #[command(subcommand)]
     Store(StoreCommand),
-    /// Find, inspect and forget keys through a running proxy's admin API
+    /// Find, inspect, reconcile and forget keys through a running proxy's admin API
     /// (its token from IDEMPROXY_ADMIN_TOKEN): docs/runbook.md.
     #[command(subcommand)]
     Keys(idemproxy::tools::keys::KeysCommand),

@@ -3,7 +3,9 @@
 //! in time leaves an `outcome-unknown` key; `keys list` finds it, `keys
 //! show` looks it up by the raw key, `keys forget` frees it once the
 //! operator checked the upstream, and the retry executes. A running claim
-//! is listed as pending and not forgotten without `--force`.
+//! is listed as pending and not forgotten without `--force`. `keys
+//! reconcile` settles such keys by the upstream's lookup: found, absent,
+//! failed; a route without `reconcile_url` is refused.
 
 use crate::support;
 
@@ -388,4 +390,216 @@ async fn a_listing_across_a_resharding_starts_again_and_misses_nothing() {
         .map(|k| k["key_hash"].as_str().expect("a hash").to_owned())
         .collect();
     assert_eq!(hashes.len(), 40, "{}", listed.stdout);
+}
+
+/// `keys reconcile` against the real binary on `kind`: three keys left
+/// `outcome-unknown` by an upstream that did not answer in time, each
+/// reconciled past its lease by the CLI with the lookup answering found
+/// (200), absent (404) or neither (500), as `x-lookup-status` (a header
+/// the route's `reconcile_url` names) asks; a route without
+/// `reconcile_url` is refused. Nothing executes on the CLI's account.
+async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
+    let upstream = TestUpstream::start().await;
+    let client = TestClient::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let name = format!("{kind:?}").to_lowercase();
+    let mut c = tokio::task::block_in_place(|| proxy_config(&upstream, kind, dir.path()));
+    // Lease: 300 ms upstream timeout + 1.4 s margin + 300 ms lookup.
+    c.upstream.timeout = Duration::from_millis(300);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    c.routes = vec![idemproxy::config::RouteConfig {
+        name: "plain".into(),
+        path: "/v1/plain".into(),
+        idempotency: c.idempotency.clone(),
+        ..idemproxy::config::RouteConfig::default()
+    }];
+    c.idempotency.reconcile_url = "/lookup/{key}?status={header:x-lookup-status}".into();
+    let proxy = ProxyProcess::start(c).await;
+    let charge = proxy.url(&format!("/v1/charges/{name}?delay_ms=1000"));
+    let path = format!("/v1/charges/{name}");
+    for outcome in ["found", "absent", "failed"] {
+        let key = format!("reconcile-{outcome}-{name}");
+        let first = client.post_json(&charge, &key, "{}").await;
+        first.assert_problem(504, "outcome-unknown");
+    }
+    let plain_key = format!("reconcile-plain-{name}");
+    let plain = client
+        .post_json(&proxy.url("/v1/plain?delay_ms=1000"), &plain_key, "{}")
+        .await;
+    plain.assert_problem(504, "outcome-unknown");
+    assert_eq!(upstream.executions(&path), 3, "{name}");
+
+    // Within the lease the upstream may still be at work: nothing taken.
+    let early = keys(
+        &proxy,
+        Some(TOKEN),
+        &[
+            "reconcile",
+            "--key",
+            &format!("reconcile-found-{name}"),
+            "--header",
+            "x-lookup-status: 200",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(early.ok, "{name}: {}", early.stderr);
+    assert_eq!(
+        early.json()["result"],
+        "unchanged",
+        "{name}: {}",
+        early.stdout
+    );
+    assert_eq!(
+        upstream.executions(&format!("/lookup/reconcile-found-{name}")),
+        0
+    );
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+
+    // Found: stored, replayed to the retry, marked reconciled.
+    let key = format!("reconcile-found-{name}");
+    let found = keys(
+        &proxy,
+        Some(TOKEN),
+        &[
+            "reconcile",
+            "--key",
+            &key,
+            "--header",
+            "x-lookup-status: 200",
+        ],
+    )
+    .await;
+    assert!(found.ok, "{name}: {}", found.stderr);
+    assert!(
+        found.stdout.starts_with("found: the upstream answered 200"),
+        "{name}: {}",
+        found.stdout
+    );
+    let retry = client.post_json(&charge, &key, "{}").await;
+    assert_eq!(retry.status, 200, "{name}: {retry:?}");
+    assert!(retry.replayed(), "{name}: {retry:?}");
+    assert_eq!(retry.header("idempotency-reconciled"), Some("true"));
+    assert_eq!(retry.json()["path"], format!("/lookup/{key}"));
+
+    // Absent: the key is free, the next retry executes.
+    let key = format!("reconcile-absent-{name}");
+    let absent = keys(
+        &proxy,
+        Some(TOKEN),
+        &[
+            "reconcile",
+            "--key",
+            &key,
+            "--header",
+            "x-lookup-status: 404",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(absent.ok, "{name}: {}", absent.stderr);
+    assert_eq!(absent.json()["result"], "absent", "{name}");
+    let text = keys(&proxy, Some(TOKEN), &["show", "--key", &key]).await;
+    assert!(
+        !text.ok && text.stderr.contains("404"),
+        "{name}: {}",
+        text.stdout
+    );
+
+    // Failed: why, and the key stays outcome-unknown.
+    let key = format!("reconcile-failed-{name}");
+    let failed = keys(
+        &proxy,
+        Some(TOKEN),
+        &[
+            "reconcile",
+            "--key",
+            &key,
+            "--header",
+            "x-lookup-status: 500",
+        ],
+    )
+    .await;
+    assert!(failed.ok, "{name}: {}", failed.stderr);
+    assert!(
+        failed.stdout.contains("the lookup answered 500")
+            && failed.stdout.contains("the key stays outcome-unknown"),
+        "{name}: {}",
+        failed.stdout
+    );
+    let shown = keys(&proxy, Some(TOKEN), &["show", "--key", &key, "--json"]).await;
+    assert_eq!(
+        shown.json()["outcome"],
+        "outcome-unknown (timeout)",
+        "{name}"
+    );
+
+    // A value the template names missing, or a key with no record:
+    // refused, nothing looked up.
+    let incomplete = keys(&proxy, Some(TOKEN), &["reconcile", "--key", &key]).await;
+    assert!(
+        !incomplete.ok && incomplete.stderr.contains("422"),
+        "{name}: {}",
+        incomplete.stderr
+    );
+    let unknown = keys(
+        &proxy,
+        Some(TOKEN),
+        &[
+            "reconcile",
+            "--key",
+            "never-sent",
+            "--header",
+            "x-lookup-status: 200",
+        ],
+    )
+    .await;
+    assert!(
+        !unknown.ok && unknown.stderr.contains("404"),
+        "{name}: {}",
+        unknown.stderr
+    );
+    assert_eq!(upstream.executions("/lookup/never-sent"), 0, "{name}");
+
+    // A route without reconcile_url: refused, nothing changed.
+    let refused = keys(
+        &proxy,
+        Some(TOKEN),
+        &["reconcile", "--key", &plain_key, "--route", "plain"],
+    )
+    .await;
+    assert!(
+        !refused.ok
+            && refused.stderr.contains("409")
+            && refused.stderr.contains("no reconcile_url"),
+        "{name}: {}",
+        refused.stderr
+    );
+    assert_eq!(upstream.executions("/v1/plain"), 1, "{name}");
+    assert_eq!(
+        upstream.executions(&path),
+        3,
+        "{name}: the CLI executed nothing"
+    );
+    // The absent key's retry executes, once.
+    let key = format!("reconcile-absent-{name}");
+    let retry = client.post_json(&proxy.url(&path), &key, "{}").await;
+    assert_eq!(retry.status, 201, "{name}: {retry:?}");
+    assert!(!retry.replayed(), "{name}: {retry:?}");
+    assert_eq!(upstream.executions(&path), 4, "{name}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_reconcile_on_the_memory_store() {
+    keys_reconcile_settles_found_absent_and_failed(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_reconcile_on_the_embedded_store() {
+    keys_reconcile_settles_found_absent_and_failed(StoreKind::Embedded).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_reconcile_on_redis() {
+    keys_reconcile_settles_found_absent_and_failed(StoreKind::Redis).await;
 }

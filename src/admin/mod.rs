@@ -21,13 +21,14 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 mod auth;
+mod reconcile;
 
 pub use self::auth::{AdminToken, Peer};
 use self::auth::{TokenRefusal, FAILURE_WINDOW, MAX_FAILURES};
 use crate::core::ClientCertificate;
 use crate::core::{from_millis, KeyState, Outcome, OutcomeMeta, Record, RecordKey, RecordMeta};
 use crate::http::Problem;
-use crate::idempotency::Policies;
+use crate::idempotency::{KeyReconciler, Policies, Policy};
 use crate::observe::metrics::Metrics;
 use crate::store::{ListWant, Removal, Removed, SharedStore, StoreError};
 
@@ -37,6 +38,8 @@ pub struct AdminState {
     pub store_timeout: Duration,
     pub metrics: Arc<Metrics>,
     pub policies: Arc<Policies>,
+    /// Reconciles one key with the upstream's lookup (`reconcile_url`).
+    pub reconciler: KeyReconciler,
     /// Who may use the key API.
     pub token: Arc<AdminToken>,
     /// The traffic's executions: closed once the proxy drains, which
@@ -59,6 +62,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/keys", get(list_keys))
         .route("/v1/keys/{hash}", get(show_key).delete(delete_key))
         .route("/v1/keys/lookup", post(lookup_key))
+        .route("/v1/keys/reconcile", post(reconcile::reconcile_key))
         .with_state(state)
 }
 
@@ -418,22 +422,31 @@ struct Lookup {
     client_cert_sha256: Option<String>,
 }
 
-async fn lookup_key(
-    State(state): State<AdminState>,
-    peer: Peer,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Result<Json<Value>, AdminProblem> {
-    // The body is parsed only once the caller is authenticated, and a bad
-    // one is a problem+json like every other answer of the key API.
-    state.token.check(&peer, &headers)?;
-    let bad = |detail: String| AdminProblem {
+/// A key as a client sent it: its route's policy, the request head its
+/// attributes make, the parsed key and its record's key.
+struct Addressed {
+    policy: Arc<Policy>,
+    parts: axum::http::request::Parts,
+    key: crate::request::key::IdempotencyKey,
+    record_key: RecordKey,
+}
+
+fn invalid_lookup(detail: String) -> AdminProblem {
+    AdminProblem {
         status: StatusCode::BAD_REQUEST,
         slug: "invalid-lookup",
         detail,
-    };
-    let lookup: Lookup =
-        serde_json::from_slice(&body).map_err(|e| bad(format!("request body: {e}")))?;
+    }
+}
+
+/// Finds the record key of `lookup` on its route, with `query` as the
+/// request's query string.
+fn address(
+    state: &AdminState,
+    lookup: &Lookup,
+    query: Option<&str>,
+) -> Result<Addressed, AdminProblem> {
+    let bad = invalid_lookup;
     let route = lookup.route.as_deref().unwrap_or("default");
     let policy = state.policies.by_name(route).ok_or(AdminProblem {
         status: StatusCode::BAD_REQUEST,
@@ -444,12 +457,15 @@ async fn lookup_key(
         .map_err(|_| bad("`key` is not a valid header value".into()))?;
     let key = crate::request::key::parse_key(&value).map_err(|e| bad(e.to_string()))?;
     let mut request = axum::http::Request::builder();
+    if let Some(query) = query {
+        request = request.uri(format!("/?{}", query.trim_start_matches('?')));
+    }
     for (name, value) in &lookup.headers {
         request = request.header(name.as_str(), value.as_str());
     }
     let (mut parts, ()) = request
         .body(())
-        .map_err(|e| bad(format!("`headers`: {e}")))?
+        .map_err(|e| bad(format!("`headers` or `query`: {e}")))?
         .into_parts();
     if let Some(digest) = &lookup.client_cert_sha256 {
         let digest = hex::decode(digest.trim())
@@ -468,7 +484,28 @@ async fn lookup_key(
         Some(_) => crate::idempotency::observe::ObserveRoute::records_scope(&scope),
         None => scope,
     };
-    read(&state, RecordKey::new(&scope, key.as_str())).await
+    let record_key = RecordKey::new(&scope, key.as_str());
+    Ok(Addressed {
+        policy: policy.clone(),
+        parts,
+        key,
+        record_key,
+    })
+}
+
+async fn lookup_key(
+    State(state): State<AdminState>,
+    peer: Peer,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Result<Json<Value>, AdminProblem> {
+    // The body is parsed only once the caller is authenticated, and a bad
+    // one is a problem+json like every other answer of the key API.
+    state.token.check(&peer, &headers)?;
+    let lookup: Lookup =
+        serde_json::from_slice(&body).map_err(|e| invalid_lookup(format!("request body: {e}")))?;
+    let addressed = address(&state, &lookup, None)?;
+    read(&state, addressed.record_key).await
 }
 
 fn rfc3339(ms: u64) -> String {

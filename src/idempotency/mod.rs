@@ -49,6 +49,7 @@ pub mod observe;
 mod observe_dialect;
 pub mod policy;
 mod reconcile;
+mod reconcile_key;
 mod rejection;
 mod relay;
 mod replay;
@@ -60,6 +61,7 @@ mod waiting;
 
 pub use layer::{IdempotencyLayer, DEFAULT_MAX_IN_FLIGHT};
 pub use policy::{Policies, Policy};
+pub use reconcile_key::{KeyReconciler, KeyReconciliation, LookupSender, ReconcileRefusal};
 pub use rejection::Rejection;
 pub use service::{Idempotency, ResponseFuture};
 pub use settings::{IdempotencySettings, McpSettings};

@@ -4,7 +4,8 @@
 //! `http://127.0.0.1:9090`) with the token from `IDEMPROXY_ADMIN_TOKEN`
 //! (an environment variable, never a flag: flags show in process lists).
 //! Every call is the admin API's own (`GET /v1/keys?state=…`,
-//! `GET /v1/keys/{hash}`, `POST /v1/keys/lookup`, `DELETE
+//! `GET /v1/keys/{hash}`, `POST /v1/keys/lookup`, `POST
+//! /v1/keys/reconcile`, `DELETE
 //! /v1/keys/{hash}`), so the CLI and a script using the API see the same
 //! answers, and the store's own rules (a running claim is not deleted
 //! unless forced) hold for both.
@@ -150,6 +151,35 @@ impl AdminClient {
         self.call(Method::POST, "/v1/keys/lookup", Some(body)).await
     }
 
+    /// Reconciles the raw key `key` on `route` with the upstream's lookup
+    /// (`reconcile_url`), given the `headers`, JSON `body` and `query` the
+    /// route's template names.
+    pub async fn reconcile(
+        &self,
+        key: &str,
+        route: Option<&str>,
+        headers: &[(String, String)],
+        body: Option<Value>,
+        query: Option<&str>,
+    ) -> Result<Value, Error> {
+        let headers: serde_json::Map<String, Value> = headers
+            .iter()
+            .map(|(name, value)| (name.clone(), Value::from(value.as_str())))
+            .collect();
+        let mut call = json!({ "key": key, "headers": headers });
+        if let Some(route) = route {
+            call["route"] = Value::from(route);
+        }
+        if let Some(body) = body {
+            call["body"] = body;
+        }
+        if let Some(query) = query {
+            call["query"] = Value::from(query);
+        }
+        self.call(Method::POST, "/v1/keys/reconcile", Some(call))
+            .await
+    }
+
     /// Deletes the record of `hash`; a running claim only with `force`.
     pub async fn forget(&self, hash: &str, force: bool) -> Result<Value, Error> {
         let query = if force { "?force=true" } else { "" };
@@ -235,6 +265,31 @@ pub fn render_record(record: &Value) -> String {
     out
 }
 
+/// What `keys reconcile` found, as it prints it.
+pub fn render_reconciled(answer: &Value) -> String {
+    let text = |field: &str| answer[field].as_str().unwrap_or("-").to_owned();
+    match answer["result"].as_str() {
+        Some("found") => {
+            let mut out = format!(
+                "found: the upstream answered {} ({} bytes); stored as the key's outcome, replayed to every retry (Idempotency-Reconciled: true)\n",
+                answer["status"], answer["body_bytes"]
+            );
+            let body = text("body");
+            if !body.is_empty() {
+                let summary: String = body.chars().take(200).collect();
+                out.push_str(&format!("body: {summary}\n"));
+            }
+            out
+        }
+        Some("absent") => "absent: the operation never happened upstream; the key is free: the next retry executes\n".to_owned(),
+        Some("failed") => format!(
+            "failed: {}; the key stays outcome-unknown\n",
+            text("why")
+        ),
+        _ => format!("unchanged: {}\n{}", text("detail"), render_record(answer)),
+    }
+}
+
 /// Records as `keys list` prints them: a header, then one line each.
 pub fn render_list(records: &[Value]) -> String {
     let mut out = format!(
@@ -300,6 +355,32 @@ pub enum KeysCommand {
         #[command(flatten)]
         admin: AdminFlags,
     },
+    /// Ask the upstream's lookup (the route's reconcile_url) what became
+    /// of a key whose outcome is unknown, and settle it by the answer:
+    /// found, stored and replayed; absent, freed for the next retry;
+    /// anything else, left outcome-unknown.
+    Reconcile {
+        /// The raw Idempotency-Key value.
+        #[arg(long)]
+        key: String,
+        /// The route whose scope rules and reconcile_url apply (default:
+        /// default).
+        #[arg(long)]
+        route: Option<String>,
+        /// A header as the client sent it, `name: value` (repeatable): the
+        /// scope's and those reconcile_url names.
+        #[arg(long = "header")]
+        headers: Vec<String>,
+        /// The request's JSON body, for {json:...} (a file, or - for
+        /// stdin).
+        #[arg(long)]
+        body: Option<std::path::PathBuf>,
+        /// The request's query string, for {query:...} (`a=b&c=d`).
+        #[arg(long)]
+        query: Option<String>,
+        #[command(flatten)]
+        admin: AdminFlags,
+    },
     /// Forget a key so that its retry executes: only once its effect was
     /// checked with the upstream. Asks first on a terminal.
     Forget {
@@ -337,6 +418,7 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
     let admin = match command {
         KeysCommand::List { admin, .. }
         | KeysCommand::Show { admin, .. }
+        | KeysCommand::Reconcile { admin, .. }
         | KeysCommand::Forget { admin, .. } => admin,
     };
     let token = std::env::var(TOKEN_VARIABLE).ok();
@@ -380,6 +462,21 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
             };
             print(&record, render_record(&record));
         }
+        KeysCommand::Reconcile {
+            key,
+            route,
+            headers,
+            body,
+            query,
+            ..
+        } => {
+            let headers = parse_headers(headers)?;
+            let body = body.as_deref().map(read_body).transpose()?;
+            let answer = client
+                .reconcile(key, route.as_deref(), &headers, body, query.as_deref())
+                .await?;
+            print(&answer, render_reconciled(&answer));
+        }
         KeysCommand::Forget {
             hash, force, yes, ..
         } => {
@@ -414,6 +511,17 @@ async fn forget(
         }
     }
     client.forget(hash, force).await
+}
+
+/// `--body FILE` (or `-`, stdin): the request's JSON body.
+fn read_body(path: &std::path::Path) -> Result<Value, Error> {
+    let text = if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin())?
+    } else {
+        std::fs::read_to_string(path).map_err(|e| format!("--body {}: {e}", path.display()))?
+    };
+    serde_json::from_str(&text)
+        .map_err(|e| format!("--body {}: not JSON: {e}", path.display()).into())
 }
 
 /// `--header "name: value"` options, as (name, value) pairs.

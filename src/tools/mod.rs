@@ -3,10 +3,11 @@
 //! - `idemproxy store train-dictionary` ([`dictionary`]) trains a zstd
 //!   dictionary for `store.compression_dictionary` from a sample of the
 //!   responses the configured store holds.
-//! - `idemproxy keys list|show|forget` ([`keys`]) reconcile keys through a
-//!   running proxy's admin API: find the `outcome-unknown` (or stuck
-//!   `pending`) keys, look one up, forget it once its effect was checked
-//!   with the upstream (docs/runbook.md).
+//! - `idemproxy keys list|show|reconcile|forget` ([`keys`]) reconcile keys
+//!   through a running proxy's admin API: find the `outcome-unknown` (or
+//!   stuck `pending`) keys, look one up, ask the upstream's lookup
+//!   (`reconcile_url`) and settle it by the answer, or forget it once its
+//!   effect was checked with the upstream (docs/runbook.md).
 
 pub mod dictionary;
 pub mod keys;

@@ -1,0 +1,289 @@
+//! Reconciling one key on an operator's word (`POST /v1/keys/reconcile`,
+//! `idemproxy keys reconcile`): the same claim, lookup and settling as a
+//! retry on the request path makes (see [`super::reconcile`]), for a key
+//! named by its raw value and the attributes its route's `reconcile_url`
+//! names. Only an `outcome-unknown` record past its request's lease, or a
+//! claim past its lease, is taken over; anything else the key holds is
+//! reported and left as it is.
+//!
+//! The lookup goes through the proxy's upstream by a [`LookupSender`] the
+//! composition root builds, so that this layer needs no upstream client.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use futures_util::future::BoxFuture;
+use http::request::Parts;
+use http::{Request, Response};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::context::{Claim, RequestContext};
+use super::dialect::Http;
+use super::layer::{IdempotencyLayer, Settings};
+use super::policy::Policy;
+use super::reconcile::{look_up, lookup_of, settle_looked_up, Lookup};
+use super::settle::Holder;
+use crate::core::{
+    Begin, BeginOutcome, CompletedRecord, FencingToken, Outcome, Record, RecordKey, UnknownCause,
+    UpstreamFailure,
+};
+use crate::observe::RequestOutcome;
+use crate::request::key::IdempotencyKey;
+use crate::store::StoreError;
+
+/// Sends a lookup to the upstream, as the traffic's requests are sent.
+pub type LookupSender = Arc<
+    dyn Fn(Request<Body>) -> BoxFuture<'static, Result<Response<Body>, UpstreamFailure>>
+        + Send
+        + Sync,
+>;
+
+/// Reconciles keys for the admin API (see the module's documentation).
+#[derive(Clone)]
+pub struct KeyReconciler {
+    settings: Arc<Settings>,
+    send: LookupSender,
+}
+
+impl std::fmt::Debug for KeyReconciler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyReconciler").finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A reconciler over this layer's store, settings and metrics, sending
+    /// its lookups with `send`.
+    pub fn key_reconciler(&self, send: LookupSender) -> KeyReconciler {
+        KeyReconciler {
+            settings: self.settings.clone(),
+            send,
+        }
+    }
+}
+
+/// What reconciling a key did.
+#[derive(Debug)]
+pub enum KeyReconciliation {
+    /// The lookup found the operation: its answer is now the key's stored
+    /// outcome, replayed (marked `Idempotency-Reconciled: true`) as here.
+    Found(Response<Body>),
+    /// The operation never happened: the claim is released, the key is
+    /// free and the next retry executes.
+    Absent,
+    /// The lookup gave no answer to go by (`why`): the key is settled
+    /// back to `outcome-unknown`.
+    Failed { why: String },
+    /// Nothing to reconcile: what the key holds (unchanged).
+    Holds(Record),
+    /// A request holds the key and its lease runs (unchanged).
+    InFlight { lease_expires_at: u64 },
+    /// The key was freed meanwhile; nothing to reconcile (unchanged).
+    Free,
+    /// The key now holds another request's record (unchanged).
+    Changed,
+}
+
+/// Why a key was not reconciled.
+#[derive(Debug)]
+pub enum ReconcileRefusal {
+    /// The route has no `reconcile_url`.
+    NotConfigured,
+    /// The call lacks a value the route's `reconcile_url` names.
+    Incomplete,
+    /// No record for the key.
+    NoRecord,
+    /// The record does not read.
+    Unreadable(String),
+    /// The store failed or did not answer in time.
+    Store(String),
+    /// `max_in_flight` requests are being served.
+    Overloaded,
+}
+
+impl KeyReconciler {
+    /// Reconciles `key` (whose record is `record_key`) on the route of
+    /// `policy`, with the request attributes `parts` and `body` the
+    /// route's `reconcile_url` names.
+    pub async fn reconcile(
+        &self,
+        policy: Arc<Policy>,
+        parts: &Parts,
+        body: &[u8],
+        key: &IdempotencyKey,
+        record_key: RecordKey,
+    ) -> Result<KeyReconciliation, ReconcileRefusal> {
+        if policy.reconcile.is_none() {
+            return Err(ReconcileRefusal::NotConfigured);
+        }
+        let lookup = lookup_of(&policy, parts, body, key).ok_or(ReconcileRefusal::Incomplete)?;
+        let settings = &self.settings;
+        let store_timeout = settings.store_timeout;
+        let record = tokio::time::timeout(store_timeout, settings.store.get(&record_key))
+            .await
+            .map_err(|_| ReconcileRefusal::Store("no answer in time".into()))?
+            .map_err(|e| match e {
+                StoreError::Corrupt(why) => ReconcileRefusal::Unreadable(why.to_string()),
+                e => ReconcileRefusal::Store(e.to_string()),
+            })?
+            .ok_or(ReconcileRefusal::NoRecord)?;
+        let permit = settings
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ReconcileRefusal::Overloaded)?;
+        // The lease a retry's claim would have: long enough for the lookup
+        // and then the execution it may allow (as `lookup_timeout`).
+        let lookup_within = match policy.settings.reconcile_timeout {
+            Duration::ZERO => settings.upstream_timeout,
+            timeout => timeout,
+        };
+        let lease = policy.lease + lookup_within;
+        let begin = Begin {
+            key: record_key,
+            // The record's own: the claim is the same request's.
+            fingerprint: *record.fingerprint(),
+            lease,
+            ttl: policy.settings.ttl,
+            on_stale: policy.settings.on_stale,
+            token: FencingToken::random(),
+            reconcile: true,
+        };
+        let asked_at = Instant::now();
+        let (token, took_over, cause) = match self.claim(&begin).await? {
+            Ok(held) => held,
+            Err(unchanged) => return Ok(unchanged),
+        };
+        // Logged and counted like the retry that would have done it; a
+        // call that changed nothing is no request on the route.
+        let mut log = settings.request_log(&policy, &lookup);
+        log.set_key(record_key);
+        let cx = RequestContext {
+            settings: settings.clone(),
+            policy,
+            log,
+            permit,
+        };
+        if took_over {
+            cx.log.metrics().lease_expired();
+            tracing::warn!(key = %record_key.to_hex(), "took over a stale key to reconcile it (keys reconcile)");
+        }
+        let claim = Claim {
+            arrived_at: settings.clock.now_millis(),
+            key: record_key,
+            fingerprint: begin.fingerprint,
+            lease_ends: asked_at + lease,
+        };
+        let holder = Holder { cx, claim, token };
+        Ok(self.settle(holder, cause, lookup, lookup_within).await)
+    }
+
+    /// Claims the key as a retry would (`begin` with `reconcile`): the
+    /// claim's token, whether it took over a stale claim, and the unknown
+    /// outcome's cause; or, without a claim to reconcile, what the key
+    /// holds.
+    async fn claim(
+        &self,
+        begin: &Begin,
+    ) -> Result<Result<(FencingToken, bool, UnknownCause), KeyReconciliation>, ReconcileRefusal>
+    {
+        let store = &self.settings.store;
+        let store_timeout = self.settings.store_timeout;
+        let begun = match tokio::time::timeout(store_timeout, store.begin(begin)).await {
+            Ok(Ok(begun)) => begun,
+            failed => {
+                // Failed or late, the call may have claimed the key all the
+                // same: released by its token, as nothing was looked up.
+                let _ = tokio::time::timeout(store_timeout, store.release(&begin.key, begin.token))
+                    .await;
+                return Err(ReconcileRefusal::Store(match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "no answer in time".into(),
+                }));
+            }
+        };
+        Ok(match begun {
+            BeginOutcome::Acquired {
+                token,
+                took_over,
+                reconcile: Some(cause),
+            } => Ok((token, took_over, cause)),
+            BeginOutcome::Acquired { token, .. } => {
+                // The key was freed since it was read: this claim is no
+                // one's to execute, so it goes at once.
+                let _ = tokio::time::timeout(store_timeout, store.release(&begin.key, token)).await;
+                Err(KeyReconciliation::Free)
+            }
+            BeginOutcome::Completed(record) | BeginOutcome::Settled(record) => Err(
+                KeyReconciliation::Holds(Record::Completed(CompletedRecord::clone(&record))),
+            ),
+            BeginOutcome::InFlight { lease_expires_at } => {
+                Err(KeyReconciliation::InFlight { lease_expires_at })
+            }
+            BeginOutcome::Mismatch { .. } => Err(KeyReconciliation::Changed),
+        })
+    }
+
+    /// Holding the claim, asks the lookup and settles the key by its
+    /// answer as the request path does (see [`super::reconcile`]).
+    async fn settle(
+        &self,
+        holder: Holder,
+        cause: UnknownCause,
+        lookup: Request<Body>,
+        lookup_within: Duration,
+    ) -> KeyReconciliation {
+        let Holder { cx, claim, token } = holder;
+        let record_key = claim.key;
+        let why: Arc<Mutex<Option<String>>> = Arc::default();
+        let inner = {
+            let (send, why) = (self.send.clone(), why.clone());
+            tower::service_fn(move |request: Request<Body>| {
+                let (send, why) = (send.clone(), why.clone());
+                async move {
+                    let answered = send(request).await;
+                    let seen = match &answered {
+                        Ok(response) => format!("the lookup answered {}", response.status()),
+                        Err(e) => format!("the lookup failed: {e:?}"),
+                    };
+                    *why.lock().unwrap_or_else(|e| e.into_inner()) = Some(seen);
+                    answered
+                }
+            })
+        };
+        let outcome = match look_up(inner, &cx, record_key, lookup).await {
+            Lookup::Absent => {
+                let mut holder = Holder { cx, claim, token };
+                holder.release().await;
+                let (respond, _) = oneshot::channel();
+                let released = http::Response::new(Body::empty());
+                holder
+                    .cx
+                    .answer(respond, RequestOutcome::Released, released);
+                return KeyReconciliation::Absent;
+            }
+            Lookup::Found(outcome) => Some(outcome),
+            Lookup::Failed => None,
+        };
+        let found = outcome.is_some();
+        let outcome = outcome.unwrap_or(Outcome::Unknown { cause });
+        let (respond, answered) = oneshot::channel();
+        settle_looked_up(Holder { cx, claim, token }, &Http, outcome, respond).await;
+        if found {
+            let response = answered
+                .await
+                .unwrap_or_else(|_| http::Response::new(Body::empty()));
+            return KeyReconciliation::Found(response);
+        }
+        let seen = why.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let why = match seen {
+            Some(seen) => format!(
+                "{seen}: neither found (reconcile_found_statuses) nor absent (reconcile_absent_statuses), or its answer could not be read"
+            ),
+            None => format!("the lookup did not answer within {lookup_within:?}"),
+        };
+        KeyReconciliation::Failed { why }
+    }
+}
