@@ -140,6 +140,15 @@ impl Policy {
         })
     }
 
+    /// How long a lookup may take: `reconcile_timeout`, or the upstream's
+    /// (`upstream_timeout`) when that is zero.
+    pub fn lookup_timeout(&self, upstream_timeout: Duration) -> Duration {
+        match self.settings.reconcile_timeout {
+            Duration::ZERO => upstream_timeout,
+            timeout => timeout,
+        }
+    }
+
     /// Whether a lookup status means the operation happened (found) or
     /// never will (absent); `None`: neither, the outcome stays unknown.
     pub fn lookup_found(&self, status: u16) -> Option<bool> {

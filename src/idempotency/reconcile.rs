@@ -87,10 +87,7 @@ fn lookup_request(path: &str, original: &Parts) -> Option<Request<Body>> {
 
 /// How long the lookup may take: `reconcile_timeout`, or the upstream's.
 pub(super) fn lookup_timeout(cx: &RequestContext) -> Duration {
-    match cx.policy.settings.reconcile_timeout {
-        Duration::ZERO => cx.settings.upstream_timeout,
-        timeout => timeout,
-    }
+    cx.policy.lookup_timeout(cx.settings.upstream_timeout)
 }
 
 /// Sends `request` (from [`lookup_request`]) through `inner`, bounded by

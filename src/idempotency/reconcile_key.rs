@@ -135,11 +135,8 @@ impl KeyReconciler {
             .try_acquire_owned()
             .map_err(|_| ReconcileRefusal::Overloaded)?;
         // The lease a retry's claim would have: long enough for the lookup
-        // and then the execution it may allow (as `lookup_timeout`).
-        let lookup_within = match policy.settings.reconcile_timeout {
-            Duration::ZERO => settings.upstream_timeout,
-            timeout => timeout,
-        };
+        // and then the execution it may allow.
+        let lookup_within = policy.lookup_timeout(settings.upstream_timeout);
         let lease = policy.lease + lookup_within;
         let begin = Begin {
             key: record_key,
