@@ -431,6 +431,19 @@ struct Addressed {
     record_key: RecordKey,
 }
 
+/// The key API call in `body`, parsed only once the caller is
+/// authenticated; a bad one is a problem+json like every other answer of
+/// the key API.
+fn authorized_call<T: serde::de::DeserializeOwned>(
+    state: &AdminState,
+    peer: &Peer,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<T, AdminProblem> {
+    state.token.check(peer, headers)?;
+    serde_json::from_slice(body).map_err(|e| invalid_lookup(format!("request body: {e}")))
+}
+
 fn invalid_lookup(detail: String) -> AdminProblem {
     AdminProblem {
         status: StatusCode::BAD_REQUEST,
@@ -499,11 +512,7 @@ async fn lookup_key(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, AdminProblem> {
-    // The body is parsed only once the caller is authenticated, and a bad
-    // one is a problem+json like every other answer of the key API.
-    state.token.check(&peer, &headers)?;
-    let lookup: Lookup =
-        serde_json::from_slice(&body).map_err(|e| invalid_lookup(format!("request body: {e}")))?;
+    let lookup: Lookup = authorized_call(&state, &peer, &headers, &body)?;
     let addressed = address(&state, &lookup, None)?;
     read(&state, addressed.record_key).await
 }

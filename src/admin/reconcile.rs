@@ -10,8 +10,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::{
-    address, describe, invalid_lookup, rfc3339, store_problem, Addressed, AdminProblem, AdminState,
-    Lookup, Peer,
+    address, authorized_call, describe, rfc3339, store_problem, Addressed, AdminProblem,
+    AdminState, Lookup, Peer,
 };
 use crate::core::RecordKey;
 use crate::idempotency::{KeyReconciliation, ReconcileRefusal};
@@ -47,9 +47,7 @@ pub(super) async fn reconcile_key(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, AdminProblem> {
-    state.token.check(&peer, &headers)?;
-    let call: ReconcileCall =
-        serde_json::from_slice(&body).map_err(|e| invalid_lookup(format!("request body: {e}")))?;
+    let call: ReconcileCall = authorized_call(&state, &peer, &headers, &body)?;
     let Addressed {
         policy,
         parts,

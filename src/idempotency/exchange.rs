@@ -391,7 +391,7 @@ where
                     .await
             }
             Lookup::Found(outcome) => outcome,
-            Lookup::Failed => Outcome::Unknown { cause },
+            Lookup::Failed { .. } => Outcome::Unknown { cause },
         };
         let Self { dialect, cx, .. } = self;
         settle_looked_up(Holder { cx, claim, token }, &dialect, outcome, respond).await

@@ -39,8 +39,8 @@ pub(super) enum Lookup {
     Found(Outcome),
     /// It never happened: execute the request.
     Absent,
-    /// No answer to go by.
-    Failed,
+    /// No answer to go by, and why (what `keys reconcile` shows).
+    Failed { why: String },
 }
 
 /// The lookup for a request (`parts`, `body`, `key`) on a route with
@@ -108,12 +108,15 @@ where
     let asked = ask(inner, cx, request).instrument(span.clone());
     let (lookup, status) = match tokio::time::timeout(lookup_timeout(cx), asked).await {
         Ok(answered) => answered,
-        Err(_elapsed) => (Lookup::Failed, None),
+        Err(_elapsed) => {
+            let why = format!("the lookup did not answer within {:?}", lookup_timeout(cx));
+            (Lookup::Failed { why }, None)
+        }
     };
     let result = match &lookup {
         Lookup::Found(_) => Reconciled::Found,
         Lookup::Absent => Reconciled::Absent,
-        Lookup::Failed => Reconciled::Failed,
+        Lookup::Failed { .. } => Reconciled::Failed,
     };
     trace::reconciled(&span, result, status);
     cx.log.metrics().reconciled(result);
@@ -137,15 +140,22 @@ where
     let response = match inner.oneshot(request).await {
         Ok(response) => response,
         Err(e) => {
-            tracing::warn!(error = ?e.into(), "the reconcile lookup failed");
-            return (Lookup::Failed, None);
+            let e = e.into();
+            tracing::warn!(error = ?e, "the reconcile lookup failed");
+            let why = format!("the lookup failed: {e:?}");
+            return (Lookup::Failed { why }, None);
         }
     };
     let status = response.status().as_u16();
     let lookup = match cx.policy.lookup_found(status) {
         Some(true) => found(response, cx.policy.settings.max_response_bytes).await,
         Some(false) => Lookup::Absent,
-        None => Lookup::Failed,
+        None => Lookup::Failed {
+            why: format!(
+                "the lookup answered {}: neither found (reconcile_found_statuses) nor absent (reconcile_absent_statuses)",
+                response.status()
+            ),
+        },
     };
     (lookup, Some(status))
 }
@@ -155,7 +165,11 @@ where
 async fn found(response: Response<Body>, max_bytes: usize) -> Lookup {
     let (head, body) = response.into_parts();
     let Ok(body) = Limited::new(body, max_bytes).collect().await else {
-        return Lookup::Failed;
+        let why = format!(
+            "the lookup answered {}, but its body was over max_response_bytes ({max_bytes}) or broken off",
+            head.status
+        );
+        return Lookup::Failed { why };
     };
     let mut headers = stored_headers(&head.headers);
     headers.push((IDEMPOTENCY_RECONCILED.to_owned(), "true".into()));

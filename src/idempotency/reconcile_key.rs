@@ -9,8 +9,7 @@
 //! The lookup goes through the proxy's upstream by a [`LookupSender`] the
 //! composition root builds, so that this layer needs no upstream client.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
 use axum::body::Body;
 use futures_util::future::BoxFuture;
@@ -174,7 +173,7 @@ impl KeyReconciler {
             lease_ends: asked_at + lease,
         };
         let holder = Holder { cx, claim, token };
-        Ok(self.settle(holder, cause, lookup, lookup_within).await)
+        Ok(self.settle(holder, cause, lookup).await)
     }
 
     /// Claims the key as a retry would (`begin` with `reconcile`): the
@@ -230,26 +229,11 @@ impl KeyReconciler {
         holder: Holder,
         cause: UnknownCause,
         lookup: Request<Body>,
-        lookup_within: Duration,
     ) -> KeyReconciliation {
         let Holder { cx, claim, token } = holder;
         let record_key = claim.key;
-        let why: Arc<Mutex<Option<String>>> = Arc::default();
-        let inner = {
-            let (send, why) = (self.send.clone(), why.clone());
-            tower::service_fn(move |request: Request<Body>| {
-                let (send, why) = (send.clone(), why.clone());
-                async move {
-                    let answered = send(request).await;
-                    let seen = match &answered {
-                        Ok(response) => format!("the lookup answered {}", response.status()),
-                        Err(e) => format!("the lookup failed: {e:?}"),
-                    };
-                    *why.lock().unwrap_or_else(|e| e.into_inner()) = Some(seen);
-                    answered
-                }
-            })
-        };
+        let send = self.send.clone();
+        let inner = tower::service_fn(move |request: Request<Body>| send(request));
         let outcome = match look_up(inner, &cx, record_key, lookup).await {
             Lookup::Absent => {
                 let mut holder = Holder { cx, claim, token };
@@ -261,26 +245,27 @@ impl KeyReconciler {
                     .answer(respond, RequestOutcome::Released, released);
                 return KeyReconciliation::Absent;
             }
-            Lookup::Found(outcome) => Some(outcome),
-            Lookup::Failed => None,
+            Lookup::Found(outcome) => Ok(outcome),
+            Lookup::Failed { why } => Err(why),
         };
-        let found = outcome.is_some();
-        let outcome = outcome.unwrap_or(Outcome::Unknown { cause });
         let (respond, answered) = oneshot::channel();
-        settle_looked_up(Holder { cx, claim, token }, &Http, outcome, respond).await;
-        if found {
-            let response = answered
-                .await
-                .unwrap_or_else(|_| http::Response::new(Body::empty()));
-            return KeyReconciliation::Found(response);
-        }
-        let seen = why.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let why = match seen {
-            Some(seen) => format!(
-                "{seen}: neither found (reconcile_found_statuses) nor absent (reconcile_absent_statuses), or its answer could not be read"
-            ),
-            None => format!("the lookup did not answer within {lookup_within:?}"),
+        let outcome = match outcome {
+            Ok(found) => found,
+            Err(why) => {
+                settle_looked_up(
+                    Holder { cx, claim, token },
+                    &Http,
+                    Outcome::Unknown { cause },
+                    respond,
+                )
+                .await;
+                return KeyReconciliation::Failed { why };
+            }
         };
-        KeyReconciliation::Failed { why }
+        settle_looked_up(Holder { cx, claim, token }, &Http, outcome, respond).await;
+        let response = answered
+            .await
+            .unwrap_or_else(|_| http::Response::new(Body::empty()));
+        KeyReconciliation::Found(response)
     }
 }
