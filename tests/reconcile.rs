@@ -14,12 +14,14 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemproxy::config::Config;
+use idemproxy::config::{Config, Protocol, RouteConfig};
 use idemproxy::core::{Outcome, Record};
 use idemproxy::store::{RedisStore, SharedStore, StoreError};
+use serde_json::{json, Value};
 use support::binary::ProxyProcess;
 use support::fault::killed_mid_call;
 use support::keys;
+use support::mcp::texts;
 use support::proxy::{config, redis_config, Reply, TestClient, TestProxy};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
@@ -274,6 +276,186 @@ async fn concurrent_retries_make_one_lookup(on: On<'_>) {
     assert_eq!(upstream.executions("/v1/orders"), 0);
 }
 
+/// One MCP route, `/mcp`, whose calls' lease is 2 s: 300 ms upstream
+/// timeout + 1.4 s margin + 300 ms lookup.
+fn short_mcp_lease(c: &mut Config) {
+    c.upstream.timeout = Duration::from_millis(300);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    c.routes = vec![RouteConfig {
+        name: "mcp".into(),
+        path: "/mcp".into(),
+        protocol: Protocol::Mcp,
+        idempotency: c.idempotency.clone(),
+    }];
+}
+
+/// A `tools/call` of `send_email` with `arguments`, JSON-RPC id `id`,
+/// through the MCP route; the upstream holds its answer until `hold` is
+/// released.
+async fn call_tool(proxy: &TestProxy, id: u64, arguments: &Value, hold: &str) -> Reply {
+    let call = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                      "params": {"name": "send_email", "arguments": arguments}});
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    let target = format!("/mcp?jsonrpc=result&hold={hold}");
+    TestClient::new()
+        .send(
+            http::Method::POST,
+            &proxy.url(&target),
+            &headers,
+            call.to_string(),
+        )
+        .await
+}
+
+/// MCP routes: the tool's arguments fill the template
+/// (`{json:/params/arguments/...}`). A call whose answer was lost (the
+/// server held it past the upstream timeout) is, once its lease is over,
+/// looked up by the retry, which arrives under a new JSON-RPC id: found,
+/// the retry gets a tool result holding the lookup's answer and saying
+/// the action was not run again; absent, the retry runs it; a failed
+/// lookup leaves the tool error that says the outcome is unknown.
+async fn an_mcp_call_whose_answer_was_lost_is_reconciled_from_its_arguments(on: On<'_>) {
+    let upstream = TestUpstream::start().await;
+    let lookup = "/lookup/{json:/params/arguments/to}?status={json:/params/arguments/lookup}";
+    let proxy = proxy_with(on, &upstream, lookup, short_mcp_lease).await;
+    let cases = [("found", "200"), ("absent", "404"), ("failed", "500")];
+    let arguments = |to: &str, status: &str| json!({"to": to, "lookup": status, "idempotency_key": format!("mcp-{to}")});
+    for (to, status) in cases {
+        let lost = call_tool(&proxy, 1, &arguments(to, status), "lost").await;
+        let result = &lost.json()["result"];
+        assert_eq!(result["isError"], true, "{on:?} {to}: {lost:?}");
+        assert!(texts(result)
+            .join(" ")
+            .contains("may or may not have happened"));
+    }
+    upstream.release("lost");
+    assert_eq!(upstream.executions("/mcp"), 3, "{on:?}: each ran once");
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+
+    let found = call_tool(&proxy, 7, &arguments("found", "200"), "lost").await;
+    assert!(found.replayed(), "{on:?}: {found:?}");
+    assert_eq!(found.header("idempotency-reconciled"), Some("true"));
+    let message = found.json();
+    assert_eq!(message["id"], 7, "the retry's own id");
+    let result = &message["result"];
+    assert_eq!(result["isError"], false, "{message}");
+    assert_eq!(result["structuredContent"]["path"], "/lookup/found");
+    assert_eq!(result["_meta"]["io.idemproxy/reconciled"], true);
+    assert!(
+        texts(result).join(" ").contains("not run again"),
+        "{message}"
+    );
+    let again = call_tool(&proxy, 8, &arguments("found", "200"), "lost").await;
+    assert_eq!(again.header("idempotency-reconciled"), Some("true"));
+    assert_eq!(
+        again.json()["result"],
+        message["result"],
+        "stored, replayed"
+    );
+    let asked = upstream.last_headers("/lookup/found").expect("looked up");
+    assert_eq!(
+        asked.get("idempotency-key").map(|v| v.as_bytes()),
+        Some(&b"mcp-found"[..]),
+        "the key argument, as the lookup's Idempotency-Key"
+    );
+
+    let absent = call_tool(&proxy, 9, &arguments("absent", "404"), "lost").await;
+    assert!(!absent.replayed(), "{on:?}: {absent:?}");
+    assert_eq!(
+        texts(&absent.json()["result"]),
+        ["/mcp execution 4"],
+        "{absent:?}"
+    );
+    let failed = call_tool(&proxy, 10, &arguments("failed", "500"), "lost").await;
+    let result = &failed.json()["result"];
+    assert_eq!(result["isError"], true, "{on:?}: {failed:?}");
+    assert!(texts(result)
+        .join(" ")
+        .contains("may or may not have happened"));
+    assert_eq!(failed.header("idempotency-reconciled"), None);
+
+    assert_eq!(
+        upstream.executions("/mcp"),
+        4,
+        "{on:?}: only the absent call ran again"
+    );
+    for to in ["found", "absent", "failed"] {
+        let path = format!("/lookup/{to}");
+        assert_eq!(upstream.executions(&path), 1, "{on:?}: {path}");
+    }
+}
+
+/// The key API in process (`POST /v1/keys/reconcile`, what `keys
+/// reconcile` calls) on an MCP route: the operator gives the call's body
+/// for the template's `{json:...}`; found, the key holds a tool result
+/// (not the lookup's raw response), which the next retry replays under
+/// its own id. A call lacking a value the template names is 422 and a
+/// key never used 404, both changing nothing.
+#[tokio::test]
+async fn the_key_api_reconciles_an_mcp_call_in_the_tool_results_form() {
+    const TOKEN: &str = "reconcile-admin-token-7d1e5a90c2b4f386";
+    let upstream = TestUpstream::start().await;
+    let lookup = "/lookup/{json:/params/arguments/to}?status=200";
+    let proxy = proxy_with(On::Memory, &upstream, lookup, |c| {
+        c.admin_token = Some(TOKEN.into());
+        short_mcp_lease(c);
+    })
+    .await;
+    let arguments = json!({"to": "bo", "idempotency_key": "mcp-admin-1"});
+    let lost = call_tool(&proxy, 1, &arguments, "admin").await;
+    assert_eq!(lost.json()["result"]["isError"], true, "{lost:?}");
+    upstream.release("admin");
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+
+    let admin = |body: Value| {
+        let url = proxy.admin_url("/v1/keys/reconcile");
+        async move {
+            let auth = format!("Bearer {TOKEN}");
+            let headers = [
+                ("content-type", "application/json"),
+                ("authorization", auth.as_str()),
+            ];
+            TestClient::new()
+                .send(http::Method::POST, &url, &headers, body.to_string())
+                .await
+        }
+    };
+    let missing = admin(json!({"key": "mcp-admin-1", "route": "mcp"})).await;
+    missing.assert_problem(422, "lookup-incomplete");
+    let never = admin(json!({"key": "never-used", "route": "mcp",
+                             "body": {"params": {"arguments": {"to": "bo"}}}}))
+    .await;
+    never.assert_problem(404, "key-not-found");
+    assert_eq!(
+        upstream.executions("/lookup/bo"),
+        0,
+        "refused before a lookup"
+    );
+
+    let call = json!({"params": {"name": "send_email", "arguments": arguments}});
+    let reconciled = admin(json!({"key": "mcp-admin-1", "route": "mcp", "body": call})).await;
+    assert_eq!(reconciled.status, 200, "{reconciled:?}");
+    let said = reconciled.json();
+    assert_eq!(said["result"], "found", "{said}");
+    assert_eq!(upstream.executions("/lookup/bo"), 1);
+
+    let retry = call_tool(&proxy, 5, &arguments, "admin").await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.header("idempotency-reconciled"), Some("true"));
+    let message = retry.json();
+    assert_eq!(message["id"], 5);
+    assert_eq!(message["result"]["structuredContent"]["path"], "/lookup/bo");
+    assert!(texts(&message["result"])
+        .join(" ")
+        .contains("not run again"));
+    assert_eq!(upstream.executions("/mcp"), 1, "ran once, the first time");
+    assert_eq!(upstream.executions("/lookup/bo"), 1, "looked up once");
+}
+
 #[tokio::test]
 async fn memory_a_stale_claim_found_by_the_lookup_is_stored_and_replayed() {
     a_stale_claim_found_by_the_lookup_is_stored_and_replayed(On::Memory).await;
@@ -299,6 +481,11 @@ async fn memory_concurrent_retries_make_one_lookup() {
     concurrent_retries_make_one_lookup(On::Memory).await;
 }
 
+#[tokio::test]
+async fn memory_an_mcp_call_whose_answer_was_lost_is_reconciled_from_its_arguments() {
+    an_mcp_call_whose_answer_was_lost_is_reconciled_from_its_arguments(On::Memory).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_reconciles_as_memory_does() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -308,6 +495,7 @@ async fn embedded_reconciles_as_memory_does() {
     a_failed_lookup_leaves_outcome_unknown(on).await;
     an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on).await;
     concurrent_retries_make_one_lookup(on).await;
+    an_mcp_call_whose_answer_was_lost_is_reconciled_from_its_arguments(on).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -319,6 +507,7 @@ async fn redis_reconciles_as_memory_does() {
     a_failed_lookup_leaves_outcome_unknown(on).await;
     an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on).await;
     concurrent_retries_make_one_lookup(on).await;
+    an_mcp_call_whose_answer_was_lost_is_reconciled_from_its_arguments(on).await;
 }
 
 /// The done-when: a proxy killed (SIGKILL) while the upstream

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 
 use super::context::Responder;
 use super::policy::{OnAmbiguous, Policy, Profile};
+use super::reconcile::FoundAnswer;
 use super::rejection::Rejection;
 use super::relay::stream_and_store;
 use super::replay::replay;
@@ -27,6 +28,13 @@ pub(super) trait Dialect: Send + Sync + 'static {
 
     /// The answer to a retry, from the key's completed record.
     fn replay(&self, record: &CompletedRecord, policy: &Policy) -> Response<Body>;
+
+    /// What a retry is answered from once the upstream's lookup found the
+    /// operation (`reconcile_url`): the lookup's `answer` in the form this
+    /// dialect stores.
+    fn reconciled(&self, answer: &FoundAnswer) -> Outcome {
+        answer.as_response()
+    }
 
     /// Relays the executed `response` (not a released status) to the
     /// client while keeping what a retry is answered from, and settles the
@@ -86,4 +94,23 @@ pub(super) async fn settle_ambiguous(
     holder
         .cx
         .answer(respond, RequestOutcome::OutcomeUnknown, response);
+}
+
+/// Stores `outcome` (what the lookup found, or the unknown outcome it
+/// could not resolve) as the key's and answers it as every later retry
+/// will be: a replay of the record.
+pub(super) async fn settle_looked_up(
+    mut holder: Holder,
+    dialect: &impl Dialect,
+    outcome: Outcome,
+    respond: Responder,
+) {
+    let answered = match outcome {
+        Outcome::Unknown { .. } => RequestOutcome::OutcomeUnknown,
+        _ => RequestOutcome::Replayed,
+    };
+    let record = holder.record_of(outcome);
+    holder.complete_with(record.clone()).await;
+    let response = dialect.replay(&record, &holder.cx.policy);
+    holder.cx.answer(respond, answered, response);
 }

@@ -23,9 +23,9 @@ use tracing::Span;
 use super::body::{holding, read_request_body};
 use super::context::{Claim, RequestContext, Responder};
 use super::detach::DetachOnDrop;
-use super::dialect::{settle_ambiguous, Dialect, Http};
+use super::dialect::{settle_ambiguous, settle_looked_up, Dialect, Http};
 use super::policy::{OnInFlight, OnStoreError};
-use super::reconcile::{look_up, lookup_of, lookup_timeout, settle_looked_up, Lookup};
+use super::reconcile::{look_up, lookup_of, lookup_timeout, Lookup};
 use super::rejection::Rejection;
 use super::settle::Holder;
 use super::store_call::{owned_begin, release_unanswered_claim, timed, OwnedBegin};
@@ -390,7 +390,7 @@ where
                     .execute(claim, uncompressed(request), token, respond)
                     .await
             }
-            Lookup::Found(outcome) => outcome,
+            Lookup::Found(answer) => self.dialect.reconciled(&answer),
             Lookup::Failed { .. } => Outcome::Unknown { cause },
         };
         let Self { dialect, cx, .. } = self;

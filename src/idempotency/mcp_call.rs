@@ -22,12 +22,16 @@ use super::body::{channel_body, BodySender};
 use super::context::Responder;
 use super::dialect::{settle_ambiguous, Dialect};
 use super::policy::{McpRoute, Policy, Profile};
+use super::reconcile::{FoundAnswer, IDEMPOTENCY_RECONCILED};
 use super::rejection::Rejection;
 use super::settle::Holder;
 use crate::core::{from_millis, CompletedRecord, Outcome, StoredResponse, UnknownCause};
 use crate::http::headers::{IDEMPOTENCY_ORIGINAL_DATE, IDEMPOTENT_REPLAYED};
 use crate::mcp::message::answer_to;
-use crate::mcp::{encode, render, tool_error, Answer, EventParser, Framing, RunningCall};
+use crate::mcp::{
+    encode, reconciled_result as found_result, render, tool_error, Answer, EventParser, Framing,
+    RunningCall,
+};
 use crate::observe::RequestOutcome;
 
 /// The first protocol version without sessions, whose results carry
@@ -174,7 +178,19 @@ impl McpCall {
             )
         });
         let date = httpdate::fmt_http_date(from_millis(record.completed_at));
-        self.respond(message, true, HeaderValue::from_str(&date).ok())
+        let mut response = self.respond(message, true, HeaderValue::from_str(&date).ok());
+        if let Outcome::Response(stored) = &record.outcome {
+            if stored
+                .headers
+                .iter()
+                .any(|(name, _)| name == IDEMPOTENCY_RECONCILED)
+            {
+                response
+                    .headers_mut()
+                    .insert(IDEMPOTENCY_RECONCILED, HeaderValue::from_static("true"));
+            }
+        }
+        response
     }
 
     /// `message` as the client accepts it, with `resultType` for the
@@ -220,6 +236,10 @@ impl Dialect for McpCall {
 
     fn replay(&self, record: &CompletedRecord, _policy: &Policy) -> Response<Body> {
         self.replay_record(record)
+    }
+
+    fn reconciled(&self, answer: &FoundAnswer) -> Outcome {
+        reconciled_result(answer)
     }
 
     fn capture(
@@ -449,6 +469,24 @@ async fn relay_unstored(
         }
     }
     outcome
+}
+
+/// The stored result of a call the server's lookup (`reconcile_url`)
+/// found: a tool result saying so, holding what the lookup answered
+/// (see [`render::reconciled_result`]), marked reconciled on every replay.
+pub(super) fn reconciled_result(answer: &FoundAnswer) -> Outcome {
+    let result = found_result(answer.head.status.as_u16(), &answer.body);
+    Outcome::Response(StoredResponse {
+        status: StatusCode::OK.as_u16(),
+        headers: vec![
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            ),
+            (IDEMPOTENCY_RECONCILED.into(), Bytes::from_static(b"true")),
+        ],
+        body: Bytes::from(result.to_string()),
+    })
 }
 
 /// Settles the key as the server's answer says: a final result is

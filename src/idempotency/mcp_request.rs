@@ -27,6 +27,7 @@ use super::layer::Settings;
 use super::mcp_call::{is_event_stream, read_up_to, session_of, McpCall};
 use super::mcp_catalog_store::{consult_shared_catalog, share_catalog_after};
 use super::policy::McpRoute;
+use super::reconcile::lookup_of;
 use super::rejection::Rejection;
 use crate::core::{Fingerprint, UnknownCause, UpstreamFailure};
 use crate::mcp::message::KeySource;
@@ -241,7 +242,7 @@ where
         }
         let key_argument = &route.rules.key_argument;
         let mcp_call = McpCall::new(call.id.clone(), call.name.clone(), &route, &parts.headers);
-        let exchange = self.speaking(mcp_call);
+        let mut exchange = self.speaking(mcp_call);
         let key = match call_key(call.key(key_argument), &parts.headers) {
             Ok(Some(key)) => key,
             Ok(None) if protection == Protection::Optional => {
@@ -258,6 +259,9 @@ where
             Ok(scope) => scope,
             Err((outcome, rejection)) => return exchange.reject(outcome, rejection),
         };
+        // From the call as the client sent it: the template's
+        // `{json:/params/arguments/...}` may name the key argument too.
+        exchange.lookup = lookup_of(&exchange.cx.policy, &parts, &body, &key);
         let fingerprint = call_fingerprint(
             request_target(&parts),
             &call.name,

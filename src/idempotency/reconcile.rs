@@ -5,8 +5,10 @@
 //! anything else: the key settles `outcome-unknown` as it would have
 //! without a lookup. A failed lookup never lets the request execute.
 //!
-//! Plain HTTP routes in enforce mode only: an MCP tool call and observe
-//! mode never render a lookup, so their claims never ask to reconcile.
+//! Plain HTTP and MCP routes in enforce mode: observe mode never renders
+//! a lookup, so its claims never ask to reconcile. What a found lookup
+//! becomes is the dialect's ([`Dialect::reconciled`]): the lookup's own
+//! response for HTTP, a tool result saying what it found for MCP.
 
 use std::time::Duration;
 
@@ -18,14 +20,12 @@ use tokio::time::Instant;
 use tower::{Service, ServiceExt};
 use tracing::Instrument;
 
-use super::context::{RequestContext, Responder};
-use super::dialect::Dialect;
+use super::context::RequestContext;
 use super::policy::Policy;
 use super::replay::{stored_headers, stored_outcome};
-use super::settle::Holder;
 use crate::core::{Outcome, RecordKey, UpstreamFailure};
 use crate::http::headers::X_REQUEST_ID;
-use crate::observe::{trace, Reconciled, RequestOutcome};
+use crate::observe::{trace, Reconciled};
 use crate::request::key::{IdempotencyKey, IDEMPOTENCY_KEY};
 use crate::request::reconcile::LookupInput;
 
@@ -35,12 +35,29 @@ pub(super) const IDEMPOTENCY_RECONCILED: &str = "idempotency-reconciled";
 
 /// What the lookup said.
 pub(super) enum Lookup {
-    /// The operation happened: this is what to store and replay.
-    Found(Outcome),
+    /// The operation happened: this is what the lookup answered, which
+    /// the dialect makes the stored outcome ([`Dialect::reconciled`]).
+    Found(FoundAnswer),
     /// It never happened: execute the request.
     Absent,
     /// No answer to go by, and why (what `keys reconcile` shows).
     Failed { why: String },
+}
+
+/// A found lookup's answer, whole (under `max_response_bytes`).
+pub(super) struct FoundAnswer {
+    pub(super) head: http::response::Parts,
+    pub(super) body: bytes::Bytes,
+}
+
+impl FoundAnswer {
+    /// The lookup's response as the stored outcome of a plain HTTP
+    /// request: replayed as it came, marked reconciled.
+    pub(super) fn as_response(&self) -> Outcome {
+        let mut headers = stored_headers(&self.head.headers);
+        headers.push((IDEMPOTENCY_RECONCILED.to_owned(), "true".into()));
+        stored_outcome(self.head.status.as_u16(), headers, Some(self.body.clone()))
+    }
 }
 
 /// The lookup for a request (`parts`, `body`, `key`) on a route with
@@ -58,20 +75,23 @@ pub(super) fn lookup_of(
         body,
         key: key.as_str(),
     };
-    lookup_request(&policy.reconcile.as_ref()?.render(&input)?, parts)
+    lookup_request(&policy.reconcile.as_ref()?.render(&input)?, parts, key)
 }
 
 /// The lookup for the request whose head is `original`: a GET of `path`
 /// on the upstream with the request's own credentials, key and request
-/// id, so the upstream can authorize it and trace it to the retry.
-fn lookup_request(path: &str, original: &Parts) -> Option<Request<Body>> {
+/// id, so the upstream can authorize it and trace it to the retry. The
+/// key is sent as `Idempotency-Key` wherever the request carried it (a
+/// header, a body member, an MCP tool argument).
+fn lookup_request(path: &str, original: &Parts, key: &IdempotencyKey) -> Option<Request<Body>> {
     let mut request = Request::builder()
         .method(Method::GET)
         .uri(path)
+        .header(IDEMPOTENCY_KEY, key.as_str())
         .body(Body::empty())
         .ok()?;
     let headers = request.headers_mut();
-    for name in [http::header::AUTHORIZATION, IDEMPOTENCY_KEY, X_REQUEST_ID] {
+    for name in [http::header::AUTHORIZATION, X_REQUEST_ID] {
         if let Some(value) = original.headers.get(&name) {
             headers.insert(name, value.clone());
         }
@@ -160,8 +180,8 @@ where
     (lookup, Some(status))
 }
 
-/// The found answer as a stored outcome, marked reconciled; a body over
-/// `max_response_bytes` (or broken off) is no answer to go by.
+/// The found answer, read whole; a body over `max_response_bytes` (or
+/// broken off) is no answer to go by.
 async fn found(response: Response<Body>, max_bytes: usize) -> Lookup {
     let (head, body) = response.into_parts();
     let Ok(body) = Limited::new(body, max_bytes).collect().await else {
@@ -171,30 +191,8 @@ async fn found(response: Response<Body>, max_bytes: usize) -> Lookup {
         );
         return Lookup::Failed { why };
     };
-    let mut headers = stored_headers(&head.headers);
-    headers.push((IDEMPOTENCY_RECONCILED.to_owned(), "true".into()));
-    Lookup::Found(stored_outcome(
-        head.status.as_u16(),
-        headers,
-        Some(body.to_bytes()),
-    ))
-}
-
-/// Stores `outcome` (what the lookup found, or the unknown outcome it
-/// could not resolve) as the key's and answers it as every later retry
-/// will be: a replay of the record.
-pub(super) async fn settle_looked_up(
-    mut holder: Holder,
-    dialect: &impl Dialect,
-    outcome: Outcome,
-    respond: Responder,
-) {
-    let answered = match outcome {
-        Outcome::Unknown { .. } => RequestOutcome::OutcomeUnknown,
-        _ => RequestOutcome::Replayed,
-    };
-    let record = holder.record_of(outcome);
-    holder.complete_with(record.clone()).await;
-    let response = dialect.replay(&record, &holder.cx.policy);
-    holder.cx.answer(respond, answered, response);
+    Lookup::Found(FoundAnswer {
+        head,
+        body: body.to_bytes(),
+    })
 }

@@ -19,10 +19,11 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::context::{Claim, RequestContext};
-use super::dialect::Http;
+use super::dialect::{settle_looked_up, Http};
 use super::layer::{IdempotencyLayer, Settings};
+use super::mcp_call::reconciled_result;
 use super::policy::Policy;
-use super::reconcile::{look_up, lookup_of, settle_looked_up, Lookup};
+use super::reconcile::{look_up, lookup_of, Lookup};
 use super::settle::Holder;
 use crate::core::{
     Begin, BeginOutcome, CompletedRecord, FencingToken, Outcome, Record, RecordKey, UnknownCause,
@@ -245,7 +246,9 @@ impl KeyReconciler {
                     .answer(respond, RequestOutcome::Released, released);
                 return KeyReconciliation::Absent;
             }
-            Lookup::Found(outcome) => Ok(outcome),
+            // Stored in the form the route's retries replay.
+            Lookup::Found(answer) if cx.policy.mcp.is_some() => Ok(reconciled_result(&answer)),
+            Lookup::Found(answer) => Ok(answer.as_response()),
             Lookup::Failed { why } => Err(why),
         };
         let (respond, answered) = oneshot::channel();

@@ -19,6 +19,6 @@ pub mod sse;
 pub mod tools;
 
 pub use message::{Answer, BatchItem, McpRequest, ToolCall};
-pub use render::{encode, replay, tool_error, Framing};
+pub use render::{encode, reconciled_result, replay, tool_error, Framing};
 pub use sse::{Event, EventParser};
 pub use tools::{Protection, ToolCatalog, ToolRules};

@@ -9,6 +9,9 @@ use serde_json::{json, Map, Value};
 pub const META_REPLAYED: &str = "io.idemproxy/replayed";
 /// `_meta` member with the original call's date (RFC 3339).
 pub const META_ORIGINAL_DATE: &str = "io.idemproxy/original-date";
+/// `_meta` member marking a result the server's lookup (`reconcile_url`)
+/// gave for a call whose own result was lost.
+pub const META_RECONCILED: &str = "io.idemproxy/reconciled";
 
 /// How a response is framed for the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +103,31 @@ pub fn tool_error(id: &Value, text: &str) -> Value {
     )
 }
 
+/// The tool result stored for a call whose own result was lost and which
+/// the server's lookup (`reconcile_url`) found: what the lookup answered
+/// (`status`, `body`), said so in a first text item, since the model must
+/// know it did not get the tool's own result; a JSON object body is also
+/// the `structuredContent`.
+pub fn reconciled_result(status: u16, body: &[u8]) -> Value {
+    let said = format!(
+        "The result of this call was lost (the server timed out or the proxy in front of it \
+         stopped), so the server was asked whether the action happened. It did, and it was not \
+         run again. What the server's lookup answered ({status}) follows."
+    );
+    let mut result = json!({
+        "content": [
+            {"type": "text", "text": said},
+            {"type": "text", "text": String::from_utf8_lossy(body)},
+        ],
+        "isError": false,
+        "_meta": {META_RECONCILED: true},
+    });
+    if let Ok(found @ Value::Object(_)) = serde_json::from_slice::<Value>(body) {
+        result["structuredContent"] = found;
+    }
+    result
+}
+
 fn response(id: &Value, result: Value) -> Value {
     json!({"jsonrpc": "2.0", "id": id, "result": result})
 }
@@ -128,6 +156,33 @@ mod tests {
         let quiet = replay(&json!("a"), stored, "d", false).expect("replay");
         assert_eq!(quiet["result"]["content"].as_array().map(Vec::len), Some(1));
         assert!(replay(&json!(1), b"[1]", "d", true).is_none());
+    }
+
+    #[test]
+    fn a_reconciled_result_says_so_and_keeps_what_the_lookup_answered() {
+        let found = reconciled_result(200, br#"{"id":"pay_1","status":"paid"}"#);
+        assert_eq!(found["isError"], false);
+        assert_eq!(found["_meta"][META_RECONCILED], true);
+        assert_eq!(
+            found["structuredContent"],
+            json!({"id": "pay_1", "status": "paid"})
+        );
+        let content = found["content"].as_array().expect("content");
+        assert!(content[0]["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("not run again") && t.contains("(200)")));
+        assert_eq!(content[1]["text"], r#"{"id":"pay_1","status":"paid"}"#);
+        // A body that is no JSON object is text alone.
+        for body in [&b"sent"[..], b"[1,2]", b"\xff"] {
+            let found = reconciled_result(200, body);
+            assert!(found.get("structuredContent").is_none(), "{found}");
+            assert!(found["content"][1]["text"].is_string());
+        }
+        // Replayed as any stored result is.
+        let stored = serde_json::to_vec(&found).expect("json");
+        let replayed = replay(&json!(3), &stored, "d", false).expect("replay");
+        assert_eq!(replayed["result"]["_meta"][META_RECONCILED], true);
+        assert_eq!(replayed["result"]["_meta"][META_REPLAYED], true);
     }
 
     #[test]
