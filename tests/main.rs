@@ -20,6 +20,7 @@ mod admin;
 mod agent_keys;
 mod architecture;
 mod body_framing;
+mod chaos;
 mod cli;
 mod compression;
 mod concurrency;

@@ -213,22 +213,49 @@ impl TestClient {
         headers: &[(&str, &str)],
         body: impl Into<Bytes>,
     ) -> Reply {
+        let within = Duration::from_secs(20);
+        match self.try_send(method, url, headers, body, within).await {
+            Ok(reply) => reply,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::send`] that reports a failed exchange (refused, broken off,
+    /// no answer `within`) instead of panicking: for tests whose proxies
+    /// die on purpose.
+    pub async fn try_send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+        within: Duration,
+    ) -> Result<Reply, String> {
         let mut req = Request::builder().method(method).uri(url);
         for (name, value) in headers {
             req = req.header(*name, *value);
         }
         let req = req.body(Full::new(body.into())).expect("request builds");
-        let response = tokio::time::timeout(Duration::from_secs(20), self.client.request(req))
+        let exchange = async {
+            let response = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| format!("request fails: {e}"))?;
+            let (parts, body) = response.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(|e| format!("body breaks off: {e}"))?;
+            Ok(Reply {
+                status: parts.status,
+                headers: parts.headers,
+                body: body.to_bytes(),
+            })
+        };
+        tokio::time::timeout(within, exchange)
             .await
-            .expect("proxy answers within 20 s")
-            .expect("request succeeds");
-        let (parts, body) = response.into_parts();
-        let body = body.collect().await.expect("body reads").to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
+            .map_err(|_| format!("no answer within {within:?}"))?
     }
 
     /// POSTs a JSON body with `headers` besides its content type.

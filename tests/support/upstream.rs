@@ -24,6 +24,11 @@
 //! | `jsonrpc=null_id_error` | `200`, a JSON-RPC parse error with `"id": null` (a server that could not read the request) |
 //! | `result_bytes=N` | with `jsonrpc=result`: the text item is N bytes of [`expected_body`] instead |
 //! | `sse=1` | with `jsonrpc`: the message as one `text/event-stream` event |
+//! | `ledger=1` | enter the request's `Idempotency-Key` in the ledger with the JSON answered (the default one), as an API that keeps its clients' keys does |
+//!
+//! `GET /ledger/<key>` (percent-decoded) looks the ledger up, as a
+//! reconciliation lookup does: `200` with the JSON the key's first
+//! execution answered, `404` when no request carried the key.
 //!
 //! Every request is counted per path (without the query) as soon as it has
 //! fully arrived, before any delay: the side effect is considered done the
@@ -74,6 +79,9 @@ struct Counts {
     executions: HashMap<String, usize>,
     total: usize,
     last: HashMap<String, RecordedRequest>,
+    /// `ledger=1` requests by `Idempotency-Key`: the JSON each execution
+    /// answered, in order (more than one: the key ran twice).
+    ledger: HashMap<String, Vec<serde_json::Value>>,
 }
 
 struct State {
@@ -203,6 +211,16 @@ impl TestUpstream {
         self.state.released.send_modify(|released| {
             released.insert(name.to_owned());
         });
+    }
+
+    /// The JSON answered to each `ledger=1` request that carried `key`.
+    pub fn ledger(&self, key: &str) -> Vec<serde_json::Value> {
+        self.state
+            .counts()
+            .ledger
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Waits until `path` has been executed at least `n` times; false if
@@ -349,6 +367,7 @@ struct Controls {
     jsonrpc: Option<String>,
     result_bytes: Option<usize>,
     sse: bool,
+    ledger: bool,
 }
 
 impl Controls {
@@ -371,6 +390,7 @@ impl Controls {
                 "jsonrpc" => c.jsonrpc = Some(v),
                 "result_bytes" => c.result_bytes = v.parse().ok(),
                 "sse" => c.sse = flag,
+                "ledger" => c.ledger = flag,
                 "header" => {
                     if let Some((name, value)) = v.split_once(':') {
                         c.headers
@@ -435,6 +455,7 @@ async fn handle(
         .ok()
         .and_then(|message| message.get("id").cloned())
         .unwrap_or_default();
+    let key = parts.headers.get("idempotency-key").cloned();
     let execution = state.record(
         &path,
         RecordedRequest {
@@ -445,6 +466,19 @@ async fn handle(
             body,
         },
     );
+    let answer = serde_json::json!({
+        "path": path,
+        "execution": execution,
+        "body_len": body_len,
+    });
+    if let Some(looked_up) = path.strip_prefix("/ledger/") {
+        return Ok(ledger_lookup(&state, &percent_decode(looked_up)));
+    }
+    if let (true, Some(key)) = (controls.ledger, key) {
+        let key = String::from_utf8_lossy(key.as_bytes()).into_owned();
+        let mut counts = state.counts();
+        counts.ledger.entry(key).or_default().push(answer.clone());
+    }
 
     if let Some(delay) = controls.delay {
         tokio::time::sleep(delay).await;
@@ -525,16 +559,35 @@ async fn handle(
         streamed_body(total, controls.stream_delay, controls.abort_body, tail)
     } else {
         builder = builder.header("content-type", "application/json");
-        let json = serde_json::json!({
-            "path": path,
-            "execution": execution,
-            "body_len": body_len,
-        });
-        Full::new(Bytes::from(json.to_string()))
-            .map_err(|e: Infallible| match e {})
-            .boxed_unsync()
+        json_body(&answer)
     };
     builder.body(body).map_err(std::io::Error::other)
+}
+
+fn json_body(json: &serde_json::Value) -> ResponseBody {
+    Full::new(Bytes::from(json.to_string()))
+        .map_err(|e: Infallible| match e {})
+        .boxed_unsync()
+}
+
+/// `GET /ledger/<key>`: what the key's first execution answered, or 404.
+fn ledger_lookup(state: &State, key: &str) -> Response<ResponseBody> {
+    let first = state
+        .counts()
+        .ledger
+        .get(key)
+        .and_then(|answers| answers.first().cloned());
+    let (status, body) = match first {
+        Some(answer) => (StatusCode::OK, answer),
+        None => (StatusCode::NOT_FOUND, serde_json::json!({"key": key})),
+    };
+    let mut response = Response::new(json_body(&body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
 }
 
 /// Waits until the test releases `name` (30 s at most).
