@@ -456,6 +456,38 @@ async fn the_key_api_reconciles_an_mcp_call_in_the_tool_results_form() {
     assert_eq!(upstream.executions("/lookup/bo"), 1, "looked up once");
 }
 
+/// `POST /v1/keys/reconcile` on a claim whose holder died (its lease
+/// over, never settled): the operator's call takes it over as a retry
+/// would, and the lookup's answer becomes the key's.
+#[tokio::test]
+async fn the_key_api_takes_over_a_stale_claim_to_reconcile_it() {
+    const TOKEN: &str = "reconcile-admin-token-0b9c44e1d7a3f528";
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy_with(On::Memory, &upstream, "/lookup/{key}?status=200", |c| {
+        c.admin_token = Some(TOKEN.into());
+    })
+    .await;
+    keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-admin", BODY.as_bytes()).await;
+    let auth = format!("Bearer {TOKEN}");
+    let headers = [
+        ("content-type", "application/json"),
+        ("authorization", auth.as_str()),
+    ];
+    let call = json!({"key": "stale-admin"}).to_string();
+    let url = proxy.admin_url("/v1/keys/reconcile");
+    let reconciled = TestClient::new()
+        .send(http::Method::POST, &url, &headers, call)
+        .await;
+    assert_eq!(reconciled.status, 200, "{reconciled:?}");
+    assert_eq!(reconciled.json()["result"], "found", "{reconciled:?}");
+    let retry = TestClient::new()
+        .post_json(&proxy.url("/v1/orders"), "stale-admin", BODY)
+        .await;
+    assert_reconciled(&retry, "/lookup/stale-admin");
+    assert_eq!(upstream.executions("/v1/orders"), 0);
+    assert_eq!(upstream.executions("/lookup/stale-admin"), 1);
+}
+
 #[tokio::test]
 async fn memory_a_stale_claim_found_by_the_lookup_is_stored_and_replayed() {
     a_stale_claim_found_by_the_lookup_is_stored_and_replayed(On::Memory).await;
