@@ -256,9 +256,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let admin_listener = TcpListener::bind(config.admin_listen)
         .await
         .map_err(|e| format!("cannot listen on {} (admin): {e}", config.admin_listen))?;
-    for warning in settings::warnings(&config) {
-        tracing::warn!("{warning}");
-    }
     tracing::info!(
         listen = %config.listen,
         admin = %config.admin_listen,

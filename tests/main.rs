@@ -28,6 +28,7 @@ mod contract_conflicts;
 mod contract_failures;
 mod contract_keys;
 mod contract_replay;
+mod demo;
 mod deploy;
 mod differential_json;
 mod embedded_restart;
