@@ -10,7 +10,7 @@
 //! 4. [`forward`] sends it to the upstream and classifies failures by
 //!    whether the request could have executed.
 //!
-//! The modules are layers that import one way only (README, "Layout";
+//! The modules are layers that import one way only (docs/development.md, "Layout";
 //! `tests/architecture.rs` holds them to it): [`core`] is the leaf;
 //! [`http`], [`observe`], [`store`], [`forward`], [`idempotency`],
 //! [`server`] and [`admin`] build on the ones before them; each part owns

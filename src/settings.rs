@@ -656,7 +656,7 @@ mod tests {
         }
     }
 
-    /// The example files the README points to load and validate as they
+    /// The example files the docs point to load and validate as they
     /// are.
     #[test]
     fn the_example_configs_are_valid() {

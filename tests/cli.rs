@@ -117,7 +117,7 @@ fn check_applies_environment_and_flag_overrides() {
     // Flags win over the environment, which wins over the file.
     assert_eq!(printed.listen.to_string(), "127.0.0.1:18081");
 
-    // Every other flag, as the README's replica example uses them.
+    // Every other flag, as docs/stores.md's replica example uses them.
     let (out, stdout, stderr) = run(idemproxy()
         .arg("check")
         .arg("--config")

@@ -31,6 +31,7 @@ mod contract_replay;
 mod demo;
 mod deploy;
 mod differential_json;
+mod doc_links;
 mod embedded_restart;
 mod encryption;
 mod fault_garbage;
