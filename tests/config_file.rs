@@ -151,3 +151,26 @@ fn the_shipped_file_loads_and_validates() {
         .expect("config/idemproxy.toml loads");
     idemproxy::validate(&config).expect("config/idemproxy.toml is valid");
 }
+
+/// The README's setups a newcomer copies whole (each `toml` block with an
+/// `[upstream]`) load and validate as they are printed.
+#[test]
+fn the_readmes_setups_load_and_validate() {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
+        .expect("README.md");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut checked = 0;
+    for block in readme.split("```toml\n").skip(1) {
+        let text = block.split("```").next().unwrap_or_default();
+        if !text.contains("[upstream]") {
+            continue;
+        }
+        let file = dir.path().join("setup.toml");
+        std::fs::write(&file, text).expect("write");
+        let config = Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+            .unwrap_or_else(|e| panic!("{e}\n{text}"));
+        idemproxy::validate(&config).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        checked += 1;
+    }
+    assert_eq!(checked, 2, "the embedded sidecar and the MCP server");
+}

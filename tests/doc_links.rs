@@ -162,7 +162,11 @@ fn every_relative_link_and_anchor_in_the_docs_resolves() {
     let mut checked = 0;
     for page in pages() {
         let text = std::fs::read_to_string(&page).expect("read a page");
-        let name = page.strip_prefix(root()).unwrap_or(&page).display().to_string();
+        let name = page
+            .strip_prefix(root())
+            .unwrap_or(&page)
+            .display()
+            .to_string();
         for (n, line) in prose(&text).iter().enumerate() {
             for target in links(line) {
                 checked += 1;
@@ -172,7 +176,10 @@ fn every_relative_link_and_anchor_in_the_docs_resolves() {
             }
         }
     }
-    assert!(checked > 50, "only {checked} links found: the parser reads nothing");
+    assert!(
+        checked > 50,
+        "only {checked} links found: the parser reads nothing"
+    );
     assert!(wrong.is_empty(), "broken links:\n{}", wrong.join("\n"));
 }
 
@@ -187,12 +194,24 @@ fn the_link_checker_finds_what_is_broken() {
         "# The `contract` (v2)\n\n## Every case\n## Every case\n\n```\n## not a heading\n```\n",
     )
     .expect("write");
-    for good in ["#the-contract-v2", "#every-case", "#every-case-1", "page.md#every-case"] {
+    for good in [
+        "#the-contract-v2",
+        "#every-case",
+        "#every-case-1",
+        "page.md#every-case",
+    ] {
         assert_eq!(broken(&page, good), None, "{good}");
     }
-    for bad in ["#not-a-heading", "#every-case-2", "missing.md", "page.md#nope"] {
+    for bad in [
+        "#not-a-heading",
+        "#every-case-2",
+        "missing.md",
+        "page.md#nope",
+    ] {
         assert!(broken(&page, bad).is_some(), "{bad}");
     }
     assert_eq!(links("see [a](b.md) and [c](#d)"), ["b.md", "#d"]);
-    assert!(prose("`[a](b.md)`").iter().all(|line| links(line).is_empty()));
+    assert!(prose("`[a](b.md)`")
+        .iter()
+        .all(|line| links(line).is_empty()));
 }
