@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::binary::{free_port, BIN};
+use support::binary::free_port;
 
 /// A running demo, stopped by its PID on drop.
 struct Demo {
@@ -26,14 +26,7 @@ impl Demo {
         let out = dir.path().join("out");
         let file = std::fs::File::create(&out).expect("output file");
         let err = file.try_clone().expect("output file");
-        let mut cmd = Command::new(BIN);
-        for (name, _) in std::env::vars() {
-            if name.starts_with("IDEMPROXY_") {
-                cmd.env_remove(name);
-            }
-        }
-        let child = cmd
-            .env_remove("RUST_LOG")
+        let child = support::binary::command()
             .arg("demo")
             .args(args)
             .arg("--listen")
