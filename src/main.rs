@@ -288,6 +288,13 @@ async fn run_demo(mut config: Config, mcp: bool) -> Result<(), idemproxy::Error>
         config.store.kind = StoreKind::Embedded;
     }
     let proxy = config.listen.to_string();
+    let store = match config.store.kind {
+        StoreKind::Memory => "The store is in memory: it goes when the demo stops.".to_owned(),
+        _ => format!(
+            "The store lives in {}: restart the demo and step 2 still replays.",
+            config.store.path.display()
+        ),
+    };
     if mcp {
         config.routes.push(idemproxy::config::RouteConfig {
             name: "mcp".into(),
@@ -295,9 +302,9 @@ async fn run_demo(mut config: Config, mcp: bool) -> Result<(), idemproxy::Error>
             protocol: idemproxy::config::Protocol::Mcp,
             idempotency: config.idempotency.clone(),
         });
-        println!("{}", idemproxy::demo::mcp_walkthrough(&proxy));
+        println!("{}", idemproxy::demo::mcp_walkthrough(&proxy, &store));
     } else {
-        println!("{}", idemproxy::demo::walkthrough(&proxy));
+        println!("{}", idemproxy::demo::walkthrough(&proxy, &store));
     }
     idemproxy::run(config, shutdown_signal()).await
 }

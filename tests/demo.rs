@@ -15,6 +15,8 @@ use support::binary::free_port;
 struct Demo {
     child: Child,
     out: PathBuf,
+    /// The `--store-path` it was given, which its walkthrough names.
+    store: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -24,6 +26,7 @@ impl Demo {
     fn start(args: &[&str]) -> Demo {
         let dir = tempfile::tempdir().expect("tempdir");
         let out = dir.path().join("out");
+        let store = dir.path().join("store");
         let file = std::fs::File::create(&out).expect("output file");
         let err = file.try_clone().expect("output file");
         let child = support::binary::command()
@@ -34,7 +37,7 @@ impl Demo {
             .arg("--admin-listen")
             .arg(format!("127.0.0.1:{}", free_port()))
             .arg("--store-path")
-            .arg(dir.path().join("store"))
+            .arg(&store)
             .stdin(Stdio::null())
             .stdout(file)
             .stderr(err)
@@ -43,6 +46,7 @@ impl Demo {
         let mut demo = Demo {
             child,
             out,
+            store,
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(15);
@@ -110,6 +114,8 @@ fn the_demo_starts_without_a_warning_and_its_five_steps_do_what_they_say() {
     let (screen, steps) = demo.first_screen_and_steps();
     assert!(!screen.contains("WARN"), "{screen}");
     assert_eq!(steps.len(), 5, "{screen}");
+    let store = format!("The store lives in {}:", demo.store.display());
+    assert!(screen.contains(&store), "{screen}");
 
     let first = run(&steps[0]);
     assert!(first.starts_with("HTTP/1.1 201"), "{first}");

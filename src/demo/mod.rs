@@ -17,8 +17,8 @@ pub fn router() -> Router {
 }
 
 /// The walkthrough `idemproxy demo` prints when it starts, for a proxy
-/// listening on `proxy`.
-pub fn walkthrough(proxy: &str) -> String {
+/// listening on `proxy`; `store` says where its records live.
+pub fn walkthrough(proxy: &str, store: &str) -> String {
     format!(
         r#"
 idemproxy demo: proxy on http://{proxy}  (embedded store, demo payments API behind it)
@@ -39,14 +39,14 @@ idemproxy demo: proxy on http://{proxy}  (embedded store, demo payments API behi
 5. Count the charges the API really made:
    curl -s http://{proxy}/v1/payments
 
-Stop with Ctrl-C. The store lives in ./idemproxy-demo-data: restart the demo and step 2 still replays.
+Stop with Ctrl-C. {store}
 "#
     )
 }
 
 /// The walkthrough `idemproxy demo --mcp` prints: an agent's tool calls
 /// through the MCP route at [`MCP_PATH`].
-pub fn mcp_walkthrough(proxy: &str) -> String {
+pub fn mcp_walkthrough(proxy: &str, store: &str) -> String {
     let post = format!(
         "curl -s http://{proxy}{MCP_PATH} -H 'Content-Type: application/json' \
          -H 'Accept: application/json, text/event-stream' -d"
@@ -76,7 +76,7 @@ idemproxy demo --mcp: an MCP route on http://{proxy}{MCP_PATH}  (embedded store,
 5. Read the outbox (read-only: passes through, no key needed): one email, not two:
    {post} '{{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{{"name":"outbox","arguments":{{}}}}}}'
 
-Stop with Ctrl-C. The store lives in ./idemproxy-demo-data: restart the demo and step 2 replays.
+Stop with Ctrl-C. {store}
 "#,
         first = call(2, "Your receipt"),
         again = call(3, "Your receipt"),
