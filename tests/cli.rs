@@ -9,23 +9,10 @@ use std::time::Duration;
 
 use idemproxy::config::FlagOverrides;
 use idemproxy::Config;
+// The binary without the test's `IDEMPROXY_*` variables.
+use support::binary::command as idemproxy;
 use support::proxy::TestClient;
 use support::upstream::TestUpstream;
-
-const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
-
-/// The binary with no `IDEMPROXY_*` variable inherited from the test's
-/// environment.
-fn idemproxy() -> Command {
-    let mut cmd = Command::new(BIN);
-    for (name, _) in std::env::vars() {
-        if name.starts_with("IDEMPROXY_") {
-            cmd.env_remove(name);
-        }
-    }
-    cmd.env_remove("RUST_LOG");
-    cmd
-}
 
 fn run(cmd: &mut Command) -> (Output, String, String) {
     let out = cmd.output().expect("run idemproxy");
