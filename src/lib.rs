@@ -10,7 +10,7 @@
 //! 4. [`forward`] sends it to the upstream and classifies failures by
 //!    whether the request could have executed.
 //!
-//! The modules are layers that import one way only (README, "Layout";
+//! The modules are layers that import one way only (docs/development.md, "Layout";
 //! `tests/architecture.rs` holds them to it): [`core`] is the leaf;
 //! [`http`], [`observe`], [`store`], [`forward`], [`idempotency`],
 //! [`server`] and [`admin`] build on the ones before them; each part owns
@@ -256,9 +256,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let admin_listener = TcpListener::bind(config.admin_listen)
         .await
         .map_err(|e| format!("cannot listen on {} (admin): {e}", config.admin_listen))?;
-    for warning in settings::warnings(&config) {
-        tracing::warn!("{warning}");
-    }
     tracing::info!(
         listen = %config.listen,
         admin = %config.admin_listen,

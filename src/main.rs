@@ -22,7 +22,9 @@ use tracing_subscriber::{Layer, Registry};
 #[derive(Parser)]
 #[command(
     name = "idemproxy",
-    version,
+    // The commit too: two builds of one version differ, and a bug report
+    // needs to say which (build.rs).
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IDEMPROXY_COMMIT"), ")"),
     about = "An Idempotency-Key enforcing reverse proxy"
 )]
 struct Cli {
@@ -39,7 +41,12 @@ enum Command {
     /// Validate the configuration and print the effective result.
     Check,
     /// Run the proxy on the embedded store in front of a built-in demo API.
-    Demo,
+    Demo {
+        /// Show an agent's tool calls instead: an MCP route in front of a
+        /// demo MCP server.
+        #[arg(long)]
+        mcp: bool,
+    },
     /// Serve only the demo payments API (on --listen, default 127.0.0.1:3000).
     DemoApi,
     /// GET a URL and exit 0 on a 2xx answer: a health check for images
@@ -126,8 +133,11 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
-    let demo = matches!(cli.command, Some(Command::Demo));
-    let config = match load_config(&cli.flags, demo) {
+    let demo = match cli.command {
+        Some(Command::Demo { mcp }) => Some(mcp),
+        _ => None,
+    };
+    let config = match load_config(&cli.flags, demo.is_some()) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("idemproxy: {e}");
@@ -162,10 +172,9 @@ fn main() -> ExitCode {
         tracing::warn!(%variable, "ignored: this IDEMPROXY_* variable names no configuration field");
     }
     block_on(async move {
-        if demo {
-            run_demo(config).await
-        } else {
-            idemproxy::run(config, shutdown_signal()).await
+        match demo {
+            Some(mcp) => run_demo(config, mcp).await,
+            None => idemproxy::run(config, shutdown_signal()).await,
         }
     })
 }
@@ -266,7 +275,9 @@ fn probe(url: &str) -> ExitCode {
     })
 }
 
-async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {
+/// The demo APIs on a port of their own, the proxy in front of them; with
+/// `mcp`, an MCP route in front of the demo MCP server too.
+async fn run_demo(mut config: Config, mcp: bool) -> Result<(), idemproxy::Error> {
     let api = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let api_addr = api.local_addr()?;
     tokio::spawn(async move {
@@ -276,10 +287,25 @@ async fn run_demo(mut config: Config) -> Result<(), idemproxy::Error> {
     if config.store.kind != StoreKind::Embedded && config.store.kind != StoreKind::Memory {
         config.store.kind = StoreKind::Embedded;
     }
-    println!(
-        "{}",
-        idemproxy::demo::walkthrough(&config.listen.to_string())
-    );
+    let proxy = config.listen.to_string();
+    let store = match config.store.kind {
+        StoreKind::Memory => "The store is in memory: it goes when the demo stops.".to_owned(),
+        _ => format!(
+            "The store lives in {}: restart the demo and step 2 still replays.",
+            config.store.path.display()
+        ),
+    };
+    if mcp {
+        config.routes.push(idemproxy::config::RouteConfig {
+            name: "mcp".into(),
+            path: idemproxy::demo::MCP_PATH.into(),
+            protocol: idemproxy::config::Protocol::Mcp,
+            idempotency: config.idempotency.clone(),
+        });
+        println!("{}", idemproxy::demo::mcp_walkthrough(&proxy, &store));
+    } else {
+        println!("{}", idemproxy::demo::walkthrough(&proxy, &store));
+    }
     idemproxy::run(config, shutdown_signal()).await
 }
 

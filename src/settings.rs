@@ -166,31 +166,6 @@ fn redact_urls(value: &mut toml::Value) {
     }
 }
 
-/// What an operator should hear at startup about `config`: each route that
-/// scopes by the raw `Authorization` header, where a retry sent with a
-/// refreshed token executes again.
-pub(crate) fn warnings(config: &Config) -> Vec<String> {
-    let routes = config
-        .routes
-        .iter()
-        .map(|r| (r.name.as_str(), &r.idempotency))
-        .chain(std::iter::once(("default", &config.idempotency)));
-    routes
-        .filter(|(_, c)| {
-            c.scope
-                .iter()
-                .any(|s| s.eq_ignore_ascii_case("header:authorization"))
-        })
-        .map(|(route, _)| {
-            format!(
-                "route `{route}` scopes keys by the raw Authorization header: a retry sent with a \
-                 refreshed token lands in a new scope and executes again; scope by who calls \
-                 (jwt:sub with [identity], or a tenant header)"
-            )
-        })
-        .collect()
-}
-
 /// The routes' policies, in order, and the default one.
 pub(crate) fn policies(config: &Config) -> Result<Policies, Vec<String>> {
     let mut problems = Vec::new();
@@ -681,7 +656,7 @@ mod tests {
         }
     }
 
-    /// The example files the README points to load and validate as they
+    /// The example files the docs point to load and validate as they
     /// are.
     #[test]
     fn the_example_configs_are_valid() {
@@ -699,23 +674,6 @@ mod tests {
             }
         }
         assert!(loaded >= 2, "{loaded} example files");
-    }
-
-    #[test]
-    fn a_route_scoped_by_the_raw_authorization_header_is_warned_about() {
-        let warned = warnings(&Config::default());
-        assert_eq!(warned.len(), 1, "{warned:?}");
-        assert!(warned[0].contains("`default`") && warned[0].contains("refreshed token"));
-        let mut c = config();
-        // Routes hold what they inherit (see `Config::load`).
-        for settings in c.routes.iter_mut().map(|r| &mut r.idempotency) {
-            settings.scope = vec!["jwt:sub".into()];
-        }
-        c.idempotency.scope = vec!["jwt:sub".into()];
-        c.routes[0].idempotency.scope = vec!["Header:Authorization".into()];
-        let warned = warnings(&c);
-        assert_eq!(warned.len(), 1, "{warned:?}");
-        assert!(warned[0].contains("`payments`"), "{warned:?}");
     }
 
     #[test]

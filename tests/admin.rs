@@ -1,4 +1,4 @@
-//! README "Operating idemproxy" → Admin listener: the key API
+//! docs/operating.md, "Admin listener": the key API
 //! (`GET`/`DELETE /v1/keys/{hash}`, `POST /v1/keys/lookup`), its token, and
 //! the reconciliation flow for an `outcome-unknown` key.
 
@@ -631,7 +631,7 @@ impl Store for SlowComplete {
     }
 }
 
-/// README: "The client's response body ends only after the outcome is
+/// docs/contract.md: "The client's response body ends only after the outcome is
 /// stored, so a caller that retries the moment it has the response finds
 /// the record" — also when the response has a `Content-Length` (the client
 /// needs no end of stream to know the body is complete) or no body at all.

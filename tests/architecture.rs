@@ -1,4 +1,4 @@
-//! The crates' layers point one way (DESIGN §4; README, "Layout", quotes
+//! The crates' layers point one way (DESIGN §4; docs/development.md, "Layout", quotes
 //! the order). [`LAYERS`] below is the one place that order is written,
 //! for both crates: the proxy (`src/`) and the pure layers it builds on
 //! (`crates/idemproxy-core/src/`: `core`, `request`, `mcp`, `packed`).

@@ -9,23 +9,10 @@ use std::time::Duration;
 
 use idemproxy::config::FlagOverrides;
 use idemproxy::Config;
+// The binary without the test's `IDEMPROXY_*` variables.
+use support::binary::command as idemproxy;
 use support::proxy::TestClient;
 use support::upstream::TestUpstream;
-
-const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
-
-/// The binary with no `IDEMPROXY_*` variable inherited from the test's
-/// environment.
-fn idemproxy() -> Command {
-    let mut cmd = Command::new(BIN);
-    for (name, _) in std::env::vars() {
-        if name.starts_with("IDEMPROXY_") {
-            cmd.env_remove(name);
-        }
-    }
-    cmd.env_remove("RUST_LOG");
-    cmd
-}
 
 fn run(cmd: &mut Command) -> (Output, String, String) {
     let out = cmd.output().expect("run idemproxy");
@@ -117,7 +104,7 @@ fn check_applies_environment_and_flag_overrides() {
     // Flags win over the environment, which wins over the file.
     assert_eq!(printed.listen.to_string(), "127.0.0.1:18081");
 
-    // Every other flag, as the README's replica example uses them.
+    // Every other flag, as docs/stores.md's replica example uses them.
     let (out, stdout, stderr) = run(idemproxy()
         .arg("check")
         .arg("--config")
@@ -469,4 +456,71 @@ async fn the_binary_logs_one_line_per_request_in_either_format() {
             }
         }
     }
+}
+
+/// `--version` names the release (Cargo.toml's, which the CHANGELOG's
+/// latest version matches) and the commit it was built from.
+#[test]
+fn version_names_the_release_and_the_commit() {
+    let (out, stdout, stderr) = run(idemproxy().arg("--version"));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let commit = Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run git");
+    assert!(commit.status.success(), "git rev-parse failed");
+    let commit = String::from_utf8_lossy(&commit.stdout).trim().to_owned();
+    assert_eq!(
+        stdout.trim(),
+        format!("idemproxy {} ({commit})", env!("CARGO_PKG_VERSION"))
+    );
+    let changelog =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("CHANGELOG.md"))
+            .expect("read CHANGELOG.md");
+    let released = changelog
+        .lines()
+        .filter_map(|line| line.strip_prefix("## [")?.split(']').next())
+        .find(|version| *version != "Unreleased");
+    assert_eq!(
+        released,
+        Some(env!("CARGO_PKG_VERSION")),
+        "CHANGELOG.md's latest release"
+    );
+}
+
+/// A route scoped by the raw `Authorization` header (the default) says
+/// nothing at startup; the first covered request that carries a bearer
+/// token, which a refresh would move to a new scope, is warned about once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bearer_token_on_a_route_scoped_by_it_is_warned_about_once() {
+    use support::binary::ProxyProcess;
+    const WARNING: &str = "scopes keys by the raw Authorization header";
+    let upstream = TestUpstream::start().await;
+    let mut c = support::proxy::config(&upstream.url());
+    c.log.level = "info".into();
+    let proxy = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/orders");
+    let post = |key: &'static str, authorization: &'static str| {
+        let (client, url) = (&client, &url);
+        async move {
+            let headers = [("idempotency-key", key), ("authorization", authorization)];
+            let reply = client.post_json_with(url, &headers, "{}").await;
+            assert_eq!(reply.status, 201, "{reply:?}");
+        }
+    };
+    post("k1", "Basic YWxhZGRpbjpvcGVu").await;
+    post("k2", "sk_live_api_key").await;
+    let logs = proxy
+        .logs_when(|logs| logs.matches("idemproxy::request").count() >= 2)
+        .await;
+    assert!(!logs.contains(WARNING), "{logs}");
+    post("k3", "Bearer eyJ.first").await;
+    post("k4", "bearer eyJ.refreshed").await;
+    let logs = proxy
+        .logs_when(|logs| logs.matches("idemproxy::request").count() >= 4)
+        .await;
+    assert_eq!(logs.matches(WARNING).count(), 1, "{logs}");
+    assert!(logs.contains("route `default`"), "{logs}");
 }

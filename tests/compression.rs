@@ -507,6 +507,14 @@ async fn the_binary_trains_a_dictionary_from_its_store_and_uses_it() {
         + &String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{said}");
     assert!(said.contains("trained on 270 responses"), "{said}");
+    // Its walk's progress, as plain lines when stderr is not a terminal.
+    let progress = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        progress.contains(
+            "store train-dictionary: 300 records examined, 300 of 5000 responses sampled ("
+        ),
+        "{progress}"
+    );
     assert!(said.contains("held out"), "{said}");
     let trained = std::fs::read(&dictionary).expect("the dictionary");
     assert!(

@@ -120,10 +120,57 @@ fn every_field_of_the_config_is_in_the_shipped_file() {
     }
 }
 
+/// docs/configuration.md indexes every option by its dotted path
+/// (`store.compression`), each section's in one row, so a field added to
+/// the code and to config/idemproxy.toml is also found from the docs.
+#[test]
+fn every_field_of_the_config_is_in_the_configuration_reference() {
+    let reference = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md");
+    let text = std::fs::read_to_string(reference).expect("docs/configuration.md");
+    let indexed = |path: &String| {
+        let route_setting = path
+            .strip_prefix("routes.")
+            .filter(|field| !["name", "path", "protocol"].contains(field));
+        match route_setting {
+            Some(field) => text.contains(&format!("`idempotency.{field}`")),
+            None => text.contains(&format!("`{path}`")),
+        }
+    };
+    let missing: Vec<String> = config_paths().into_iter().filter(|p| !indexed(p)).collect();
+    assert!(
+        missing.is_empty(),
+        "options docs/configuration.md does not index (add each to its section's row of \
+         \"Every option\"): {missing:?}"
+    );
+}
+
 /// The file loads as it is, and what it sets is valid.
 #[test]
 fn the_shipped_file_loads_and_validates() {
     let config = Config::load(Some(&shipped()), Vec::new(), &FlagOverrides::default())
         .expect("config/idemproxy.toml loads");
     idemproxy::validate(&config).expect("config/idemproxy.toml is valid");
+}
+
+/// The README's setups a newcomer copies whole (each `toml` block with an
+/// `[upstream]`) load and validate as they are printed.
+#[test]
+fn the_readmes_setups_load_and_validate() {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
+        .expect("README.md");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut checked = 0;
+    for block in readme.split("```toml\n").skip(1) {
+        let text = block.split("```").next().unwrap_or_default();
+        if !text.contains("[upstream]") {
+            continue;
+        }
+        let file = dir.path().join("setup.toml");
+        std::fs::write(&file, text).expect("write");
+        let config = Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
+            .unwrap_or_else(|e| panic!("{e}\n{text}"));
+        idemproxy::validate(&config).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        checked += 1;
+    }
+    assert_eq!(checked, 2, "the embedded sidecar and the MCP server");
 }

@@ -188,27 +188,33 @@ fn metric_name_extraction_finds_every_name() {
     assert!(!exported_series().contains("idemproxy_made_up_total"));
 }
 
-#[test]
-fn kubernetes_sidecar_is_complete() {
-    let docs = yaml_docs("kubernetes/sidecar.yaml");
+/// What both Kubernetes forms share: a ConfigMap the proxy accepts, a
+/// Deployment whose proxy container (found by `sidecar_in`, `initContainers`
+/// or `containers`) has probes, limits and its Redis password from a
+/// Secret, and a PodMonitor. Returns the pod spec, the proxy container and
+/// the proxy's configuration.
+fn kubernetes_pod(file: &str, sidecar_in: &str) -> (Yaml, Yaml, Config) {
+    let docs = yaml_docs(file);
     let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
-    assert_eq!(kinds, ["ConfigMap", "Deployment", "PodMonitor"]);
+    assert_eq!(kinds, ["ConfigMap", "Deployment", "PodMonitor"], "{file}");
 
     // The ConfigMap's configuration is one the proxy accepts.
     let toml = docs[0]["data"]["idemproxy.toml"].as_str().expect("config");
     let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("idemproxy.toml");
-    std::fs::write(&file, toml).expect("write");
-    let config = Config::load(Some(&file), Vec::new(), &FlagOverrides::default())
-        .unwrap_or_else(|e| panic!("the ConfigMap's config is invalid: {e}"));
+    let path = dir.path().join("idemproxy.toml");
+    std::fs::write(&path, toml).expect("write");
+    let config = Config::load(Some(&path), Vec::new(), &FlagOverrides::default())
+        .unwrap_or_else(|e| panic!("{file}: the ConfigMap's config is invalid: {e}"));
     assert_eq!(config.upstream.url, "http://127.0.0.1:3000");
 
-    let pod = &docs[1]["spec"]["template"]["spec"];
-    let containers = pod["containers"].as_vec().expect("containers");
-    let sidecar = containers
-        .iter()
+    let pod = docs[1]["spec"]["template"]["spec"].clone();
+    let sidecar = pod[sidecar_in]
+        .as_vec()
+        .into_iter()
+        .flatten()
         .find(|c| c["name"].as_str() == Some("idemproxy"))
-        .expect("an idemproxy container");
+        .unwrap_or_else(|| panic!("{file}: no idemproxy container in {sidecar_in}"))
+        .clone();
     assert_eq!(
         sidecar["livenessProbe"]["httpGet"]["path"].as_str(),
         Some("/healthz")
@@ -217,6 +223,10 @@ fn kubernetes_sidecar_is_complete() {
         sidecar["readinessProbe"]["httpGet"]["path"].as_str(),
         Some("/readyz")
     );
+    assert_eq!(
+        sidecar["startupProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
     assert!(sidecar["resources"]["limits"]["memory"].as_str().is_some());
     let env = sidecar["env"].as_vec().expect("env");
     assert!(
@@ -224,12 +234,53 @@ fn kubernetes_sidecar_is_complete() {
             |e| e["valueFrom"]["secretKeyRef"]["name"].as_str().is_some()
                 && e["name"].as_str() == Some("REDIS_PASSWORD")
         ),
-        "the Redis password comes from a Secret"
+        "{file}: the Redis password comes from a Secret"
     );
     assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
-    let grace = pod["terminationGracePeriodSeconds"]
+    let app = pod["containers"]
+        .as_vec()
+        .into_iter()
+        .flatten()
+        .find(|c| c["name"].as_str() == Some("app"));
+    assert!(app.is_some(), "{file}: the application is a container");
+    (pod, sidecar, config)
+}
+
+fn grace_period(pod: &Yaml) -> Duration {
+    let seconds = pod["terminationGracePeriodSeconds"]
         .as_i64()
         .expect("grace period");
+    Duration::from_secs(u64::try_from(seconds).expect("a positive grace period"))
+}
+
+/// Kubernetes 1.29 or later: the proxy is a native sidecar, an init
+/// container that keeps running (`restartPolicy: Always`), so it is ready
+/// (its startupProbe passed) before the application starts and gets
+/// SIGTERM after the application exited; no preStop pause is needed.
+#[test]
+fn kubernetes_native_sidecar_starts_first_and_stops_last() {
+    let (pod, sidecar, config) = kubernetes_pod("kubernetes/sidecar.yaml", "initContainers");
+    assert_eq!(sidecar["restartPolicy"].as_str(), Some("Always"));
+    assert!(
+        sidecar["lifecycle"]["preStop"].is_badvalue(),
+        "a native sidecar stops after the app: no preStop pause"
+    );
+    assert!(grace_period(&pod) > config.drain_timeout);
+    let containers = pod["containers"].as_vec().expect("containers");
+    assert!(
+        containers
+            .iter()
+            .all(|c| c["name"].as_str() != Some("idemproxy")),
+        "the proxy is not also a plain container"
+    );
+}
+
+/// Older clusters: the proxy is a plain container, and both get SIGTERM at
+/// once, so a preStop pause keeps it serving while the application
+/// finishes the writes it sends through it.
+#[test]
+fn kubernetes_plain_sidecar_pauses_before_draining() {
+    let (pod, sidecar, config) = kubernetes_pod("kubernetes/sidecar-plain.yaml", "containers");
     // The preStop pause comes out of the same grace period.
     let pause: u64 = sidecar["lifecycle"]["preStop"]["exec"]["command"]
         .as_vec()
@@ -238,7 +289,7 @@ fn kubernetes_sidecar_is_complete() {
         .and_then(|s| s.parse().ok())
         .expect("a preStop sleep");
     assert!(
-        Duration::from_secs(grace as u64) > config.drain_timeout + Duration::from_secs(pause),
+        grace_period(&pod) > config.drain_timeout + Duration::from_secs(pause),
         "the pod outlives the pause and the drain"
     );
 }

@@ -110,6 +110,13 @@ async fn the_runbook_reconciles_an_unknown_outcome_on_every_store() {
         )
         .await;
         assert!(listed.ok, "{name}: {}", listed.stderr);
+        // Not a terminal: the walk's progress is a plain line on stderr,
+        // and stdout stays the JSON answer.
+        assert!(
+            listed.stderr.contains("keys list: ") && listed.stderr.contains(", 1 listed ("),
+            "{name}: {}",
+            listed.stderr
+        );
         let found = listed.json();
         let found = found.as_array().expect("a list");
         assert_eq!(found.len(), 1, "{name}: {found:?}");

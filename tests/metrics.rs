@@ -1,4 +1,4 @@
-//! README "Operating idemproxy" → Metrics and the admin listener's health
+//! docs/operating.md, "Metrics", and the admin listener's health
 //! endpoints, scraped over HTTP from a running proxy: every request counts
 //! exactly one outcome, labels are route names, histograms, store errors,
 //! releases, expired leases, the in-flight gauge, readiness.
@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 const ARRIVAL: Duration = Duration::from_secs(5);
 
-/// The `outcome` values the README lists for `idemproxy_requests_total`.
+/// The `outcome` values docs/operating.md lists for `idemproxy_requests_total`.
 const OUTCOMES: [&str; 23] = [
     "executed",
     "replayed",

@@ -7,7 +7,7 @@ use http::{HeaderValue, Response, StatusCode};
 use serde::Serialize;
 
 /// Problem types are URNs (RFC 9457 allows any URI): stable names that need
-/// no web server. Each slug is documented in the README.
+/// no web server. Each slug is documented in docs/contract.md.
 pub(crate) const PROBLEM_BASE: &str = "urn:idemproxy:problem:";
 
 /// One problem document: `type` (from its slug), `title`, `status`,

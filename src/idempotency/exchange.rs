@@ -161,7 +161,10 @@ where
         parts: &http::request::Parts,
     ) -> Result<[u8; 32], (RequestOutcome, Rejection)> {
         let rejection = match self.cx.policy.scope.scope(parts) {
-            Ok(scope) => return Ok(scope),
+            Ok(scope) => {
+                self.cx.policy.warn_if_bearer_scoped(&parts.headers);
+                return Ok(scope);
+            }
             Err(ScopeError::InvalidToken(why)) => Rejection::InvalidToken { why },
             Err(ScopeError::MissingIdentity) => Rejection::MissingIdentity,
         };

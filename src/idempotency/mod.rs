@@ -7,7 +7,7 @@
 //! the first one claims the key in the store and executes; every retry is
 //! answered from the stored record — replayed when it is the same request,
 //! refused when it is a different one (409) or still running (425). The full
-//! contract is the table in the README.
+//! contract is the table in docs/contract.md.
 //!
 //! The request path, in the order a covered request meets it:
 //! - [`layer`]: the settings every request shares;

@@ -3,6 +3,7 @@
 //! route name `default`.
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,6 +52,10 @@ pub struct Policy {
     /// `reconcile_url`, parsed; `None` when unset, and in observe mode
     /// (which answers nothing from the store).
     pub reconcile: Option<LookupTemplate>,
+    /// Set on a route that scopes by the raw `Authorization` header until
+    /// its first covered request with a bearer token has been warned about
+    /// (see [`Policy::warn_if_bearer_scoped`]).
+    bearer_scope_unwarned: AtomicBool,
 }
 
 /// What an MCP route knows besides its policy: the tool classification,
@@ -137,7 +142,37 @@ impl Policy {
                 .then(|| Arc::from(c.replay_body_field.as_str())),
             mcp: None,
             reconcile: reconcile.filter(|_| c.mode == Mode::Enforce),
+            bearer_scope_unwarned: AtomicBool::new(
+                c.scope
+                    .iter()
+                    .any(|s| s.eq_ignore_ascii_case("header:authorization")),
+            ),
         })
+    }
+
+    /// Warns, once per route, when a route scoped by the raw
+    /// `Authorization` header sees its first bearer token: such tokens are
+    /// refreshed between a lost answer and its retry, which then lands in
+    /// a new scope and executes again. Warning at startup instead would
+    /// greet every default configuration (the demo's first screen
+    /// included), whose callers may send API keys that never change.
+    pub fn warn_if_bearer_scoped(&self, headers: &http::HeaderMap) {
+        if !self.bearer_scope_unwarned.load(Ordering::Relaxed) {
+            return;
+        }
+        let bearer = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|value| value.as_bytes().get(..7))
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case(b"bearer "));
+        if bearer && self.bearer_scope_unwarned.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                route = %self.route,
+                "route `{}` scopes keys by the raw Authorization header and was sent a \
+                 bearer token: a retry sent with a refreshed token lands in a new scope and \
+                 executes again; scope by who calls (jwt:sub with [identity], or a tenant header)",
+                self.route
+            );
+        }
     }
 
     /// How long a lookup may take: `reconcile_timeout`, or the upstream's

@@ -7,7 +7,7 @@
 //!   caller's answer into another caller's replay.
 //! - Each seal draws a fresh 96-bit nonce from the system's CSPRNG. Random
 //!   nonces are safe for about 2^32 seals per key; rotate keys well before
-//!   (the README says how).
+//!   (docs/stores.md says how).
 //! - The first key seals; every key opens, found by a 4-byte id derived
 //!   from the key (never the key): rotation is "put the new key first,
 //!   keep the old one until its records expired (`ttl`)".

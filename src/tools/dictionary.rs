@@ -116,8 +116,16 @@ async fn stored_responses(config: &Config, limit: usize) -> Result<Vec<StoredRes
     })?;
     let mut responses = Vec::new();
     let mut cursor = ScanCursor::start();
+    let mut progress = super::progress::Progress::new("store train-dictionary");
     while responses.len() < limit {
-        let page = store.scan(&cursor, 500).await?;
+        let page = match store.scan(&cursor, 500).await {
+            Ok(page) => page,
+            Err(e) => {
+                progress.finish();
+                return Err(e.into());
+            }
+        };
+        let examined = page.records.len() + page.unreadable.len();
         responses.extend(
             page.records
                 .into_iter()
@@ -129,11 +137,19 @@ async fn stored_responses(config: &Config, limit: usize) -> Result<Vec<StoredRes
                     Record::Pending(_) => None,
                 }),
         );
+        progress.advance(
+            examined as u64,
+            format_args!(
+                "{} of {limit} responses sampled",
+                responses.len().min(limit)
+            ),
+        );
         match page.next {
             Some(next) => cursor = next,
             None => break,
         }
     }
+    progress.finish();
     responses.truncate(limit);
     Ok(responses)
 }

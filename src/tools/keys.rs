@@ -87,6 +87,16 @@ impl AdminClient {
     /// The keys `filter` selects, following the API's pages until `limit`
     /// are found or the walk is over.
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Value>, Error> {
+        self.list_with(filter, |_, _| {}).await
+    }
+
+    /// [`AdminClient::list`], telling `on_page` after each page how many
+    /// records it examined and how many keys are found so far.
+    pub async fn list_with(
+        &self,
+        filter: &ListFilter,
+        mut on_page: impl FnMut(u64, usize),
+    ) -> Result<Vec<Value>, Error> {
         let mut keys = Vec::new();
         let mut cursor: Option<String> = None;
         // A Redis Cluster's primaries changed under the walk (a failover):
@@ -117,6 +127,7 @@ impl AdminClient {
             if let Some(found) = page["keys"].as_array() {
                 keys.extend(found.iter().cloned());
             }
+            on_page(page["examined"].as_u64().unwrap_or(0), keys.len());
             match page["next_cursor"].as_str() {
                 Some(next) if keys.len() < filter.limit => cursor = Some(next.to_owned()),
                 _ => break,
@@ -442,7 +453,14 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
                 older_than: older_than.clone(),
                 limit: (*limit).max(1),
             };
-            let keys = client.list(&filter).await?;
+            let mut progress = super::progress::Progress::new("keys list");
+            let listed = client
+                .list_with(&filter, |examined, found| {
+                    progress.advance(examined, format_args!("{found} listed"));
+                })
+                .await;
+            progress.finish();
+            let keys = listed?;
             print(&serde_json::Value::from(keys.clone()), render_list(&keys));
         }
         KeysCommand::Show {

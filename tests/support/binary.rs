@@ -27,6 +27,19 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
 /// How long the binary gets to answer `/healthz` after it was started.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// The binary, with nothing from the test's environment that could change
+/// its configuration or its log (`IDEMPROXY_*`, `RUST_LOG`).
+pub fn command() -> Command {
+    let mut cmd = Command::new(BIN);
+    for (name, _) in std::env::vars() {
+        if name.starts_with("IDEMPROXY_") {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.env_remove("RUST_LOG");
+    cmd
+}
+
 /// A port free on 127.0.0.1 now, drawn below the ephemeral range (Linux:
 /// from 32768) so that no outgoing connection of the test takes it before
 /// the child binds it, and below the range `redis_server` draws from.
@@ -95,14 +108,7 @@ impl ProxyProcess {
         let log_file = std::fs::File::create(&log).map_err(|e| format!("log file: {e}"))?;
         let log_err = log_file.try_clone().map_err(|e| format!("log file: {e}"))?;
 
-        let mut cmd = Command::new(BIN);
-        // Nothing from the test's environment may change the configuration.
-        for (name, _) in std::env::vars() {
-            if name.starts_with("IDEMPROXY_") {
-                cmd.env_remove(name);
-            }
-        }
-        cmd.env_remove("RUST_LOG");
+        let mut cmd = command();
         for (name, value) in env {
             cmd.env(name, value);
         }
