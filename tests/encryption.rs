@@ -121,10 +121,18 @@ async fn the_embedded_file_holds_no_plaintext_of_a_sealed_response() {
         assert!(post(&client, &proxy, "secret-2").await.replayed());
         assert!(contains(&first.body, MARKER));
         proxy.shutdown().await;
-        let mut leaked = false;
-        for entry in std::fs::read_dir(dir.path()).expect("store dir") {
-            let bytes = std::fs::read(entry.expect("entry").path()).expect("read a store file");
-            leaked |= contains(&bytes, MARKER);
+        // Every file of the store's directory tree (journals, tables).
+        let (mut leaked, mut dirs) = (false, vec![dir.path().to_path_buf()]);
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).expect("store dir") {
+                let path = entry.expect("entry").path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else {
+                    let bytes = std::fs::read(&path).expect("read a store file");
+                    leaked |= contains(&bytes, MARKER);
+                }
+            }
         }
         assert_eq!(leaked, sealing.is_none(), "sealed: {}", sealing.is_some());
     }

@@ -30,6 +30,8 @@ mod contract_keys;
 mod contract_replay;
 mod deploy;
 mod differential_json;
+mod embedded_crash;
+mod embedded_migration;
 mod embedded_restart;
 mod encryption;
 mod fault_garbage;
