@@ -2,7 +2,7 @@
 # Side-by-side load comparison, one run, one machine:
 #   nginx as a plain reverse proxy (the control)  vs
 #   idemproxy on the memory store  vs  idemproxy on a private Redis  vs
-#   idemproxy on the embedded store (the default: an fsync'd redb file,
+#   idemproxy on the embedded store (the default: fjall, its journal fsync'd,
 #   here in a scratch directory),
 # and, for the unique-key traffic, the floor of idemproxy's own stack
 # (examples/bare_forward: hyper's server and hyper-util's client, one

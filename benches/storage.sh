@@ -19,7 +19,7 @@
 #       redis: INFO used_memory after - before, / records; plus the mean
 #              MEMORY USAGE and STRLEN of 200 keys (SCAN ... COUNT 1000);
 #       embedded: growth of the store directory (du -b) once the proxy has
-#              stopped, / records (redb grows in steps: approximate);
+#              stopped, / records (journal and tables: approximate);
 #       memory: growth of the proxy's RSS, / records (approximate);
 #   - CPU per first execution: the proxy's CPU time over the N requests
 #     (every thread's /proc/PID/task/TID/schedstat, ns; the utime+stime
@@ -430,7 +430,7 @@ def fmt(v, spec):
 what = {"redis": "used_memory", "embedded": "du -b", "memory": "RSS"}
 print()
 print(f"{binary}: N={n} first executions per run at {rate} req/s, {replays} replays; medians of {rounds} rounds")
-print("bytes/record: redis INFO used_memory delta, embedded file growth (approximate: redb grows in steps),")
+print("bytes/record: redis INFO used_memory delta, embedded directory growth (approximate: journal and tables),")
 print("memory RSS growth (approximate); memory_usage, strlen: Redis MEMORY USAGE / STRLEN of 200 keys;")
 print("cpu: the proxy's CPU per request (µs); replay_cached: with the default local replay cache (memory: the")
 print("store itself), cache_hit%: how many of those the cache answered (it holds ~40 MiB in 4 KiB units, so")

@@ -84,6 +84,10 @@ enum StoreCommand {
         #[arg(long, default_value_t = 16 * 1024)]
         size: usize,
     },
+    /// Move an earlier version's embedded store (the redb file in
+    /// `store.path`) into the LSM tree now, rather than on the next start
+    /// (the store must not be in use).
+    Migrate,
 }
 
 #[derive(Args)]
@@ -159,6 +163,7 @@ fn main() -> ExitCode {
             };
             return block_on(train_dictionary(config, options, out));
         }
+        Some(Command::Store(StoreCommand::Migrate)) => return migrate_store(&config),
         _ => {}
     }
     let _telemetry = match init_telemetry(&config) {
@@ -236,6 +241,33 @@ async fn train_dictionary(
         out.display()
     );
     Ok(())
+}
+
+/// `idemproxy store migrate`: opens the embedded store, which migrates an
+/// earlier version's file, and says what it did.
+fn migrate_store(config: &Config) -> ExitCode {
+    if config.store.kind != idemproxy::config::StoreKind::Embedded {
+        eprintln!("idemproxy: store migrate works on the embedded store only");
+        return ExitCode::from(2);
+    }
+    match idemproxy::store::EmbeddedStore::open(&config.store.path) {
+        Ok(store) => {
+            match store.migrated() {
+                Some(done) => println!(
+                    "migrated {} records ({} unreadable, kept to be listed) into {}",
+                    done.records,
+                    done.unreadable,
+                    store.path().display()
+                ),
+                None => println!("nothing to migrate in {}", config.store.path.display()),
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("idemproxy: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn block_on(work: impl std::future::Future<Output = Result<(), idemproxy::Error>>) -> ExitCode {

@@ -24,7 +24,7 @@ async fn proxy_on(store: StoreKind, upstream: &TestUpstream, dir: &TempDir) -> T
 
 /// Whether the proxy really ran on the embedded store in `dir`.
 fn assert_store(store: StoreKind, dir: &TempDir) {
-    let file = dir.path().join(idemproxy::store::embedded::FILE_NAME);
+    let file = dir.path().join(idemproxy::store::embedded::DATA_DIR);
     assert_eq!(file.exists(), store == StoreKind::Embedded, "{file:?}");
 }
 

@@ -106,6 +106,23 @@ async fn redis_holds_no_plaintext_of_a_sealed_response() {
     }
 }
 
+/// Whether any file of the directory tree at `dir` (the embedded store's
+/// journals and tables) holds `needle`.
+fn any_file_contains(dir: &std::path::Path, needle: &str) -> bool {
+    let (mut found, mut dirs) = (false, vec![dir.to_path_buf()]);
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("store dir") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                found |= contains(&std::fs::read(&path).expect("read a store file"), needle);
+            }
+        }
+    }
+    found
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedded_file_holds_no_plaintext_of_a_sealed_response() {
     let upstream = TestUpstream::start().await;
@@ -121,11 +138,7 @@ async fn the_embedded_file_holds_no_plaintext_of_a_sealed_response() {
         assert!(post(&client, &proxy, "secret-2").await.replayed());
         assert!(contains(&first.body, MARKER));
         proxy.shutdown().await;
-        let mut leaked = false;
-        for entry in std::fs::read_dir(dir.path()).expect("store dir") {
-            let bytes = std::fs::read(entry.expect("entry").path()).expect("read a store file");
-            leaked |= contains(&bytes, MARKER);
-        }
+        let leaked = any_file_contains(dir.path(), MARKER);
         assert_eq!(leaked, sealing.is_none(), "sealed: {}", sealing.is_some());
     }
 }
@@ -190,10 +203,10 @@ async fn the_binary_seals_with_the_keys_its_environment_holds() {
     assert!(contains(&first.body, MARKER));
     proxy.terminate();
     proxy.wait_exit(std::time::Duration::from_secs(10)).await;
-    for entry in std::fs::read_dir(dir.path().join("data")).expect("store dir") {
-        let bytes = std::fs::read(entry.expect("entry").path()).expect("read");
-        assert!(!contains(&bytes, MARKER), "plaintext in the store file");
-    }
+    assert!(
+        !any_file_contains(&dir.path().join("data"), MARKER),
+        "plaintext in the store's files"
+    );
 
     let short = base64::engine::general_purpose::STANDARD.encode([1; 16]);
     let output = std::process::Command::new(support::binary::BIN)

@@ -33,6 +33,8 @@ mod demo;
 mod deploy;
 mod differential_json;
 mod doc_links;
+mod embedded_crash;
+mod embedded_migration;
 mod embedded_restart;
 mod encryption;
 mod fault_garbage;

@@ -22,7 +22,7 @@ PARTS = [
     ("fingerprint: JSON parse", r"canonical::Document::parse|serde_json::de|serde_json::read|NameSeed|EntrySeed"),
     ("fingerprint: canonical form", r"canonical::write|Document::write_node|utf16_cmp|smallsort"),
     ("fingerprint: memo and rest", r"fingerprint::|quick_cache|foldhash"),
-    ("store", r"idemproxy::store::|redb::"),
+    ("store", r"idemproxy::store::|fjall::|lsm_tree::"),
     ("record encode/decode", r"core::record::|postcard::"),
     ("log line", r"log_format|log_writer|RequestLog|tracing_core|tracing_subscriber"),
     ("metrics", r"idemproxy::observe::metrics|prometheus_client"),

@@ -1,22 +1,22 @@
-//! Durable store on local disk (the default): one redb database file, one
-//! process. Records survive restarts and crashes, because every change is
-//! committed with immediate durability (fsync) before its call returns.
+//! Durable store on local disk (the default): an LSM tree (fjall) in one
+//! directory, one process. Records survive restarts and crashes, because
+//! every change is in a journal synced to disk (`fdatasync`) before its
+//! call returns.
 //!
 //! # Group commit
 //!
-//! An fsync takes a fraction of a millisecond to several, and redb has one
-//! writer at a time: a transaction per change capped the store at one
-//! change per fsync (about 1,600 first executions/s here, each a claim and
-//! a completion, at 20 ms p50 under 32 concurrent requests). So every
-//! change goes to one writer thread, which takes all the changes queued
-//! while it was busy (up to [`MAX_GROUP`]), applies them in order in one
-//! write transaction and commits it with one fsync; only then does it
-//! answer their callers. Each change still sees every change queued before
-//! it, and is answered only once it is durable, so the contract is the one
-//! a transaction per change gave. A change refused on its own merits (a
+//! An fsync takes a fraction of a millisecond to several: a sync per
+//! change would cap the store at one change per fsync. So every change
+//! goes to one writer thread, which takes all the changes queued while it
+//! was busy (up to [`MAX_GROUP`]), applies them in order to the group's
+//! view of the keyspace ([`tables::Tables`]), then writes them as one
+//! batch to the journal and syncs it once; only then does it answer their
+//! callers. Each change still sees every change queued before it, and is
+//! answered only once it is durable, so the contract is the one a
+//! transaction per change gave. A change refused on its own merits (a
 //! fencing token that does not own the key, a record that does not decode)
 //! writes nothing and leaves the rest of its group to commit; a failure of
-//! redb itself aborts the group, and every change in it gets the error.
+//! fjall itself aborts the group, and every change in it gets the error.
 //!
 //! The queue to the writer holds at most [`MAX_QUEUED`] changes: past that
 //! the disk is not keeping up, and a change fails at once (503) instead of
@@ -27,22 +27,45 @@
 //!
 //! `begin` goes to the writer too, which decides it on the state it would
 //! change: most begins are first executions, which write. Those that only
-//! decide (a duplicate in flight, a replay) do not make their group commit:
-//! a group that wrote nothing ends without a commit or an fsync. Replays of
+//! decide (a duplicate in flight, a replay) do not make their group write:
+//! a group that wrote nothing ends without a batch or an fsync. Replays of
 //! recent keys do not reach the store at all: `open_store` puts a replay
-//! cache in front of it (see [`crate::store::cache`]). `get` and `ping` read
-//! snapshots on Tokio's blocking pool and never wait for the writer.
+//! cache in front of it (see [`crate::store::cache`]). `get`, the walks and
+//! `ping` read the keyspace on Tokio's blocking pool and never wait for the
+//! writer.
 //!
-//! Layout, two tables written together in every transaction:
+//! # Only durable state is served
 //!
-//! - `records`: the 32 record-key bytes → [`Record::encode`] bytes.
-//! - `expiry`: `(expires_at, record key)` → `()`, an index ordered by expiry,
-//!   so purging reads only the records that are due instead of scanning (and
-//!   decoding) every record kept for the whole TTL.
+//! A group's writes reach the keyspace only through
+//! [`tables::Tables::commit`], which syncs the journal before it applies
+//! the batch to the memtables and makes it visible: what any reader sees
+//! is durable. Within a group, changes read each other's writes from the
+//! group's own overlay, and are answered after the sync.
 //!
-//! redb is a blocking library: it runs on the writer thread and on Tokio's
-//! blocking pool, never on a traffic worker's event loop.
+//! # Fencing tokens across restarts
+//!
+//! A claim's fencing token is the 128-bit random token its caller drew
+//! (`Begin::token`), stored in the claim's record: the store hands out no
+//! counter that a restart could wind back. A holder from before a crash
+//! keeps owning its key only if its claim was durable (then the record
+//! after the restart is that claim); a claim lost with an unsynced group
+//! was never answered, so nobody holds it.
+//!
+//! # Layout
+//!
+//! One keyspace, [`RECORDS_KEYSPACE`]: the 32 record-key bytes → the
+//! record's `expires_at` (8 bytes, big-endian) and [`Record::encode`]'s
+//! bytes. Expired records are dropped by compactions (a filter reading that
+//! prefix, [`expiry`]) and by the purge, which walks the keyspace for the
+//! idle times when no compaction runs. A directory written by the redb
+//! store of earlier versions is migrated on open ([`migrate`]).
+//!
+//! fjall is a blocking library: it runs on the writer thread, on its own
+//! background threads (flushes, compactions) and on Tokio's blocking pool,
+//! never on a traffic worker's event loop.
 
+mod expiry;
+pub mod migrate;
 mod tables;
 mod writer;
 
@@ -53,15 +76,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redb::{Database, DatabaseError, ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
-use self::tables::{
-    db_error, delete, live, purge_batch, read, read_for_write, replace, EXPIRY, RECORDS,
-};
-use self::writer::{storage, Waited, WriteError, Writer};
+use self::expiry::{ExpiryFilters, Horizon, PURGE_BATCH};
+use self::tables::{db_error, decode, encode_value, expiry_of, live, read, record_bytes, wrap};
+use self::writer::{Waited, WriteError, Writer};
 pub use self::writer::{MAX_GROUP, MAX_QUEUED};
 use super::{
     check_owner, scan_after, Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor,
@@ -69,39 +91,45 @@ use super::{
 };
 use crate::core::{
     decide_begin, running_lease, Clock, CompletedRecord, FencingToken, Record, RecordKey,
-    RecordMeta,
+    RecordMeta, UnixMillis,
 };
 
-/// The database file inside the configured directory.
-pub const FILE_NAME: &str = "idemproxy.redb";
+/// The database directory inside the configured one.
+pub const DATA_DIR: &str = "idemproxy.fjall";
 
-/// Name of the redb table holding the records (key: `&[u8; 32]`, value:
-/// `&[u8]`). Public so that tools and tests can inspect the file directly
-/// while no store has it open.
-pub const RECORDS_TABLE: &str = "records";
+/// The keyspace holding the records (see "Layout" above). Public so that
+/// tools and tests can inspect the database directly while no store has it
+/// open.
+pub const RECORDS_KEYSPACE: &str = "records";
 
-/// Upper bound of redb's page cache (its read cache and write buffer).
-/// redb's default (1 GiB) is sized for a database server, not a sidecar;
-/// the OS's page cache backs what does not fit. The proxy's RSS levels off
-/// at about this plus its own working set however large the file grows,
-/// and a larger cache served no more first executions per second
-/// (docs/performance.md, "What made it faster").
-const CACHE_BYTES: usize = 16 * 1024 * 1024;
+/// fjall's block cache. Its default (32 MiB) is sized for a database, not
+/// a sidecar; the OS's page cache backs what does not fit.
+const CACHE_BYTES: u64 = 8 * 1024 * 1024;
 
-/// A [`Store`] on local disk, backed by redb.
+/// The memtable's size before it is flushed to a table. fjall's default
+/// (64 MiB) alone would exceed the RSS a sidecar is allowed; a small one
+/// means more, smaller flushes, which compactions merge.
+const MEMTABLE_BYTES: u64 = 8 * 1024 * 1024;
+
+/// A [`Store`] on local disk, backed by fjall.
 ///
 /// Share it as `Arc<EmbeddedStore>` (it coerces to a [`super::SharedStore`]).
-/// The database file stays locked, and open, until the store and every call
+/// The database stays locked, and open, until the store and every call
 /// still running on it are dropped.
 pub struct EmbeddedStore {
-    db: Arc<Database>,
+    /// Holds the database open (and locked) with the writer's handle.
+    records: Keyspace,
     path: PathBuf,
     /// Every change goes through here. Dropping it closes the queue and
-    /// joins the writer thread (which holds a clone of `db`), so the file
+    /// joins the writer thread (which holds the database), so the database
     /// is closed by the time the store is gone and a restart can open it
     /// again at once; unless a read or a purge is still running on the
-    /// blocking pool, with its own clone, which closes it when it ends.
+    /// blocking pool, with its own handle, which closes it when it ends.
     writer: Writer,
+    /// Up to when compactions drop expired records: advanced by the purge.
+    horizon: Horizon,
+    /// What this open migrated from an earlier version's redb file.
+    migrated: Option<migrate::Migrated>,
     /// Never sent on: dropping the store drops it, which ends the purger at
     /// once instead of at its next tick.
     purger_stop: watch::Sender<()>,
@@ -121,13 +149,16 @@ impl std::fmt::Debug for EmbeddedStore {
 
 impl EmbeddedStore {
     /// Opens (creating if needed) the database in `dir`, which is created too
-    /// if missing.
+    /// if missing, and migrates the records of an earlier version's redb
+    /// file found there ([`migrate`]).
     ///
-    /// Blocking: it does file I/O, and after a crash redb repairs the file
-    /// before returning. Call it at startup, or through `spawn_blocking`.
+    /// Blocking: it does file I/O, and after a crash fjall replays its
+    /// journal before returning. Call it at startup, or through
+    /// `spawn_blocking`.
     ///
-    /// The file is locked exclusively: a second open of the same directory,
-    /// from this process or another, fails with [`StoreError::Unavailable`].
+    /// The database is locked exclusively: a second open of the same
+    /// directory, from this process or another, fails with
+    /// [`StoreError::Unavailable`].
     pub fn open(dir: &Path) -> Result<EmbeddedStore, StoreError> {
         fs::create_dir_all(dir).map_err(|e| {
             StoreError::Unavailable(format!(
@@ -135,12 +166,20 @@ impl EmbeddedStore {
                 dir.display()
             ))
         })?;
-        let path = dir.join(FILE_NAME);
-        let db = Database::builder()
-            .set_cache_size(CACHE_BYTES)
-            .create(&path)
+        let path = dir.join(DATA_DIR);
+        let horizon = Horizon::default();
+        let filters = Arc::new(ExpiryFilters(horizon.clone()));
+        let db = Database::builder(&path)
+            .cache_size(CACHE_BYTES)
+            // Every batch says how it is persisted (`Tables::commit`).
+            .manual_journal_persist(true)
+            .with_compaction_filter_factories(Arc::new(move |keyspace| {
+                (keyspace == RECORDS_KEYSPACE)
+                    .then(|| Arc::clone(&filters) as Arc<dyn fjall::compaction::filter::Factory>)
+            }))
+            .open()
             .map_err(|e| match e {
-                DatabaseError::DatabaseAlreadyOpen => StoreError::Unavailable(format!(
+                fjall::Error::Locked => StoreError::Unavailable(format!(
                     "{} is already open (by this process or another); \
                      an embedded store belongs to one process",
                     path.display()
@@ -149,24 +188,25 @@ impl EmbeddedStore {
                     StoreError::Unavailable(format!("cannot open {}: {other}", path.display()))
                 }
             })?;
-        // Creating the tables up front lets read transactions open them
-        // without handling a missing table.
-        let txn = db.begin_write().map_err(db_error)?;
-        txn.open_table(RECORDS).map_err(db_error)?;
-        txn.open_table(EXPIRY).map_err(db_error)?;
-        txn.commit().map_err(db_error)?;
+        let records = db
+            .keyspace(RECORDS_KEYSPACE, || {
+                KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES)
+            })
+            .map_err(db_error)?;
+        let migrated = migrate::from_redb(dir, &db, &records)?;
         let (purger_stop, _) = watch::channel(());
-        let db = Arc::new(db);
         Ok(EmbeddedStore {
-            writer: Writer::start(Arc::clone(&db))?,
-            db,
+            writer: Writer::start(db, records.clone())?,
+            records,
             path,
+            horizon,
+            migrated,
             purger_stop,
             clock: Clock::wall(),
         })
     }
 
-    /// Write transactions the writer has committed since the store opened.
+    /// Groups the writer has written and synced since the store opened.
     /// Under concurrent load, fewer than the changes they carried.
     pub fn commit_count(&self) -> u64 {
         self.writer.commits.load(Ordering::Relaxed)
@@ -178,39 +218,73 @@ impl EmbeddedStore {
         self
     }
 
-    /// The database file.
+    /// What opening the store migrated from an earlier version's redb file
+    /// (`None`: there was none).
+    pub fn migrated(&self) -> Option<migrate::Migrated> {
+        self.migrated
+    }
+
+    /// The database directory.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
     /// Deletes every record whose `expires_at` has passed; returns how many.
     ///
-    /// Async (the work runs on the blocking pool), in batches of short write
-    /// transactions. Records that cannot be decoded are left for an operator
-    /// to inspect and remove.
+    /// Async: it walks the keyspace on the blocking pool, reading each
+    /// value's expiry prefix, and deletes what is due through the writer,
+    /// in groups of [`PURGE_BATCH`]. Records that cannot be read are left
+    /// for an operator to inspect and remove. It also lets compactions drop
+    /// what expired by now.
     pub async fn purge_expired(&self) -> Result<usize, StoreError> {
         let now = self.clock.now_millis();
-        self.blocking(move |db| {
-            let mut purged = 0;
-            loop {
-                let (batch_purged, more) = purge_batch(db, now)?;
-                purged += batch_purged;
-                if !more {
-                    return Ok(purged);
+        self.horizon.advance(now);
+        let mut after: Option<RecordKey> = None;
+        let mut purged = 0;
+        loop {
+            let (due, walked_to) = self
+                .blocking(move |records| due_after(records, after, now))
+                .await?;
+            purged += self.delete_if_expired(due, now).await?;
+            if walked_to.is_none() {
+                return Ok(purged);
+            }
+            after = walked_to;
+        }
+    }
+
+    /// Deletes those of `due` that are still expired at `now` (one may have
+    /// been claimed again since it was read); returns how many.
+    async fn delete_if_expired(
+        &self,
+        due: Vec<RecordKey>,
+        now: UnixMillis,
+    ) -> Result<usize, StoreError> {
+        if due.is_empty() {
+            return Ok(0);
+        }
+        self.write(Waited::Either, move |tables| {
+            let mut deleted = 0;
+            for key in due {
+                let expired = tables
+                    .value(&key)?
+                    .and_then(|value| expiry_of(&value))
+                    .is_some_and(|expires_at| expires_at <= now);
+                if expired {
+                    tables.delete(&key);
+                    deleted += 1;
                 }
             }
+            Ok(deleted)
         })
         .await
     }
 
-    /// How many records the file holds, expired ones not yet purged included.
+    /// How many records the database holds, expired ones not yet purged
+    /// included (a walk: for tests and tools).
     pub async fn record_count(&self) -> Result<u64, StoreError> {
-        self.blocking(|db| {
-            let txn = db.begin_read().map_err(db_error)?;
-            let records = txn.open_table(RECORDS).map_err(db_error)?;
-            records.len().map_err(db_error)
-        })
-        .await
+        self.blocking(|records| records.len().map(|n| n as u64).map_err(db_error))
+            .await
     }
 
     /// Starts a task that purges expired records every `every` (the first
@@ -245,19 +319,61 @@ impl EmbeddedStore {
         })
     }
 
-    /// Runs `op` on the blocking pool. The database handle goes with it, so a
-    /// caller that stops waiting (timeout) leaves a consistent transaction
-    /// behind: it commits or aborts as a whole.
+    /// Runs `op` on the blocking pool with the records keyspace, whose
+    /// handle goes with it.
     async fn blocking<T, F>(&self, op: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&Database) -> Result<T, StoreError> + Send + 'static,
+        F: FnOnce(&Keyspace) -> Result<T, StoreError> + Send + 'static,
     {
-        let db = Arc::clone(&self.db);
-        tokio::task::spawn_blocking(move || op(&db))
+        let records = self.records.clone();
+        tokio::task::spawn_blocking(move || op(&records))
             .await
             .map_err(|e| StoreError::Unavailable(format!("embedded store task failed: {e}")))?
     }
+}
+
+/// Up to [`PURGE_BATCH`] keys after `after` whose records expired by `now`,
+/// and where the walk goes on (`None`: the keyspace is walked). Reads only
+/// each value's prefix; one without it is left alone.
+fn due_after(
+    records: &Keyspace,
+    after: Option<RecordKey>,
+    now: UnixMillis,
+) -> Result<(Vec<RecordKey>, Option<RecordKey>), StoreError> {
+    let mut due = Vec::new();
+    let mut last = None;
+    for (walked, entry) in walk_after(records, after).enumerate() {
+        if due.len() >= PURGE_BATCH || walked >= 16 * PURGE_BATCH {
+            return Ok((due, last));
+        }
+        let (key, value) = entry.into_inner().map_err(db_error)?;
+        let Some(key) = record_key(&key) else {
+            continue;
+        };
+        last = Some(key);
+        if expiry_of(&value).is_some_and(|expires_at| expires_at <= now) {
+            due.push(key);
+        }
+    }
+    Ok((due, None))
+}
+
+/// The records after `after` (from the first when `None`), in key order.
+fn walk_after(records: &Keyspace, after: Option<RecordKey>) -> fjall::Iter {
+    match after {
+        Some(after) => records.range::<&[u8], _>((
+            std::ops::Bound::Excluded(&after.as_bytes()[..]),
+            std::ops::Bound::Unbounded,
+        )),
+        None => records.iter(),
+    }
+}
+
+/// A key of the records keyspace as a record key; `None` for one of
+/// another length, which no version of this store writes.
+fn record_key(key: &[u8]) -> Option<RecordKey> {
+    Some(RecordKey::from_bytes(key.try_into().ok()?))
 }
 
 #[async_trait]
@@ -267,24 +383,16 @@ impl Store for EmbeddedStore {
         // begins are first executions, which write. A replay of a recent key
         // never gets here (the replay cache in front of this store answers
         // it, see `open_store`); duplicates and older replays change nothing,
-        // and a group of such ends without a commit. Reading a snapshot on
-        // the blocking pool first would cost every first execution a second
-        // round trip between threads.
+        // and a group of such ends without a batch. Reading on the blocking
+        // pool first would cost every first execution a second round trip
+        // between threads.
         let begin = begin.clone();
         let now = self.clock.now_millis();
         self.write(Waited::Only, move |tables| {
-            let stored = read_for_write(&tables.records, &begin.key)?;
-            // An expired record is absent to the decision, but its index
-            // entry is still there to replace.
-            let old_expiry = stored.as_ref().map(Record::expires_at);
+            let stored = tables.read_for_write(&begin.key)?;
             let (outcome, new) = decide_begin(&begin, live(stored, now), now);
             if let Some(new) = new {
-                replace(
-                    tables,
-                    &begin.key,
-                    old_expiry,
-                    (&new.encode(), new.expires_at()),
-                )?;
+                tables.put(&begin.key, encode_value(&new));
             }
             Ok(outcome)
         })
@@ -298,14 +406,13 @@ impl Store for EmbeddedStore {
         record: &CompletedRecord,
     ) -> Result<(), StoreError> {
         let key = *key;
-        let expires_at = record.expires_at;
-        let bytes = record.encode();
+        let value = wrap(record.expires_at, &record.encode());
         let now = self.clock.now_millis();
         self.write(Waited::Either, move |tables| {
-            let stored = read_for_write(&tables.records, &key)?;
+            let stored = tables.read_for_write(&key)?;
             check_owner(live(stored.as_ref(), now), token).map_err(WriteError::Refused)?;
-            let old_expiry = stored.as_ref().map(Record::expires_at);
-            replace(tables, &key, old_expiry, (&bytes, expires_at))
+            tables.put(&key, value);
+            Ok(())
         })
         .await
     }
@@ -314,9 +421,10 @@ impl Store for EmbeddedStore {
         let key = *key;
         let now = self.clock.now_millis();
         self.write(Waited::Either, move |tables| {
-            let stored = read_for_write(&tables.records, &key)?;
+            let stored = tables.read_for_write(&key)?;
             check_owner(live(stored.as_ref(), now), token).map_err(WriteError::Refused)?;
-            delete(tables, &key, stored.as_ref().map(Record::expires_at))
+            tables.delete(&key);
+            Ok(())
         })
         .await
     }
@@ -324,12 +432,8 @@ impl Store for EmbeddedStore {
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let key = *key;
         let now = self.clock.now_millis();
-        self.blocking(move |db| {
-            let txn = db.begin_read().map_err(db_error)?;
-            let records = txn.open_table(RECORDS).map_err(db_error)?;
-            Ok(read(&records, &key)?.filter(|r| r.expires_at() > now))
-        })
-        .await
+        self.blocking(move |records| Ok(read(records, &key)?.filter(|r| r.expires_at() > now)))
+            .await
     }
 
     async fn remove(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
@@ -338,22 +442,20 @@ impl Store for EmbeddedStore {
         // deletion are one step of the one writer.
         let now = self.clock.now_millis();
         self.write(Waited::Either, move |tables| {
-            let Some(value) = tables.records.get(key.as_bytes()).map_err(storage)? else {
+            let Some(value) = tables.value(&key)? else {
                 return Ok(Removed::Absent);
             };
             // Removing is how an operator clears a record that no longer
             // decodes, so it must not need to decode it (one that does not is
-            // no running claim). Its index entry, if any, is then left for
-            // the purger, which skips it.
-            let old = Record::decode(value.value()).ok();
-            drop(value);
+            // no running claim).
+            let old = decode(&key, &value).ok();
             if removal == Removal::UnlessLeased {
                 if let Some(until) = old.as_ref().and_then(|r| running_lease(r, now)) {
                     return Ok(Removed::Leased { until });
                 }
             }
+            tables.delete(&key);
             let old_expiry = old.map(|r| r.expires_at());
-            delete(tables, &key, old_expiry)?;
             Ok(if old_expiry.is_none_or(|expires_at| expires_at > now) {
                 Removed::Deleted
             } else {
@@ -363,8 +465,8 @@ impl Store for EmbeddedStore {
         .await
     }
 
-    /// In key order (the records table's), in one read transaction, from
-    /// the front of each encoding alone (see [`Store::list`]).
+    /// In key order, from the front of each encoding alone (see
+    /// [`Store::list`]).
     async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
         let after = scan_after(cursor)?;
         let now = self.clock.now_millis();
@@ -372,28 +474,22 @@ impl Store for EmbeddedStore {
         // Read on the blocking pool, up to what one page may examine; the
         // filter, which may hold anything, runs here.
         let (found, more) = self
-            .blocking(move |db| {
-                let txn = db.begin_read().map_err(db_error)?;
-                let table = txn.open_table(RECORDS).map_err(db_error)?;
-                let range = match &after {
-                    Some(after) => table.range::<&[u8; 32]>((
-                        std::ops::Bound::Excluded(after.as_bytes()),
-                        std::ops::Bound::Unbounded,
-                    )),
-                    None => table.range::<&[u8; 32]>(..),
-                }
-                .map_err(db_error)?;
+            .blocking(move |records| {
                 let (mut found, mut bytes) = (Vec::new(), 0);
-                for entry in range {
+                for entry in walk_after(records, after) {
                     if found.len() >= max_examined || bytes >= max_bytes {
                         return Ok((found, true));
                     }
-                    let (key, value) = entry.map_err(db_error)?;
-                    let key = RecordKey::from_bytes(*key.value());
-                    let value = value.value();
+                    let (key, value) = entry.into_inner().map_err(db_error)?;
+                    let Some(key) = record_key(&key) else {
+                        continue;
+                    };
                     bytes += value.len();
-                    let front = &value[..value.len().min(RecordMeta::ENCODED_FRONT_MAX)];
-                    found.push((key, RecordMeta::read(front).map_err(|e| e.to_string())));
+                    let meta = record_bytes(&value).and_then(|bytes| {
+                        let front = &bytes[..bytes.len().min(RecordMeta::ENCODED_FRONT_MAX)];
+                        RecordMeta::read(front).map_err(|e| e.to_string())
+                    });
+                    found.push((key, meta));
                 }
                 Ok((found, false))
             })
@@ -413,29 +509,21 @@ impl Store for EmbeddedStore {
         Ok(page)
     }
 
-    /// In key order (the records table's), each page after the last key of
-    /// the one before, in one read transaction.
+    /// In key order, each page after the last key of the one before.
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
         let after = scan_after(cursor)?;
         let now = self.clock.now_millis();
-        self.blocking(move |db| {
-            let txn = db.begin_read().map_err(db_error)?;
-            let table = txn.open_table(RECORDS).map_err(db_error)?;
-            let range = match &after {
-                Some(after) => table.range::<&[u8; 32]>((
-                    std::ops::Bound::Excluded(after.as_bytes()),
-                    std::ops::Bound::Unbounded,
-                )),
-                None => table.range::<&[u8; 32]>(..),
-            }
-            .map_err(db_error)?;
+        self.blocking(move |records| {
             let mut page = ScanPage::default();
             let (mut last, mut taken) = (None, 0);
-            for entry in range.take(count.max(1)) {
-                let (key, value) = entry.map_err(db_error)?;
-                let key = RecordKey::from_bytes(*key.value());
-                (last, taken) = (Some(key), taken + 1);
-                match Record::decode(value.value()) {
+            for entry in walk_after(records, after).take(count.max(1)) {
+                let (key, value) = entry.into_inner().map_err(db_error)?;
+                taken += 1;
+                let Some(key) = record_key(&key) else {
+                    continue;
+                };
+                last = Some(key);
+                match decode(&key, &value) {
                     Ok(record) if record.expires_at() > now => page.records.push((key, record)),
                     Ok(_expired) => {}
                     // Its expiry is in what does not read: it stays until
@@ -453,9 +541,8 @@ impl Store for EmbeddedStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.blocking(|db| {
-            let txn = db.begin_read().map_err(db_error)?;
-            txn.open_table(RECORDS).map_err(db_error)?;
+        self.blocking(|records| {
+            records.first_key_value();
             Ok(())
         })
         .await
@@ -471,34 +558,6 @@ mod tests {
     use super::*;
     use crate::core::{now_millis, Fingerprint};
     use crate::store::OnStale;
-
-    /// The invariant every write keeps: one index entry per record, under the
-    /// record's own expiry, and nothing else in the index.
-    pub(super) fn assert_index_matches(db: &Database) {
-        let txn = db.begin_read().expect("read");
-        let records = txn.open_table(RECORDS).expect("records");
-        let expiry = txn.open_table(EXPIRY).expect("expiry");
-        let mut expected: Vec<(u64, [u8; 32])> = records
-            .iter()
-            .expect("iter")
-            .map(|entry| {
-                let (key, value) = entry.expect("entry");
-                let record = Record::decode(value.value()).expect("decode");
-                (record.expires_at(), *key.value())
-            })
-            .collect();
-        expected.sort();
-        let indexed: Vec<(u64, [u8; 32])> = expiry
-            .iter()
-            .expect("iter")
-            .map(|entry| {
-                let (key, _) = entry.expect("entry");
-                let (expires_at, record_key) = key.value();
-                (expires_at, *record_key)
-            })
-            .collect();
-        assert_eq!(indexed, expected);
-    }
 
     pub(super) fn begin(key: RecordKey, lease_ms: u64, on_stale: OnStale) -> Begin {
         Begin {

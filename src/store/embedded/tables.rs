@@ -1,57 +1,68 @@
-//! The file's two tables, `records` and the `expiry` index, and the rule
-//! every write keeps between them: one index entry per record, under the
-//! record's own expiry, so that purging reads only the records that are due.
+//! The one keyspace of records, what each value holds, and the view a
+//! group of changes has of it: every record as last persisted, overlaid
+//! with what the group's earlier changes wrote.
+//!
+//! A value is the record's `expires_at` (8 bytes, big-endian) followed by
+//! [`Record::encode`]'s bytes. The prefix is what expiry reads without
+//! decoding (the compaction filter, the purge): a completion writes one
+//! key, and no index of expiries has to be kept in step with it.
 
 use std::borrow::Borrow;
+use std::collections::HashMap;
 
-use redb::{Database, ReadableTable, Table, TableDefinition};
+use fjall::{Keyspace, OwnedWriteBatch, PersistMode};
 
 use super::writer::{storage, WriteError};
-use super::RECORDS_TABLE;
 use crate::core::{Record, RecordKey, UnixMillis};
 use crate::store::StoreError;
 
-pub(super) const RECORDS: TableDefinition<'static, &[u8; 32], &[u8]> =
-    TableDefinition::new(RECORDS_TABLE);
-pub(super) const EXPIRY: TableDefinition<'static, (u64, &[u8; 32]), ()> =
-    TableDefinition::new("expiry");
+/// Bytes of the `expires_at` prefix of every value.
+pub(super) const EXPIRY_PREFIX: usize = 8;
 
-/// Records deleted per purge transaction. Purging holds the single writer
-/// lock, so it works in short batches that let `begin` calls interleave.
-const PURGE_BATCH: usize = 1024;
-
-/// The tables a change works on, opened once per group.
-pub(super) struct Tables<'t> {
-    pub(super) records: RecordsTable<'t>,
-    pub(super) expiry: ExpiryTable<'t>,
-    /// Whether a change of the group wrote: a group that only decided
-    /// (duplicates, replays) ends without a commit, so without an fsync.
-    pub(super) wrote: bool,
+/// `record` as the keyspace holds it.
+pub(super) fn encode_value(record: &Record) -> Vec<u8> {
+    wrap(record.expires_at(), &record.encode())
 }
 
-pub(super) type RecordsTable<'txn> = Table<'txn, &'static [u8; 32], &'static [u8]>;
-pub(super) type ExpiryTable<'txn> = Table<'txn, (u64, &'static [u8; 32]), ()>;
-
-/// Maps redb's errors: a corrupted file is reported as such, everything else
-/// (I/O, a poisoned transaction, a closed file) means the store cannot serve.
-pub(super) fn db_error(e: impl Into<redb::Error>) -> StoreError {
-    match e.into() {
-        redb::Error::Corrupted(detail) => StoreError::Corrupt(detail),
-        other => StoreError::Unavailable(format!("embedded store: {other}")),
-    }
+/// A value of `encoded` record bytes that expire at `expires_at`.
+pub(super) fn wrap(expires_at: UnixMillis, encoded: &[u8]) -> Vec<u8> {
+    let mut value = Vec::with_capacity(EXPIRY_PREFIX + encoded.len());
+    value.extend_from_slice(&expires_at.to_be_bytes());
+    value.extend_from_slice(encoded);
+    value
 }
 
-fn decode(key: &RecordKey, bytes: &[u8]) -> Result<Record, StoreError> {
-    Record::decode(bytes).map_err(|e| StoreError::Corrupt(format!("record {}: {e}", key.to_hex())))
+/// The `expires_at` prefix of a value; `None` for one too short to hold
+/// it (which is left for an operator, as any value that does not read).
+pub(super) fn expiry_of(value: &[u8]) -> Option<UnixMillis> {
+    let prefix: [u8; EXPIRY_PREFIX] = value.get(..EXPIRY_PREFIX)?.try_into().ok()?;
+    Some(UnixMillis::from_be_bytes(prefix))
 }
 
-/// The record stored under `key`, expired or not.
-pub(super) fn read(
-    table: &impl ReadableTable<&'static [u8; 32], &'static [u8]>,
-    key: &RecordKey,
-) -> Result<Option<Record>, StoreError> {
-    match table.get(key.as_bytes()).map_err(db_error)? {
-        Some(value) => decode(key, value.value()).map(Some),
+/// The record bytes of a value (after its prefix).
+pub(super) fn record_bytes(value: &[u8]) -> Result<&[u8], String> {
+    value
+        .get(EXPIRY_PREFIX..)
+        .ok_or_else(|| format!("a value of {} bytes holds no record", value.len()))
+}
+
+/// Maps fjall's errors: everything (I/O, a poisoned database after a failed
+/// fsync, a closed database) means the store cannot serve.
+pub(super) fn db_error(e: fjall::Error) -> StoreError {
+    StoreError::Unavailable(format!("embedded store: {e}"))
+}
+
+/// Decodes the value stored under `key`.
+pub(super) fn decode(key: &RecordKey, value: &[u8]) -> Result<Record, StoreError> {
+    record_bytes(value)
+        .and_then(|bytes| Record::decode(bytes).map_err(|e| e.to_string()))
+        .map_err(|e| StoreError::Corrupt(format!("record {}: {e}", key.to_hex())))
+}
+
+/// The record stored under `key`, expired or not, as last persisted.
+pub(super) fn read(records: &Keyspace, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+    match records.get(key.as_bytes()).map_err(db_error)? {
+        Some(value) => decode(key, &value).map(Some),
         None => Ok(None),
     }
 }
@@ -62,179 +73,75 @@ pub(super) fn live<R: Borrow<Record>>(record: Option<R>, now: UnixMillis) -> Opt
     record.filter(|r| r.borrow().expires_at() > now)
 }
 
-/// [`read`], inside a group: a record that does not decode refuses this
-/// change alone; a redb failure aborts the group.
-pub(super) fn read_for_write(
-    records: &RecordsTable<'_>,
-    key: &RecordKey,
-) -> Result<Option<Record>, WriteError> {
-    match records.get(key.as_bytes()).map_err(storage)? {
-        Some(value) => decode(key, value.value())
-            .map(Some)
-            .map_err(WriteError::Refused),
-        None => Ok(None),
-    }
+/// The keyspace as one group of changes sees it. Its writes go to
+/// `written` only, so that nothing of the group is in the keyspace (where
+/// readers look) before the group's batch is persisted.
+pub(super) struct Tables {
+    records: Keyspace,
+    /// The group's writes so far (`None`: deleted), which later changes of
+    /// the group read in place of the keyspace's value.
+    written: HashMap<[u8; 32], Option<Vec<u8>>>,
 }
 
-/// Replaces what is stored under `key` (expiring at `old_expiry`, as read
-/// in this group) with `new`, keeping the expiry index in step.
-pub(super) fn replace(
-    tables: &mut Tables<'_>,
-    key: &RecordKey,
-    old_expiry: Option<UnixMillis>,
-    new: (&[u8], UnixMillis),
-) -> Result<(), WriteError> {
-    unindex(tables, key, old_expiry)?;
-    tables
-        .records
-        .insert(key.as_bytes(), new.0)
-        .map_err(storage)?;
-    tables
-        .expiry
-        .insert((new.1, key.as_bytes()), ())
-        .map_err(storage)?;
-    Ok(())
-}
-
-/// Deletes what is stored under `key` (expiring at `old_expiry`, when it
-/// decodes) and its index entry.
-pub(super) fn delete(
-    tables: &mut Tables<'_>,
-    key: &RecordKey,
-    old_expiry: Option<UnixMillis>,
-) -> Result<(), WriteError> {
-    unindex(tables, key, old_expiry)?;
-    tables.records.remove(key.as_bytes()).map_err(storage)?;
-    Ok(())
-}
-
-/// The start of every write: marks the group as written and drops the
-/// index entry of the record `key` held (expiring at `old_expiry`).
-fn unindex(
-    tables: &mut Tables<'_>,
-    key: &RecordKey,
-    old_expiry: Option<UnixMillis>,
-) -> Result<(), WriteError> {
-    tables.wrote = true;
-    if let Some(old_expiry) = old_expiry {
-        tables
-            .expiry
-            .remove((old_expiry, key.as_bytes()))
-            .map_err(storage)?;
-    }
-    Ok(())
-}
-
-/// One purge transaction: takes up to [`PURGE_BATCH`] due entries off the
-/// expiry index and deletes their records. Returns how many records were
-/// deleted and whether due entries may remain.
-pub(super) fn purge_batch(db: &Database, now: UnixMillis) -> Result<(usize, bool), StoreError> {
-    const LAST_KEY: [u8; 32] = [0xff; 32];
-    let txn = db.begin_write().map_err(db_error)?;
-    let mut purged = 0;
-    let more;
-    {
-        let mut records = txn.open_table(RECORDS).map_err(db_error)?;
-        let mut expiry = txn.open_table(EXPIRY).map_err(db_error)?;
-        let mut due = Vec::with_capacity(PURGE_BATCH);
-        for entry in expiry
-            .extract_from_if(..=(now, &LAST_KEY), |_, _| true)
-            .map_err(db_error)?
-            .take(PURGE_BATCH)
-        {
-            let (index_key, _) = entry.map_err(db_error)?;
-            due.push(RecordKey::from_bytes(*index_key.value().1));
+impl Tables {
+    pub(super) fn new(records: Keyspace) -> Self {
+        Self {
+            records,
+            written: HashMap::new(),
         }
-        more = due.len() == PURGE_BATCH;
-        for key in due {
-            // The index is only a hint: the record itself decides. It may be
-            // gone (removed while undecodable), or rewritten with a later
-            // expiry (which has its own index entry).
-            let expired = match records.get(key.as_bytes()).map_err(db_error)? {
-                Some(value) => Record::decode(value.value())
-                    .map(|r| r.expires_at() <= now)
-                    .unwrap_or(false),
-                None => false,
-            };
-            if expired {
-                records.remove(key.as_bytes()).map_err(db_error)?;
-                purged += 1;
+    }
+
+    /// Whether a change of the group wrote: a group that only decided
+    /// (duplicates, replays) ends without a batch, so without an fsync.
+    pub(super) fn wrote(&self) -> bool {
+        !self.written.is_empty()
+    }
+
+    /// The value under `key`, as the group left it; a fjall failure aborts
+    /// the group.
+    pub(super) fn value(&self, key: &RecordKey) -> Result<Option<Vec<u8>>, WriteError> {
+        if let Some(written) = self.written.get(key.as_bytes()) {
+            return Ok(written.clone());
+        }
+        let stored = self.records.get(key.as_bytes()).map_err(storage)?;
+        Ok(stored.map(|value| value.to_vec()))
+    }
+
+    /// The record under `key`, expired or not: one that does not decode
+    /// refuses this change alone.
+    pub(super) fn read_for_write(&self, key: &RecordKey) -> Result<Option<Record>, WriteError> {
+        match self.value(key)? {
+            Some(value) => decode(key, &value).map(Some).map_err(WriteError::Refused),
+            None => Ok(None),
+        }
+    }
+
+    /// Stores `value` (see [`encode_value`]) under `key`.
+    pub(super) fn put(&mut self, key: &RecordKey, value: Vec<u8>) {
+        self.written.insert(*key.as_bytes(), Some(value));
+    }
+
+    /// Deletes what is stored under `key`.
+    pub(super) fn delete(&mut self, key: &RecordKey) {
+        self.written.insert(*key.as_bytes(), None);
+    }
+
+    /// Writes the group as one batch and persists it (`fdatasync` of the
+    /// journal) before it applies it to the keyspace: fjall's
+    /// `WriteBatch::commit` with a durability writes the journal, syncs it,
+    /// and only then inserts into the memtables and publishes the batch's
+    /// sequence number, all under the journal's lock. So a reader (`get`,
+    /// the walks, the next group) never sees a change that is not durable,
+    /// and a failed sync (which poisons the database: every later write
+    /// fails) leaves the keyspace without any of the group.
+    pub(super) fn commit(self, db: &fjall::Database) -> Result<(), StoreError> {
+        let mut batch: OwnedWriteBatch = db.batch().durability(Some(PersistMode::SyncData));
+        for (key, value) in self.written {
+            match value {
+                Some(value) => batch.insert(&self.records, key, value),
+                None => batch.remove(&self.records, key),
             }
         }
-    }
-    txn.commit().map_err(db_error)?;
-    Ok((purged, more))
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use crate::core::{Clock, RecordKey};
-    use crate::store::embedded::tests::{assert_index_matches, begin, completed, token};
-    use crate::store::embedded::EmbeddedStore;
-    use crate::store::{BeginOutcome, OnStale, Removal, Removed, Store};
-
-    /// Leases run out and records expire by the store's clock, which
-    /// follows paused tokio time here: no waiting for them.
-    #[tokio::test(start_paused = true)]
-    async fn every_write_keeps_the_expiry_index_in_step() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = EmbeddedStore::open(dir.path())
-            .expect("open")
-            .with_clock(Clock::tokio());
-        let keys: Vec<RecordKey> = (0..7u8).map(|i| RecordKey::from_bytes([i; 32])).collect();
-        let mut tokens = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            // Keys 3 to 6 get a short lease, to be taken over, settled or
-            // forgotten below.
-            let lease = if i >= 3 { 30 } else { 60_000 };
-            tokens.push(token(
-                store
-                    .begin(&begin(*key, lease, OnStale::Store))
-                    .await
-                    .expect("begin"),
-            ));
-        }
-        assert_index_matches(&store.db);
-
-        let done = completed(3_600_000);
-        store
-            .complete(&keys[0], tokens[0], &done)
-            .await
-            .expect("complete");
-        store.release(&keys[1], tokens[1]).await.expect("release");
-        assert_eq!(
-            store.remove(&keys[2], Removal::Any).await.expect("remove"),
-            Removed::Deleted
-        );
-        tokio::time::advance(Duration::from_millis(30)).await;
-        token(
-            store
-                .begin(&begin(keys[3], 60_000, OnStale::Retry))
-                .await
-                .expect("take over"),
-        );
-        let settled = store.begin(&begin(keys[4], 60_000, OnStale::Store)).await;
-        assert!(
-            matches!(settled, Ok(BeginOutcome::Settled(_))),
-            "{settled:?}"
-        );
-        assert_index_matches(&store.db);
-
-        // Now expired: key 4 (settled with the 300 ms ttl), and keys 5 and 6
-        // (past lease + ttl). Key 5 is claimed afresh over its expired record;
-        // 4 and 6 are left for the purge.
-        tokio::time::advance(Duration::from_millis(300)).await;
-        token(
-            store
-                .begin(&begin(keys[5], 60_000, OnStale::Store))
-                .await
-                .expect("claim again"),
-        );
-        assert_index_matches(&store.db);
-        assert_eq!(store.purge_expired().await.expect("purge"), 2);
-        assert_index_matches(&store.db);
-        assert_eq!(store.record_count().await.expect("count"), 3);
+        batch.commit().map_err(db_error)
     }
 }

@@ -1,5 +1,5 @@
 //! Group commit: the one writer thread, the bounded queue of changes to
-//! it, and how a group's transaction ends for each change in it. One fsync
+//! it, and how a group's batch ends for each change in it. One fsync
 //! then serves every change queued while the previous one ran (see "Group
 //! commit" in the [`super`] docs).
 
@@ -9,16 +9,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle as ThreadHandle;
 
-use redb::Database;
+use fjall::{Database, Keyspace};
 use tokio::sync::oneshot;
 
-use super::tables::{db_error, Tables, EXPIRY, RECORDS};
+use super::tables::{db_error, Tables};
 use super::EmbeddedStore;
 use crate::store::StoreError;
 
-/// Most changes one write transaction takes (see "Group commit" in the
+/// Most changes one group takes (see "Group commit" in the
 /// [`super`] docs): enough to make one fsync serve every request a busy
-/// proxy has in flight, few enough that a group's transaction stays small.
+/// proxy has in flight, few enough that a group's batch stays small.
 pub const MAX_GROUP: usize = 256;
 
 /// Most changes waiting for the writer. A busy proxy keeps a few dozen
@@ -37,7 +37,7 @@ impl EmbeddedStore {
     pub(super) async fn write<T, F>(&self, waited: Waited, op: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: for<'t> FnOnce(&mut Tables<'t>) -> Result<T, WriteError> + Send + 'static,
+        F: FnOnce(&mut Tables) -> Result<T, WriteError> + Send + 'static,
     {
         let (answer, answered) = oneshot::channel();
         let job: Job = Box::new(move |tables| {
@@ -93,21 +93,21 @@ pub(super) enum WriteError {
     /// This change alone, which wrote nothing: the rest of its group
     /// commits.
     Refused(StoreError),
-    /// redb failed in the middle of the transaction: the group is aborted.
+    /// fjall failed in the middle of the group: the group is dropped.
     Storage(StoreError),
 }
 
-/// A redb failure: aborts the group.
-pub(super) fn storage(e: impl Into<redb::Error>) -> WriteError {
+/// A fjall failure: aborts the group.
+pub(super) fn storage(e: fjall::Error) -> WriteError {
     WriteError::Storage(db_error(e))
 }
 
-/// A change queued for the writer: it runs inside its group's transaction
-/// and leaves the answer to send once the group's fate is known.
-type Job = Box<dyn for<'t> FnOnce(&mut Tables<'t>) -> Ran + Send>;
+/// A change queued for the writer: it runs inside its group and leaves
+/// the answer to send once the group's fate is known.
+type Job = Box<dyn FnOnce(&mut Tables) -> Ran + Send>;
 
 struct Ran {
-    /// A redb failure: the transaction can no longer be trusted.
+    /// A fjall failure: what the group read can no longer be trusted.
     aborts: Option<StoreError>,
     answer: Answer,
 }
@@ -131,13 +131,13 @@ pub(super) struct Writer {
 }
 
 impl Writer {
-    pub(super) fn start(db: Arc<Database>) -> Result<Self, StoreError> {
+    pub(super) fn start(db: Database, records: Keyspace) -> Result<Self, StoreError> {
         let (queue, jobs) = mpsc::sync_channel(MAX_QUEUED);
         let commits = Arc::new(AtomicU64::new(0));
         let counter = Arc::clone(&commits);
         let thread = std::thread::Builder::new()
             .name("idemproxy-store".into())
-            .spawn(move || write_groups(&db, &jobs, &counter))
+            .spawn(move || write_groups(&db, &records, &jobs, &counter))
             .map_err(|e| {
                 StoreError::Unavailable(format!("cannot start the embedded store's writer: {e}"))
             })?;
@@ -177,7 +177,7 @@ impl Drop for Writer {
     fn drop(&mut self) {
         self.queue = None;
         if let Some(thread) = self.thread.take() {
-            // At most the group in progress: one transaction and its fsync.
+            // At most the group in progress: one batch and its fsync.
             let _ = thread.join();
         }
     }
@@ -185,7 +185,12 @@ impl Drop for Writer {
 
 /// The writer thread: waits for a change, takes everything queued behind
 /// it, commits them as one group, answers them; until the queue closes.
-fn write_groups(db: &Database, jobs: &mpsc::Receiver<Job>, commits: &AtomicU64) {
+fn write_groups(
+    db: &Database,
+    records: &Keyspace,
+    jobs: &mpsc::Receiver<Job>,
+    commits: &AtomicU64,
+) {
     let mut queued = VecDeque::new();
     loop {
         if queued.is_empty() {
@@ -202,11 +207,13 @@ fn write_groups(db: &Database, jobs: &mpsc::Receiver<Job>, commits: &AtomicU64) 
         }
         // A panic would be a bug in a change; it costs that group (its
         // callers see the change dropped), not the store.
-        let group = catch_unwind(AssertUnwindSafe(|| commit_group(db, &mut queued, commits)));
+        let group = catch_unwind(AssertUnwindSafe(|| {
+            commit_group(db, records, &mut queued, commits)
+        }));
         match group {
             Ok(Ok(())) => {}
             Ok(Err(error)) => tracing::error!(%error, "embedded store: a group of changes failed"),
-            // The changes run before it were in the transaction the
+            // The changes run before it wrote only to the group the
             // unwinding dropped, so their callers see them dropped; those
             // queued after it never ran and go in the next group, as after
             // a storage error.
@@ -215,18 +222,19 @@ fn write_groups(db: &Database, jobs: &mpsc::Receiver<Job>, commits: &AtomicU64) 
     }
 }
 
-/// Runs queued changes in one write transaction, in order, commits it and
-/// answers them. Changes not run (after one that aborted the group) stay
-/// queued for the next group. If the transaction cannot even start, the
-/// whole queue is dropped (its callers see that), rather than retried in a
-/// loop.
+/// Runs queued changes as one group, in order, writes and persists its
+/// batch and answers them. Changes not run (after one that aborted the
+/// group) stay queued for the next group. If the group fails before any
+/// change ran, the whole queue is dropped (its callers see that), rather
+/// than retried in a loop.
 fn commit_group(
     db: &Database,
+    records: &Keyspace,
     queued: &mut VecDeque<Job>,
     commits: &AtomicU64,
 ) -> Result<(), StoreError> {
     let mut answers = Vec::with_capacity(queued.len());
-    let result = run_group(db, queued, &mut answers);
+    let result = run_group(db, records, queued, &mut answers);
     match result {
         // Counted before anyone is answered, so a caller that got its
         // answer sees its commit counted.
@@ -246,32 +254,24 @@ fn commit_group(
 
 fn run_group(
     db: &Database,
+    records: &Keyspace,
     queued: &mut VecDeque<Job>,
     answers: &mut Vec<Answer>,
 ) -> Result<bool, StoreError> {
-    let txn = db.begin_write().map_err(db_error)?;
-    let wrote = {
-        let mut tables = Tables {
-            records: txn.open_table(RECORDS).map_err(db_error)?,
-            expiry: txn.open_table(EXPIRY).map_err(db_error)?,
-            wrote: false,
-        };
-        while let Some(job) = queued.pop_front() {
-            let ran = job(&mut tables);
-            answers.push(ran.answer);
-            if let Some(error) = ran.aborts {
-                // Dropping the transaction aborts it.
-                return Err(error);
-            }
+    let mut tables = Tables::new(records.clone());
+    while let Some(job) = queued.pop_front() {
+        let ran = job(&mut tables);
+        answers.push(ran.answer);
+        if let Some(error) = ran.aborts {
+            // Dropping the group's writes unwritten aborts it.
+            return Err(error);
         }
-        tables.wrote
-    };
-    if !wrote {
-        // Nothing to make durable: no commit, no fsync.
-        txn.abort().map_err(db_error)?;
+    }
+    if !tables.wrote() {
+        // Nothing to make durable: no batch, no fsync.
         return Ok(false);
     }
-    txn.commit().map_err(db_error)?;
+    tables.commit(db)?;
     Ok(true)
 }
 
@@ -283,7 +283,7 @@ mod tests {
 
     use super::*;
     use crate::core::{FencingToken, Record, RecordKey};
-    use crate::store::embedded::tests::{assert_index_matches, begin, claim, completed, token};
+    use crate::store::embedded::tests::{begin, claim, completed, token};
     use crate::store::{BeginOutcome, OnStale, Removal, Removed, Store};
 
     /// Holds the writer inside a change until the returned sender is used
@@ -388,7 +388,6 @@ mod tests {
         let reopened = EmbeddedStore::open(dir.path()).expect("reopen at once");
         assert_eq!(reopened.record_count().await.expect("count"), 30);
         assert_eq!(reopened.get(&held).await.expect("get"), None);
-        assert_index_matches(&reopened.db);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -504,7 +503,7 @@ mod tests {
     /// returns their answers once the writer is let go.
     async fn group_with_failing_change(
         store: &Arc<EmbeddedStore>,
-        failing: impl for<'t> FnOnce(&mut Tables<'t>) -> Result<(), WriteError> + Send + 'static,
+        failing: impl FnOnce(&mut Tables) -> Result<(), WriteError> + Send + 'static,
     ) -> (
         Result<BeginOutcome, StoreError>,
         Result<(), StoreError>,
@@ -530,7 +529,7 @@ mod tests {
         )
     }
 
-    /// A redb failure in the middle of a group: nothing of the group is
+    /// A fjall failure in the middle of a group: nothing of the group is
     /// written, every change already run in it is answered with the error
     /// (none is told it is durable), and the changes queued after it run
     /// in the next group.
@@ -539,8 +538,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
         let (first, failed, last) = group_with_failing_change(&store, |tables| {
-            // As if redb failed after this change had written.
-            tables.wrote = true;
+            // As if fjall failed after this change had written.
+            tables.delete(&RecordKey::from_bytes([5; 32]));
             Err(WriteError::Storage(StoreError::Unavailable(
                 "injected".into(),
             )))
@@ -567,10 +566,9 @@ mod tests {
             .await
             .expect("get")
             .is_some());
-        assert_index_matches(&store.db);
     }
 
-    /// A change that panics costs what it shared a transaction with, not
+    /// A change that panics costs what it shared a group with, not
     /// the store: the changes run before it in its group are dropped
     /// unwritten (their callers see that), those queued after it run in
     /// the next group, and the writer goes on serving.
@@ -597,7 +595,6 @@ mod tests {
             .await
             .expect("get")
             .is_some());
-        assert_index_matches(&store.db);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
