@@ -19,7 +19,7 @@ use support::upstream::TestUpstream;
 
 /// When the fixture was written (Unix ms): its records are read as of a
 /// few seconds later, so that the test does not expire with them.
-const WRITTEN_AT: u64 = 1_796_403_569_182;
+const WRITTEN_AT: u64 = 1_796_409_180_975;
 const READ_AT: u64 = WRITTEN_AT + 5_000;
 
 /// A copy of the fixture's data directory, for a test to migrate.
