@@ -22,6 +22,7 @@ mod architecture;
 mod body_framing;
 mod cli;
 mod compression;
+mod compression_learned;
 mod concurrency;
 mod config_file;
 mod contract_conflicts;

@@ -14,7 +14,7 @@ use super::LEVEL;
 /// has a different id (a collision among the few dictionaries one
 /// deployment keeps is a 1 in 4 billion chance, and would fail closed: the
 /// frame's checksum does not match).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DictionaryId([u8; DictionaryId::LEN]);
 
 impl DictionaryId {
