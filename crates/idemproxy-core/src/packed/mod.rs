@@ -31,7 +31,7 @@ use crate::core::StoredResponse;
 
 mod dictionary;
 
-pub use dictionary::{Dictionary, DictionaryId};
+pub use dictionary::{Dictionary, DictionaryId, DICTIONARY_LEVEL};
 
 const LAYOUT_PLAIN: u8 = 1;
 const LAYOUT_ZSTD: u8 = 2;
