@@ -2,14 +2,25 @@
 # User-space instructions per request under valgrind's cachegrind: the
 # figure that repeats from run to run on a shared machine where timings do
 # not, so it judges a change of a few percent. The proxy (one worker, the
-# memory store unless STORE says otherwise) serves the load rig's upstream
-# (nginx `return 201`) and examples/loadgen's ~1 KB JSON POSTs at 300/s.
-# Each build runs twice, with 600 and with 3,000 requests; the difference
-# over the 2,400 requests between them leaves out startup and shutdown.
+# memory store unless STORE says otherwise) serves examples/api_upstream's
+# ~1.1 KB payment objects (every one different, as a real API's) and
+# examples/loadgen's ~1 KB JSON POSTs at 300/s. Each build runs twice,
+# with 600 and with 3,000 requests; the difference over the 2,400 requests
+# between them leaves out startup and shutdown. Requests go one at a time
+# on one keep-alive connection; replays are of 1,000 keys stored before
+# either run counts (the same warm-up in both). SHA-256's block function is
+# left out: valgrind hides the CPU's SHA extensions, so under it sha2 runs
+# its portable code, ~75k instructions per first execution that the CPU
+# does in a fraction of it. nginx, as a plain reverse proxy (one worker,
+# keep-alive to the upstream), serves the same traffic under cachegrind
+# the same way: the `x nginx` column is each row over it.
 #
 #   benches/instructions.sh                         # unique replay passthrough
+#   STORE=redis benches/instructions.sh unique      # a private redis-server
 #   BASELINE=../old/target/release/idemproxy benches/instructions.sh unique
 #   PROXY_ENV="IDEMPROXY_TELEMETRY__SAMPLE_RATIO=0.1" benches/instructions.sh
+#   PROFILES=/tmp/cg benches/instructions.sh unique # keeps cachegrind's files:
+#       cg_diff the short and the long run, then cg_annotate the difference
 #   OTLP=1 benches/instructions.sh unique           # traces on, to a receiver
 #                                                   # that answers 200 to all
 #
@@ -30,11 +41,20 @@ SHORT=2 LONG=10 # seconds at RATE
 
 . benches/lib.sh
 need_tools valgrind nginx
+if [ "$STORE" = redis ]; then
+  need_tools redis-server
+  command -v redis-cli >/dev/null || need_tools redis-tools
+fi
 start_rig
 UP=$(free_port)
-start_upstream
+start_api_upstream upstream "$UP"
 
 proxy_env=(IDEMPROXY_LOG__LEVEL=info IDEMPROXY_WORKERS=1)
+if [ "$STORE" = redis ]; then
+  RP=$(free_port)
+  start_redis "$RP"
+  proxy_env+=(IDEMPROXY_STORE__URL="redis://127.0.0.1:$RP")
+fi
 # shellcheck disable=SC2206 # PROXY_ENV is a list of NAME=VALUE words
 [ -n "${PROXY_ENV:-}" ] && proxy_env+=($PROXY_ENV)
 if [ -n "${OTLP:-}" ]; then
@@ -61,34 +81,95 @@ instructions() {
   local bin=$1 mode=$2 seconds=$3 port out pid
   port=$(free_port)
   out="$WORK/cachegrind.out.$mode.$seconds.$RANDOM"
+  # Every run starts from an empty Redis, as from an empty memory store:
+  # a compression dictionary one run learned would spare the next its
+  # learning, and the difference of the two would not be per request.
+  [ "$STORE" = redis ] && redis-cli -p "$RP" flushall >/dev/null
   env "${proxy_env[@]}" valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$out" \
     "$bin" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
     --upstream "http://127.0.0.1:$UP" --store "$STORE" >"$WORK/proxy.log" 2>&1 &
   pid=$!
   # valgrind takes seconds to start the binary.
   for _ in $(seq 600); do (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
-  "$LOADGEN" "http://127.0.0.1:$port/v1/payments" "$RATE" "$seconds" "$mode" "ins-$mode-$seconds-$RANDOM" >"$WORK/loadgen.txt"
+  [ "$mode" = replay ] && load "$port" replay $((1000 / RATE + 1))
+  load "$port" "$mode" "$seconds"
   kill -TERM "$pid"
   wait "$pid" || true
-  awk '/^summary:/ { print $2 }' "$out"
+  [ -n "${PROFILES:-}" ] && mkdir -p "$PROFILES" && cp "$out" "$PROFILES/${bin//\//_}.$mode.$seconds"
+  without_sha256 "$out"
 }
 
+# without_sha256 FILE: the instructions cachegrind counted, less those of
+# sha2's SHA-256 block function (see the top).
+without_sha256() {
+  cg_annotate --auto=no --threshold=0 "$1" | awk '
+    /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
+    /sha2::sha256::compress256/ { gsub(",", "", $1); sha += $1 }
+    END { printf "%d\n", total - sha }'
+}
+
+# load PORT MODE SECONDS: the traffic, to api_upstream's one-object path.
+load() {
+  CONNECTIONS=1 "$LOADGEN" "http://127.0.0.1:$1/small/v1/payments" "$RATE" "$3" "$2" "ins-$2-$3-$RANDOM" >"$WORK/loadgen.txt"
+}
+
+# nginx_instructions SECONDS: nginx's (one process, no master) for SECONDS
+# of keyless traffic; it does the same for every mode.
+nginx_instructions() {
+  local port out pid
+  port=$(free_port)
+  out="$WORK/cachegrind.out.nginx.$1.$RANDOM"
+  cat >"$WORK/measured.conf" <<CONF
+daemon off;
+master_process off;
+worker_processes 1;
+pid $WORK/measured.pid;
+error_log $WORK/measured.error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log $WORK/measured.access.log;
+  client_body_temp_path $WORK/measured.body;
+  proxy_temp_path $WORK/measured.proxy;
+  upstream backend { server 127.0.0.1:$UP; keepalive 64; }
+  server {
+    listen 127.0.0.1:$port;
+    location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }
+  }
+}
+CONF
+  valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$out" \
+    nginx -c "$WORK/measured.conf" -p "$WORK" >"$WORK/nginx.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+  load "$port" passthrough "$1"
+  kill -QUIT "$pid"
+  wait "$pid" || true
+  without_sha256 "$out"
+}
+
+# per_request COMMAND ARGS...: COMMAND's instructions per request, from a
+# short and a long run.
 per_request() {
-  local bin=$1 mode=$2 short long
-  short=$(instructions "$bin" "$mode" "$SHORT")
-  long=$(instructions "$bin" "$mode" "$LONG")
+  local short long
+  short=$("$@" "$SHORT")
+  long=$("$@" "$LONG")
   echo $(((long - short) / ((LONG - SHORT) * RATE)))
 }
 
-printf '%-12s %14s' mode "this build"
-[ -n "${BASELINE:-}" ] && printf ' %14s %10s' baseline change
+# times A B: A over B, two decimals.
+times() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
+
+nginx=$(per_request nginx_instructions)
+printf 'store: %s; nginx (reverse proxy, one worker): %s instructions per request\n' "$STORE" "$nginx"
+printf '%-12s %14s %8s' mode "this build" "x nginx"
+[ -n "${BASELINE:-}" ] && printf ' %14s %8s %10s' baseline "x nginx" change
 printf '\n'
 for mode in "${MODES[@]}"; do
-  now=$(per_request "$BIN" "$mode")
-  printf '%-12s %14s' "$mode" "$now"
+  now=$(per_request instructions "$BIN" "$mode")
+  printf '%-12s %14s %8s' "$mode" "$now" "$(times "$now" "$nginx")"
   if [ -n "${BASELINE:-}" ]; then
-    base=$(per_request "$BASELINE" "$mode")
-    printf ' %14s %+10d' "$base" $((now - base))
+    base=$(per_request instructions "$BASELINE" "$mode")
+    printf ' %14s %8s %+10d' "$base" "$(times "$base" "$nginx")" $((now - base))
   fi
   printf '\n'
 done

@@ -25,18 +25,21 @@ need_tools() {
 
 # Builds the release binary and the fixed-rate load generator, makes the
 # scratch directory and stops everything in it at exit: the start of every
-# script of the rig. Sets BIN, LOADGEN, FLOOR, WORK and PIDS.
+# script of the rig. Sets BIN ($PROXY_BIN when set: another build, not
+# built here), LOADGEN, FLOOR, API_UPSTREAM, WORK and PIDS.
 start_rig() {
   # The examples need the dev-dependencies, and features they turn on
   # reach whatever the same command builds: tokio's `test-util` put a
   # paused-clock check in every `Instant::now` of a proxy built beside
   # them (~500 instructions per request). The proxy is built on its own,
   # last, as it ships.
-  cargo build --release --locked --quiet --example loadgen --example bare_forward
-  cargo build --release --locked --quiet --bin idemproxy
-  BIN=target/release/idemproxy
-  LOADGEN=target/release/examples/loadgen
-  FLOOR=target/release/examples/bare_forward
+  cargo build --release --locked --quiet --example loadgen --example bare_forward --example api_upstream
+  [ -n "${PROXY_BIN:-}" ] || cargo build --release --locked --quiet --bin idemproxy
+  local target=${CARGO_TARGET_DIR:-target}
+  BIN=${PROXY_BIN:-$target/release/idemproxy}
+  LOADGEN=$target/release/examples/loadgen
+  FLOOR=$target/release/examples/bare_forward
+  API_UPSTREAM=$target/release/examples/api_upstream
   WORK=$(mktemp -d)
   PIDS=()
   trap stop_rig EXIT

@@ -239,9 +239,20 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
     // below the cache (which keeps unpacked ones, so a cached replay costs
     // no decompression). Always in place, whatever `compression` says:
     // records packed earlier must unpack.
-    let store: SharedStore = Arc::new(store::compression::CompressedStore::new(
-        store,
+    // Learned dictionaries are shared below compression: their records are
+    // sealed as any, never packed.
+    let compression = store::compression::Compression::new(
         settings::packer(config)?,
+        Some(store::compression::LearnSettings {
+            store: store.clone(),
+            store_timeout: config.store.timeout,
+            record_lifetime: settings::record_lifetime(config),
+        }),
+    );
+    compression.adopt_shared();
+    let store: SharedStore = Arc::new(store::compression::LearningStore::shared(
+        store,
+        compression,
     ));
     Ok(store::cache::wrap(store, cache_entries))
 }

@@ -96,6 +96,23 @@ pub(crate) fn packer(config: &Config) -> Result<Packer, String> {
     ))
 }
 
+/// How long a record may live at most: its route's `ttl` after a lease
+/// (an abandoned claim is kept that long past its lease), with a day's
+/// room for leases and clocks. A learned compression dictionary outlives
+/// its use by this much.
+pub(crate) fn record_lifetime(config: &Config) -> std::time::Duration {
+    let longest = config
+        .routes
+        .iter()
+        .map(|route| route.idempotency.ttl)
+        .chain([config.idempotency.ttl])
+        .max()
+        .unwrap_or_default();
+    longest
+        .saturating_add(config.upstream.timeout)
+        .saturating_add(std::time::Duration::from_secs(24 * 3600))
+}
+
 /// The Redis URLs the store kind connects to, checked as the store checks
 /// them.
 fn redis_url_problems(store: &StoreSettings) -> Vec<String> {

@@ -39,7 +39,7 @@ fn payment(i: u32) -> Bytes {
     ))
 }
 
-fn response(i: u32) -> StoredResponse {
+pub(crate) fn response(i: u32) -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![
@@ -75,7 +75,7 @@ fn packer(mode: &str) -> Packer {
     }
 }
 
-fn begin(key: RecordKey) -> Begin {
+pub(crate) fn begin(key: RecordKey) -> Begin {
     Begin {
         key,
         fingerprint: Fingerprint([7; 32]),
@@ -88,7 +88,7 @@ fn begin(key: RecordKey) -> Begin {
 }
 
 /// Stores `response` under `key` through `store`, as the middleware does.
-async fn store_response(store: &dyn Store, key: RecordKey, response: StoredResponse) {
+pub(crate) async fn store_response(store: &dyn Store, key: RecordKey, response: StoredResponse) {
     let begun = store.begin(&begin(key)).await.expect("begin");
     let BeginOutcome::Acquired { token, .. } = begun else {
         panic!("the key was free: {begun:?}");

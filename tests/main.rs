@@ -23,6 +23,7 @@ mod body_framing;
 mod chaos;
 mod cli;
 mod compression;
+mod compression_learned;
 mod concurrency;
 mod config_file;
 mod contract_conflicts;

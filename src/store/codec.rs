@@ -32,6 +32,26 @@ pub trait OutcomeCodec: std::fmt::Debug + Send + Sync + 'static {
     /// codec wrote (it reads as it is), `Err` saying why when it is but
     /// does not read back.
     fn decode(&self, key: &RecordKey, outcome: &Outcome) -> Option<Result<Outcome, String>>;
+
+    /// A record to read from the store below before `outcome` decodes (a
+    /// dictionary this process has not loaded yet); none by default.
+    fn needs(&self, outcome: &Outcome) -> Option<RecordKey> {
+        let _ = outcome;
+        None
+    }
+
+    /// Takes the record [`OutcomeCodec::needs`] named, as the store holds
+    /// it.
+    fn learn(&self, record: Option<Record>) {
+        let _ = record;
+    }
+
+    /// Whether the record under `key` (`record`, when the walk read it) is
+    /// the codec's own, not a request's: left out of operators' walks.
+    fn internal(&self, key: &RecordKey, record: Option<&Record>) -> bool {
+        let _ = (key, record);
+        false
+    }
 }
 
 /// A store whose completed records' outcomes `C` rewrites (see the
@@ -63,10 +83,22 @@ fn with_outcome(record: &CompletedRecord, outcome: Outcome) -> CompletedRecord {
 
 impl<C: OutcomeCodec> CodecStore<C> {
     pub fn new(inner: SharedStore, codec: C) -> Self {
-        Self {
-            inner,
-            codec: Arc::new(codec),
+        Self::shared(inner, Arc::new(codec))
+    }
+
+    /// A codec that is shared with whoever made it.
+    pub fn shared(inner: SharedStore, codec: Arc<C>) -> Self {
+        Self { inner, codec }
+    }
+
+    /// Reads what the codec needs first to decode `record` (a store that
+    /// does not answer is an error as any read's).
+    async fn prepare_decode(&self, record: &CompletedRecord) -> Result<(), StoreError> {
+        if let Some(needed) = self.codec.needs(&record.outcome) {
+            let found = self.inner.get(&needed).await?;
+            self.codec.learn(found);
         }
+        Ok(())
     }
 
     /// `record` read back; `None` when the codec leaves it as it is.
@@ -110,9 +142,11 @@ impl<C: OutcomeCodec> Store for CodecStore<C> {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
         Ok(match self.inner.begin(begin).await? {
             BeginOutcome::Completed(record) => {
+                self.prepare_decode(&record).await?;
                 BeginOutcome::Completed(self.for_replay(&begin.key, record)?)
             }
             BeginOutcome::Settled(record) => {
+                self.prepare_decode(&record).await?;
                 BeginOutcome::Settled(self.for_replay(&begin.key, record)?)
             }
             other => other,
@@ -164,6 +198,9 @@ impl<C: OutcomeCodec> Store for CodecStore<C> {
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let mut record = self.inner.get(key).await?;
         if let Some(record) = &mut record {
+            if let Record::Completed(completed) = record {
+                self.prepare_decode(completed).await?;
+            }
             self.for_operator(key, record);
         }
         Ok(record)
@@ -178,12 +215,21 @@ impl<C: OutcomeCodec> Store for CodecStore<C> {
     }
 
     async fn list(&self, cursor: &ScanCursor, want: &ListWant<'_>) -> Result<ListPage, StoreError> {
-        self.inner.list(cursor, want).await
+        let mut page = self.inner.list(cursor, want).await?;
+        page.records
+            .retain(|(key, _)| !self.codec.internal(key, None));
+        Ok(page)
     }
 
     async fn scan(&self, cursor: &ScanCursor, count: usize) -> Result<ScanPage, StoreError> {
         let mut page = self.inner.scan(cursor, count).await?;
+        page.records
+            .retain(|(key, record)| !self.codec.internal(key, Some(record)));
         for (key, record) in &mut page.records {
+            if let Record::Completed(completed) = record {
+                // Shown as stored when its dictionary cannot be read now.
+                let _ = self.prepare_decode(completed).await;
+            }
             self.for_operator(key, record);
         }
         Ok(page)

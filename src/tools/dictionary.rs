@@ -129,9 +129,15 @@ async fn stored_responses(config: &Config, limit: usize) -> Result<Vec<StoredRes
         responses.extend(
             page.records
                 .into_iter()
-                .filter_map(|(_, record)| match record {
+                .filter_map(|(key, record)| match record {
                     Record::Completed(completed) => match completed.outcome {
-                        Outcome::Response(response) => Some(response),
+                        // The proxy's own learned dictionaries are
+                        // records too: not responses to learn from.
+                        Outcome::Response(response)
+                            if !compression::is_dictionary_record(&key, &response) =>
+                        {
+                            Some(response)
+                        }
                         _ => None,
                     },
                     Record::Pending(_) => None,

@@ -14,6 +14,11 @@
 //! - with `compression_dictionary`, compresses against it and names it in
 //!   the record; dictionaries replaced since
 //!   (`previous_compression_dictionaries`) still read their records;
+//! - without one (the default), learns a dictionary from the proxy's own
+//!   first responses and shares it through the store ([`learned`]): a
+//!   ~1.1 KB payment object then packs to ~0.22 of its size for ~19k
+//!   instructions, where zstd alone took ~93k for ~0.6;
+//! - leaves a body that is `content-encoding`d as it is, without trying;
 //! - happens once per first execution, above encryption at rest
 //!   ([`super::sealed`]): what is sealed is the packed response, so
 //!   ciphertext, which does not compress, is never what zstd sees;
@@ -34,41 +39,101 @@
 //! The packed layout and its codec ([`Packer`], [`Dictionary`]) are pure
 //! and live in `idemproxy_core::packed`, where the fuzz targets reach them
 //! without building the proxy; this module adds the store wrapper and
-//! dictionary training.
+//! dictionary training, operators' (`train`) and the proxy's own
+//! ([`learned`]).
 
 pub use idemproxy_core::packed::{
-    payload, Dictionary, DictionaryId, Packer, UnpackError, KNOWN_NAMES, LEVEL,
+    compressed_len, dictionary_of, payload, worth_compressing, Dictionary, DictionaryId, Packer,
+    UnpackError, KNOWN_NAMES, LEVEL,
+};
+
+mod learned;
+
+pub use learned::{
+    dictionary_key, is_dictionary_record, Compression, LearnSettings, CURRENT, SAMPLES, USABLE_FOR,
 };
 
 use super::codec::{CodecStore, OutcomeCodec};
 use super::StoreError;
-use crate::core::{Outcome, RecordKey};
+use bytes::Bytes;
+
+use crate::core::{Outcome, Record, RecordKey, StoredResponse};
 
 /// A store whose stored responses are packed (see the module docs).
 pub type CompressedStore = CodecStore<Packer>;
 
-impl OutcomeCodec for Packer {
-    /// Packed when packing compresses; with compression off, responses are
-    /// stored as they are, as every build before it stored them.
+/// A store whose stored responses are packed, with learned dictionaries
+/// ([`learned`]): the proxy's own.
+pub type LearningStore = CodecStore<Compression>;
+
+impl OutcomeCodec for Compression {
     fn encode(&self, _: &RecordKey, outcome: &Outcome) -> Result<Option<Outcome>, StoreError> {
-        Ok(match outcome {
-            Outcome::Response(response) if self.compresses() => {
-                Some(Outcome::Packed(self.pack(response)))
-            }
-            _ => None,
-        })
+        Ok(packed(outcome, self.compresses(), |r| self.pack(r)))
     }
 
     fn decode(&self, _: &RecordKey, outcome: &Outcome) -> Option<Result<Outcome, String>> {
-        let Outcome::Packed(packed) = outcome else {
-            return None;
-        };
-        Some(
-            self.unpack(packed)
-                .map(Outcome::Response)
-                .map_err(|e| format!("a packed response that does not unpack: {e}")),
-        )
+        unpacked(outcome, |p| self.unpack(p))
     }
+
+    fn needs(&self, outcome: &Outcome) -> Option<RecordKey> {
+        match outcome {
+            Outcome::Packed(packed) => Compression::needs(self, packed),
+            _ => None,
+        }
+    }
+
+    fn learn(&self, record: Option<Record>) {
+        Compression::learn(self, record);
+    }
+
+    fn internal(&self, key: &RecordKey, record: Option<&Record>) -> bool {
+        match record {
+            Some(Record::Completed(completed)) => match &completed.outcome {
+                Outcome::Response(response) => is_dictionary_record(key, response),
+                _ => false,
+            },
+            Some(Record::Pending(_)) => false,
+            None => self.is_dictionary_key(key),
+        }
+    }
+}
+
+impl OutcomeCodec for Packer {
+    fn encode(&self, _: &RecordKey, outcome: &Outcome) -> Result<Option<Outcome>, StoreError> {
+        Ok(packed(outcome, self.compresses(), |r| self.pack(r)))
+    }
+
+    fn decode(&self, _: &RecordKey, outcome: &Outcome) -> Option<Result<Outcome, String>> {
+        unpacked(outcome, |p| self.unpack(p))
+    }
+}
+
+/// A response packed when packing compresses; with compression off,
+/// responses are stored as they are, as every build before it stored them.
+fn packed(
+    outcome: &Outcome,
+    compresses: bool,
+    pack: impl FnOnce(&StoredResponse) -> Bytes,
+) -> Option<Outcome> {
+    match outcome {
+        Outcome::Response(response) if compresses => Some(Outcome::Packed(pack(response))),
+        _ => None,
+    }
+}
+
+/// What a packed response stands for; `None` for any other outcome.
+fn unpacked(
+    outcome: &Outcome,
+    unpack: impl FnOnce(&Bytes) -> Result<StoredResponse, UnpackError>,
+) -> Option<Result<Outcome, String>> {
+    let Outcome::Packed(packed) = outcome else {
+        return None;
+    };
+    Some(
+        unpack(packed)
+            .map(Outcome::Response)
+            .map_err(|e| format!("a packed response that does not unpack: {e}")),
+    )
 }
 
 /// Trains a dictionary of at most `max_len` bytes from `samples` (zstd's

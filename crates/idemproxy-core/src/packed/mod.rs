@@ -21,6 +21,7 @@
 //! or reordered: records written by every build since must keep reading.
 
 use std::cell::RefCell;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -30,7 +31,7 @@ use crate::core::StoredResponse;
 
 mod dictionary;
 
-pub use dictionary::{Dictionary, DictionaryId};
+pub use dictionary::{Dictionary, DictionaryId, DICTIONARY_LEVEL};
 
 const LAYOUT_PLAIN: u8 = 1;
 const LAYOUT_ZSTD: u8 = 2;
@@ -45,6 +46,10 @@ pub const LEVEL: i32 = 1;
 /// a zstd frame's own 13 bytes (header, block header, checksum) outweigh
 /// what it saves on so little.
 const MIN_COMPRESSED: usize = 128;
+
+/// With a dictionary, a frame costs its header, block header and checksum
+/// and the dictionary's id (~18 bytes): shorter payloads cannot gain.
+const MIN_COMPRESSED_WITH_DICTIONARY: usize = 32;
 
 /// Header names stored as their index (two bytes) instead of their text:
 /// the ones API responses carry most. Append only; never reorder.
@@ -209,13 +214,23 @@ impl Packer {
         self.compress
     }
 
-    /// `response` in the packed layout: compressed when that is shorter.
+    /// `response` in the packed layout: compressed (with the configured
+    /// dictionary, if any) when that is shorter.
     pub fn pack(&self, response: &StoredResponse) -> Bytes {
+        self.pack_with(response, self.dictionary.as_ref())
+    }
+
+    /// [`Packer::pack`] with `dictionary` instead of the configured one:
+    /// one the proxy learned.
+    pub fn pack_with(&self, response: &StoredResponse, dictionary: Option<&Dictionary>) -> Bytes {
         let plain = payload_after(response, vec![LAYOUT_PLAIN]);
         let payload = plain.get(1..).unwrap_or_default();
-        let worth_it = self.dictionary.is_some() || payload.len() >= MIN_COMPRESSED;
-        if self.compress && worth_it {
-            if let Some(compressed) = self.compressed(payload) {
+        let least = match dictionary {
+            Some(_) => MIN_COMPRESSED_WITH_DICTIONARY,
+            None => MIN_COMPRESSED,
+        };
+        if self.compress && payload.len() >= least && worth_compressing(response) {
+            if let Some(compressed) = compressed(payload, dictionary) {
                 if compressed.len() < plain.len() {
                     return Bytes::from(compressed);
                 }
@@ -224,43 +239,20 @@ impl Packer {
         Bytes::from(plain)
     }
 
-    /// `payload` compressed, with its layout byte (and dictionary id) first;
-    /// `None` if zstd failed, which leaves the payload stored plain.
-    fn compressed(&self, payload: &[u8]) -> Option<Vec<u8>> {
-        let mut out =
-            Vec::with_capacity(1 + DictionaryId::LEN + zstd_safe::compress_bound(payload.len()));
-        match &self.dictionary {
-            Some(dictionary) => {
-                out.push(LAYOUT_ZSTD_DICTIONARY);
-                out.extend_from_slice(dictionary.id().as_bytes());
-            }
-            None => out.push(LAYOUT_ZSTD),
-        }
-        let start = out.len() as u64;
-        COMPRESSOR.with_borrow_mut(|context| {
-            let context = context.as_mut()?;
-            let mut frame = std::io::Cursor::new(&mut out);
-            frame.set_position(start);
-            let written = match &self.dictionary {
-                Some(dictionary) => {
-                    // Referenced for this frame only: the context outlives
-                    // any one store, its dictionary must not.
-                    context.ref_cdict(dictionary.compression()).ok()?;
-                    let written = context.compress2(&mut frame, payload);
-                    context.disable_dictionary().ok()?;
-                    written
-                }
-                None => context.compress2(&mut frame, payload),
-            };
-            written.ok()
-        })?;
-        Some(out)
-    }
-
     /// The response `packed` holds. A plain payload's header values and
     /// body are slices of `packed`; a compressed one's, of one buffer it
     /// decompresses into.
     pub fn unpack(&self, packed: &Bytes) -> Result<StoredResponse, UnpackError> {
+        self.unpack_with(packed, |_| None)
+    }
+
+    /// [`Packer::unpack`], asking `learned` for a dictionary the record
+    /// names that is not configured.
+    pub fn unpack_with(
+        &self,
+        packed: &Bytes,
+        learned: impl FnOnce(DictionaryId) -> Option<Arc<Dictionary>>,
+    ) -> Result<StoredResponse, UnpackError> {
         let (&layout, rest) = packed.split_first().ok_or(UnpackError::Truncated)?;
         match layout {
             LAYOUT_PLAIN => read_payload(&packed.slice_ref(rest)),
@@ -270,17 +262,28 @@ impl Packer {
                     .get(..DictionaryId::LEN)
                     .and_then(DictionaryId::from_slice)
                     .ok_or(UnpackError::Truncated)?;
-                let dictionary = self
-                    .dictionary
-                    .iter()
-                    .chain(&self.previous)
-                    .find(|d| d.id() == id)
-                    .ok_or(UnpackError::MissingDictionary(id))?;
                 let frame = rest.get(DictionaryId::LEN..).unwrap_or_default();
-                read_payload(&self.decompressed(frame, Some(dictionary))?)
+                if let Some(dictionary) = self.configured(id) {
+                    return read_payload(&self.decompressed(frame, Some(dictionary))?);
+                }
+                let dictionary = learned(id).ok_or(UnpackError::MissingDictionary(id))?;
+                read_payload(&self.decompressed(frame, Some(&dictionary))?)
             }
             other => Err(UnpackError::UnknownLayout(other)),
         }
+    }
+
+    /// The configured dictionary (current or previous) whose id is `id`.
+    pub fn configured(&self, id: DictionaryId) -> Option<&Dictionary> {
+        self.dictionary
+            .iter()
+            .chain(&self.previous)
+            .find(|d| d.id() == id)
+    }
+
+    /// Whether new records are compressed with a configured dictionary.
+    pub fn has_dictionary(&self) -> bool {
+        self.dictionary.is_some()
     }
 
     fn decompressed(
@@ -312,6 +315,64 @@ impl Packer {
             return Err(UnpackError::Zstd("the frame is not its declared size"));
         }
         Ok(Bytes::from(out))
+    }
+}
+
+/// `payload` compressed, with its layout byte (and dictionary id) first;
+/// `None` if zstd failed, which leaves the payload stored plain.
+fn compressed(payload: &[u8], dictionary: Option<&Dictionary>) -> Option<Vec<u8>> {
+    let mut out =
+        Vec::with_capacity(1 + DictionaryId::LEN + zstd_safe::compress_bound(payload.len()));
+    match dictionary {
+        Some(dictionary) => {
+            out.push(LAYOUT_ZSTD_DICTIONARY);
+            out.extend_from_slice(dictionary.id().as_bytes());
+        }
+        None => out.push(LAYOUT_ZSTD),
+    }
+    let start = out.len() as u64;
+    COMPRESSOR.with_borrow_mut(|context| {
+        let context = context.as_mut()?;
+        let mut frame = std::io::Cursor::new(&mut out);
+        frame.set_position(start);
+        let written = match dictionary {
+            Some(dictionary) => {
+                // Referenced for this frame only: the context outlives
+                // any one store, its dictionary must not.
+                context.ref_cdict(dictionary.compression()).ok()?;
+                let written = context.compress2(&mut frame, payload);
+                context.disable_dictionary().ok()?;
+                written
+            }
+            None => context.compress2(&mut frame, payload),
+        };
+        written.ok()
+    })?;
+    Some(out)
+}
+
+/// Whether zstd may gain on `response`: not when it says its body is
+/// compressed already (`content-encoding`), so that is never tried.
+pub fn worth_compressing(response: &StoredResponse) -> bool {
+    !response
+        .headers
+        .iter()
+        .any(|(name, value)| name == "content-encoding" && value.as_ref() != b"identity")
+}
+
+/// What `payload` takes compressed with `dictionary` (its length when zstd
+/// fails): how a learned dictionary is judged.
+pub fn compressed_len(payload: &[u8], dictionary: &Dictionary) -> usize {
+    compressed(payload, Some(dictionary)).map_or(payload.len(), |packed| packed.len())
+}
+
+/// The dictionary `packed` was compressed with, if it names one.
+pub fn dictionary_of(packed: &[u8]) -> Option<DictionaryId> {
+    match packed.split_first() {
+        Some((&LAYOUT_ZSTD_DICTIONARY, rest)) => rest
+            .get(..DictionaryId::LEN)
+            .and_then(DictionaryId::from_slice),
+        _ => None,
     }
 }
 
@@ -454,6 +515,35 @@ mod tests {
             *byte = x as u8;
         }
         assert_eq!(packer.pack(&response(&noise))[0], LAYOUT_PLAIN);
+    }
+
+    #[test]
+    fn an_encoded_body_is_stored_plain_without_trying_zstd() {
+        let mut encoded = response(&payment(5));
+        encoded
+            .headers
+            .push(("content-encoding".into(), Bytes::from_static(b"gzip")));
+        for packer in [packer(true, None), packer(true, Some(raw_dictionary()))] {
+            assert_eq!(packer.pack(&encoded)[0], LAYOUT_PLAIN);
+        }
+    }
+
+    #[test]
+    fn a_record_names_the_dictionary_it_needs_and_a_learned_one_reads_it() {
+        let learned = raw_dictionary();
+        let id = learned.id();
+        let original = response(&payment(11));
+        let packed = packer(true, None).pack_with(&original, Some(&learned));
+        assert_eq!(dictionary_of(&packed), Some(id));
+        assert_eq!(dictionary_of(&packer(true, None).pack(&original)), None);
+        let reader = packer(true, None);
+        assert_eq!(
+            reader.unpack(&packed),
+            Err(UnpackError::MissingDictionary(id))
+        );
+        let shared = Arc::new(learned);
+        let found = reader.unpack_with(&packed, |wanted| (wanted == id).then(|| shared.clone()));
+        assert_eq!(found.as_ref(), Ok(&original));
     }
 
     #[test]
