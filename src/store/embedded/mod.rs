@@ -398,19 +398,7 @@ impl Store for EmbeddedStore {
                 Ok((found, false))
             })
             .await?;
-        let mut page = ListPage::default();
-        let mut next = found.last().map(|(key, _)| *key).filter(|_| more);
-        for (i, (key, read)) in found.iter().enumerate() {
-            if page.held() >= want.limit.max(1) {
-                // Full before the end of what was read: on from the last
-                // record filed.
-                next = i.checked_sub(1).and_then(|j| found.get(j)).map(|(k, _)| *k);
-                break;
-            }
-            page.file(want, *key, read.clone(), now);
-        }
-        page.next = next.map(|key| ScanCursor::new(key.to_hex()));
-        Ok(page)
+        Ok(ListPage::of_found(want, found, more, now))
     }
 
     /// In key order (the records table's), each page after the last key of

@@ -108,15 +108,15 @@ use bytes::Bytes;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{RedisError, Script, Value};
 
-use self::claim::{claim_unless_held, decide_read, swap};
+use self::claim::{claim_unless_held, swap};
 use self::connections::{Conn, LoopConnections};
 use self::removals::RemovalChannel;
 use self::value::{claim_id, pexpire_ms, read_stored, stored_completed, unexpected, Reply};
 use super::settings::{StoreKind, StoreSettings};
 use super::RemovalWatcher;
 use super::{
-    Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor, ScanPage, SharedStore,
-    Store, StoreError,
+    decide_read, Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor, ScanPage,
+    SharedStore, Store, StoreError,
 };
 use crate::core::{new_claim, Clock, CompletedRecord, FencingToken, Record, RecordKey};
 
