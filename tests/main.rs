@@ -33,6 +33,7 @@ mod differential_json;
 mod embedded_restart;
 mod encryption;
 mod fault_garbage;
+mod fault_postgres;
 mod fault_process;
 mod fault_redis;
 mod fault_storm;
