@@ -236,3 +236,75 @@ async fn the_sweep_deletes_expired_rows_in_batches_and_keeps_live_ones() {
     assert!(store.get(&live).await.expect("get").is_some());
     assert_eq!(store.purge_expired().await.expect("sweep"), 0);
 }
+
+/// A primary with a synchronous standby (`synchronous_standby_names = '*'`,
+/// `synchronous_commit = on`: a commit returns once the standby has it on
+/// disk) crashes mid-traffic and the standby is promoted: the proxy, given
+/// both hosts with `target_session_attrs=read-write`, fails closed while
+/// neither takes writes, then serves from the new primary, where every
+/// request answered before the crash replays; nothing executed twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_promoted_mid_traffic_keeps_every_answered_record() {
+    let mut primary =
+        PostgresServer::start_with(&["synchronous_standby_names=*", "synchronous_commit=on"]);
+    let standby = tokio::task::block_in_place(|| PostgresServer::standby_of(&primary));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while tokio::task::block_in_place(|| primary.sql("SELECT sync_state FROM pg_stat_replication"))
+        .trim()
+        != "sync"
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the standby never streamed in sync"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let upstream = TestUpstream::start().await;
+    let mut c = on_postgres(&upstream, &primary, "promote");
+    c.store.url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        primary.port(),
+        standby.port()
+    );
+    let proxy = ProxyProcess::start(c).await;
+    let clients: Vec<TestClient> = (0..4).map(|_| TestClient::new()).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = load(&proxy, &clients, &stop);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::task::block_in_place(|| {
+        primary.crash();
+        standby.promote();
+    });
+    wait_ready(&proxy, &clients[0]).await;
+    let after = clients[0]
+        .post_json(&proxy.url("/v1/after"), "after-promotion", BODY)
+        .await;
+    assert_eq!(after.status, 201, "{after:?}\n{}", proxy.logs());
+    stop.store(true, Ordering::SeqCst);
+    let loaded: Vec<_> = running.join_all().await.into_iter().flatten().collect();
+    let answered: Vec<_> = loaded.iter().filter(|(_, _, r)| r.status == 201).collect();
+    println!(
+        "postgres promotion: load={} answered={} refused={}",
+        loaded.len(),
+        answered.len(),
+        loaded.iter().filter(|(_, _, r)| r.status == 503).count()
+    );
+    assert!(!answered.is_empty(), "the load was served");
+    for (path, _, reply) in &loaded {
+        assert!(
+            matches!(reply.status.as_u16(), 201 | 503),
+            "{path}: {reply:?}"
+        );
+    }
+    for (i, (path, _, _)) in answered.iter().enumerate() {
+        let key = format!("load-{}", path.trim_start_matches("/v1/load/"));
+        let again = clients[i % 4].post_json(&proxy.url(path), &key, BODY).await;
+        assert_eq!(again.status, 201, "{path}: {again:?}");
+        assert!(
+            again.replayed(),
+            "{path} was lost in the promotion: {again:?}"
+        );
+    }
+    let paths = loaded.iter().map(|(path, _, _)| path.as_str());
+    Executions::count(&upstream, paths).assert_at_most_once();
+}

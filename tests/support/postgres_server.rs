@@ -97,13 +97,22 @@ fn as_server_user(program: PathBuf) -> Command {
 pub struct PostgresServer {
     port: u16,
     dir: TempDir,
+    /// More `postgres` arguments (`-c name=value`), for this server only
+    /// (a standby copies the configuration files, not these).
+    extra_args: Vec<String>,
     process: Option<Supervised>,
 }
 
 impl PostgresServer {
     /// A fresh cluster from `initdb`.
     pub fn start() -> Self {
-        Self::start_from(|data| {
+        Self::start_with(&[])
+    }
+
+    /// [`Self::start`] with `settings` (`name=value`) on the command line.
+    pub fn start_with(settings: &[&str]) -> Self {
+        let extra_args = settings.iter().flat_map(|s| ["-c".into(), s.to_string()]);
+        Self::start_from(extra_args.collect(), |data| {
             run(as_server_user(bin("initdb"))
                 .args([
                     "-A",
@@ -122,7 +131,7 @@ impl PostgresServer {
     /// A streaming standby of `primary` (`pg_basebackup -R`), which
     /// [`Self::promote`] makes a primary.
     pub fn standby_of(primary: &PostgresServer) -> Self {
-        Self::start_from(|data| {
+        Self::start_from(Vec::new(), |data| {
             run(as_server_user(bin("pg_basebackup"))
                 .args([
                     "-h",
@@ -140,7 +149,7 @@ impl PostgresServer {
         })
     }
 
-    fn start_from(make_data: impl Fn(&Path)) -> Self {
+    fn start_from(extra_args: Vec<String>, make_data: impl Fn(&Path)) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("idemproxy-pg-")
             .tempdir()
@@ -152,6 +161,7 @@ impl PostgresServer {
         let mut server = PostgresServer {
             port: 0,
             dir,
+            extra_args,
             process: None,
         };
         let mut last_error = String::new();
@@ -267,6 +277,7 @@ impl PostgresServer {
         // keeps what was written, so fsync only costs time.
         server.args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]);
         server.args(["-c", "max_connections=200", "-c", "wal_level=replica"]);
+        server.args(&self.extra_args);
         let mut shell = Supervised::shell(self.dir.path(), &server);
         // Fast shutdown when the handle goes: clients still connected
         // (a store's pool) are disconnected rather than waited for.
