@@ -464,9 +464,10 @@ impl Store for PostgresStore {
                 more = true;
                 break;
             }
-            let length: i32 = column(row, 2)?;
-            bytes += usize::try_from(length).unwrap_or(0);
-            let meta = RecordMeta::read(column::<&[u8]>(row, 1)?).map_err(|e| e.to_string());
+            // What was read: the front, never the stored response.
+            let front: &[u8] = column(row, 1)?;
+            bytes += front.len();
+            let meta = RecordMeta::read(front).map_err(|e| e.to_string());
             found.push((row_key(row)?, meta));
         }
         Ok(ListPage::of_found(want, found, more, now))

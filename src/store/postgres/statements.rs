@@ -28,7 +28,7 @@ pub(super) struct Statements {
     pub(super) lease: String,
     /// Live rows after a key, in key order.
     pub(super) scan: String,
-    /// Live rows' fronts (the record metadata) and sizes, after a key.
+    /// Live rows' fronts (the record metadata), after a key.
     pub(super) list: String,
     /// Deletes up to `$2` rows expired by `$1`, skipping rows another
     /// transaction holds.
@@ -75,7 +75,7 @@ impl Statements {
                  ORDER BY key LIMIT $3"
             ),
             list: format!(
-                "SELECT key, substring(value FROM 1 FOR $4), length(value) FROM {t} \
+                "SELECT key, substring(value FROM 1 FOR $4) FROM {t} \
                  WHERE key > $1 AND expires_at > $2 ORDER BY key LIMIT $3"
             ),
             sweep: format!(
