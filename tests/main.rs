@@ -46,6 +46,7 @@ mod metrics;
 mod middleware;
 mod observe_mode;
 mod passthrough;
+mod postgres_store;
 mod reconcile;
 mod redis_store;
 mod replicas;

@@ -29,7 +29,8 @@ pub struct StoreSettings {
     pub path: PathBuf,
     /// `redis://` or `rediss://` (TLS) URL of a standalone Redis; may carry
     /// `user:password@` and a `/db` number. For `kind = "postgres"`, a
-    /// `postgres://user@host:port/db` URL (`?sslmode=require` for TLS).
+    /// `postgres://user@host:port/db` URL (`?sslmode=require` for TLS, the
+    /// certificate verified).
     pub url: String,
     /// Seed nodes of a Redis Cluster (`kind = "redis-cluster"`).
     pub urls: Vec<String>,
@@ -44,7 +45,8 @@ pub struct StoreSettings {
     pub database: Option<i64>,
     /// Prefix of every Redis key this proxy writes.
     pub key_prefix: String,
-    /// Extra PEM CA bundle trusted for `rediss://`.
+    /// Extra PEM CA bundle trusted for `rediss://`, and for PostgreSQL with
+    /// `sslmode=require`.
     pub ca_file: Option<PathBuf>,
     /// Completed records cached in-process to answer replays without a
     /// round trip (0 = off). Completed records never change, except that an

@@ -84,6 +84,16 @@ fn server_user() -> Option<(u32, u32)> {
     Some((id("-u"), id("-g")))
 }
 
+/// Makes `paths` the server user's (when the tests run as root), so that
+/// it can read them: a TLS key must be its own.
+pub fn give_to_server_user(paths: &[&Path]) {
+    if let Some((uid, gid)) = server_user() {
+        for path in paths {
+            std::os::unix::fs::chown(path, Some(uid), Some(gid)).expect("chown to postgres");
+        }
+    }
+}
+
 /// `program` run as the server's user.
 fn as_server_user(program: PathBuf) -> Command {
     let mut command = Command::new(program);

@@ -12,6 +12,7 @@ use tokio_postgres::NoTls;
 
 use super::removals::RemovalFeed;
 use super::statements::Statements;
+use super::tls::MakeRustls;
 use super::{pg_error, schema, PostgresStore};
 use crate::core::{redact_url, Clock};
 use crate::store::settings::StoreSettings;
@@ -78,15 +79,19 @@ impl PostgresStore {
         }
         let pg = pg_config(config)?;
         let io = io_timeout(config);
-        let manager = Manager::from_config(
-            pg.clone(),
-            NoTls,
-            ManagerConfig {
-                // A connection a restart closed is noticed when it is
-                // handed out, without a round trip per call.
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        // A connection a restart closed is noticed when it is handed out,
+        // without a round trip per call.
+        let recycling = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let tls = match pg.get_ssl_mode() {
+            SslMode::Require => Some(MakeRustls::new(config)?),
+            _ => None,
+        };
+        let manager = match &tls {
+            Some(tls) => Manager::from_config(pg.clone(), tls.clone(), recycling),
+            None => Manager::from_config(pg.clone(), NoTls, recycling),
+        };
         let pool = Pool::builder(manager)
             .max_size(config.pool_size)
             .runtime(Runtime::Tokio1)
@@ -97,7 +102,7 @@ impl PostgresStore {
             .map_err(|e| StoreError::Unavailable(format!("postgres pool: {e}")))?;
         migrate_when_up(&pool, config, wait).await?;
         let sql = Arc::new(Statements::new(&config.table_prefix));
-        let feed = RemovalFeed::new(pg, sql.channel.clone(), io);
+        let feed = RemovalFeed::new(pg, tls, sql.channel.clone(), io);
         let (sweep_stop, _) = watch::channel(());
         Ok(PostgresStore {
             pool,
@@ -129,7 +134,10 @@ async fn migrate_when_up(
         let shown = redact_url(&config.url);
         if !worth_waiting(&failed) || Instant::now() >= deadline {
             let why = match failed {
-                PoolError::Backend(e) => pg_error(e).to_string(),
+                PoolError::Backend(e) => match pg_error(e) {
+                    StoreError::Unavailable(why) => why,
+                    other => other.to_string(),
+                },
                 other => other.to_string(),
             };
             return Err(StoreError::Unavailable(format!(
@@ -141,16 +149,39 @@ async fn migrate_when_up(
     }
 }
 
-/// Whether a failed connection may succeed later by itself: refused, timed
-/// out, or a server still starting or shutting down (SQLSTATE 57P0x).
+/// Whether a failed connection may succeed later by itself: refused, reset
+/// or timed out, or a server still starting or shutting down (SQLSTATE
+/// 57P0x). Credentials, a missing database, a certificate that does not
+/// verify fail at once.
 fn worth_waiting(e: &PoolError) -> bool {
-    match e {
-        PoolError::Timeout(_) => true,
-        PoolError::Backend(e) => e
-            .as_db_error()
-            .is_none_or(|db| db.code().code().starts_with("57P0")),
-        _ => false,
+    let e = match e {
+        PoolError::Timeout(_) => return true,
+        PoolError::Backend(e) => e,
+        _ => return false,
+    };
+    if let Some(db) = e.as_db_error() {
+        return db.code().code().starts_with("57P0");
     }
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::*;
+            return matches!(
+                io.kind(),
+                ConnectionRefused
+                    | ConnectionReset
+                    | ConnectionAborted
+                    | NotConnected
+                    | TimedOut
+                    | UnexpectedEof
+                    | BrokenPipe
+                    | AddrNotAvailable
+            );
+        }
+        source = cause.source();
+    }
+    // No cause: tokio-postgres's own connect timeout.
+    true
 }
 
 /// The connection settings: the URL's, with `username` and the password
@@ -166,12 +197,10 @@ fn pg_config(config: &StoreSettings) -> Result<tokio_postgres::Config, StoreErro
         .url
         .parse()
         .map_err(|e| StoreError::Unavailable(format!("store.url: `{shown}`: {e}")))?;
-    if pg.get_ssl_mode() == SslMode::Require || config.ca_file.is_some() {
-        return Err(StoreError::Unavailable(
-            "store.url: TLS to PostgreSQL (sslmode=require, ca_file) is not supported yet; \
-             reach it over a private network or a TLS sidecar"
-                .into(),
-        ));
+    if config.ca_file.is_some() && pg.get_ssl_mode() != SslMode::Require {
+        return Err(StoreError::Unavailable(format!(
+            "store.ca_file is set, but `{shown}` does not ask for TLS (?sslmode=require)"
+        )));
     }
     if let Some(user) = &config.username {
         pg.user(user);
@@ -211,8 +240,13 @@ mod tests {
         let wrong = check_settings(&settings("redis://user:secret@127.0.0.1"));
         assert_eq!(wrong.len(), 1, "{wrong:?}");
         assert!(!wrong[0].contains("secret"), "{wrong:?}");
-        let tls = check_settings(&settings("postgres://app@db/x?sslmode=require"));
-        assert!(tls[0].contains("not supported"), "{tls:?}");
+        assert!(check_settings(&settings("postgres://app@db/x?sslmode=require")).is_empty());
+        let ca_without_tls = StoreSettings {
+            ca_file: Some("/etc/ca.pem".into()),
+            ..settings("postgres://app@db/x")
+        };
+        let plain = check_settings(&ca_without_tls);
+        assert!(plain[0].contains("sslmode=require"), "{plain:?}");
         let nobody = check_settings(&settings("postgres://127.0.0.1/db"));
         assert!(nobody[0].contains("names no user"), "{nobody:?}");
     }

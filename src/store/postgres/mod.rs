@@ -55,6 +55,7 @@ mod removals;
 mod schema;
 mod statements;
 mod sweep;
+mod tls;
 
 pub use connect::{check_settings, open, open_within, STARTUP_WAIT};
 
@@ -147,7 +148,12 @@ pub(crate) fn pg_error(e: tokio_postgres::Error) -> StoreError {
         Some(db) => {
             StoreError::Unavailable(format!("postgres: {} ({})", db.message(), db.code().code()))
         }
-        None => StoreError::Unavailable(format!("postgres: {e}")),
+        // The cause says what the bare error does not ("error performing
+        // TLS handshake": which certificate, why).
+        None => match std::error::Error::source(&e) {
+            Some(cause) => StoreError::Unavailable(format!("postgres: {e}: {cause}")),
+            None => StoreError::Unavailable(format!("postgres: {e}")),
+        },
     }
 }
 

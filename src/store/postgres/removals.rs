@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::{AsyncMessage, NoTls, Socket};
+
+use super::tls::MakeRustls;
 
 use crate::core::RecordKey;
 use crate::store::RemovalWatcher;
@@ -31,6 +34,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Where removals are announced, and how to listen there.
 pub(super) struct RemovalFeed {
     pg: tokio_postgres::Config,
+    tls: Option<MakeRustls>,
     channel: String,
     io_timeout: Duration,
 }
@@ -38,11 +42,13 @@ pub(super) struct RemovalFeed {
 impl RemovalFeed {
     pub(super) fn new(
         pg: tokio_postgres::Config,
+        tls: Option<MakeRustls>,
         channel: String,
         io_timeout: Duration,
     ) -> Arc<Self> {
         Arc::new(Self {
             pg,
+            tls,
             channel,
             io_timeout,
         })
@@ -69,8 +75,21 @@ impl RemovalFeed {
     /// Listens until the connection breaks (an error) or the watcher is
     /// gone (`Ok`).
     async fn listen(&self, watcher: &dyn RemovalWatcher) -> Result<(), String> {
+        match &self.tls {
+            Some(tls) => self.listen_over(tls.clone(), watcher).await,
+            None => self.listen_over(NoTls, watcher).await,
+        }
+    }
+
+    async fn listen_over<T>(&self, tls: T, watcher: &dyn RemovalWatcher) -> Result<(), String>
+    where
+        T: MakeTlsConnect<Socket>,
+        T::Stream: Send + 'static,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
         let io = self.io_timeout;
-        let (client, mut connection) = tokio::time::timeout(io, self.pg.connect(NoTls))
+        let (client, mut connection) = tokio::time::timeout(io, self.pg.connect(tls))
             .await
             .map_err(|_| format!("connecting took over {io:?}"))?
             .map_err(|e| e.to_string())?;
