@@ -20,6 +20,7 @@ pub mod compression;
 pub mod embedded;
 pub mod memory;
 pub mod postgres;
+mod purger;
 pub mod redis;
 pub mod sealed;
 pub mod settings;
@@ -404,4 +405,24 @@ pub(crate) fn decide_read(
     }
     let live = (existing.expires_at() > now).then_some(existing);
     decide_begin(begin, live, now)
+}
+
+/// What a `begin` that is about to write `outcome`'s takeover must
+/// remember for a claim of its own read back after it ([`decide_read`]'s
+/// `took_over` and `reconcile`): that it took a stale claim over, and the
+/// cause to settle with if the lookup of a reconciling claim fails.
+pub(crate) fn note_takeover(
+    outcome: &BeginOutcome,
+    took_over: &mut bool,
+    reconcile: &mut Option<UnknownCause>,
+) {
+    if let BeginOutcome::Acquired {
+        took_over: taken,
+        reconcile: cause,
+        ..
+    } = outcome
+    {
+        *took_over |= taken;
+        *reconcile = reconcile.or(*cause);
+    }
 }

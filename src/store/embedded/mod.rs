@@ -56,7 +56,6 @@ use async_trait::async_trait;
 use redb::{Database, DatabaseError, ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::MissedTickBehavior;
 
 use self::tables::{
     db_error, delete, live, purge_batch, read, read_for_write, replace, EXPIRY, RECORDS,
@@ -218,30 +217,10 @@ impl EmbeddedStore {
     /// It holds only a weak reference, and ends as soon as the store is
     /// dropped. Must be called within a Tokio runtime.
     pub fn spawn_purger(self: &Arc<Self>, every: Duration) -> JoinHandle<()> {
-        let store = Arc::downgrade(self);
-        let mut stop = self.purger_stop.subscribe();
-        tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(every);
-            // A purge that overran its period must not be followed by a burst
-            // of catch-up purges.
-            ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = ticker.tick() => {}
-                    // Only ever an error: the sender is never used to send.
-                    _ = stop.changed() => return,
-                }
-                let Some(store) = store.upgrade() else {
-                    return;
-                };
-                match store.purge_expired().await {
-                    Ok(0) => {}
-                    Ok(purged) => tracing::debug!(purged, "purged expired records"),
-                    Err(error) => {
-                        tracing::warn!(%error, "purging expired records failed; will retry")
-                    }
-                }
-            }
+        let stop = self.purger_stop.subscribe();
+        super::purger::spawn(Arc::downgrade(self), every, stop, |store| async move {
+            let purged = store.purge_expired().await?;
+            Ok(u64::try_from(purged).unwrap_or(u64::MAX))
         })
     }
 

@@ -69,8 +69,8 @@ use tokio_postgres::types::ToSql;
 use self::removals::RemovalFeed;
 use self::statements::Statements;
 use super::{
-    decide_read, Begin, BeginOutcome, ListPage, ListWant, Removal, RemovalWatcher, Removed,
-    ScanCursor, ScanPage, Store, StoreError,
+    decide_read, note_takeover, Begin, BeginOutcome, ListPage, ListWant, Removal, RemovalWatcher,
+    Removed, ScanCursor, ScanPage, Store, StoreError,
 };
 use crate::core::{
     new_claim, Clock, CompletedRecord, FencingToken, Record, RecordKey, RecordMeta, UnixMillis,
@@ -328,15 +328,7 @@ impl Store for PostgresStore {
             if attempt == BEGIN_ATTEMPTS {
                 break;
             }
-            if let BeginOutcome::Acquired {
-                took_over: taken,
-                reconcile: cause,
-                ..
-            } = outcome
-            {
-                took_over |= taken;
-                reconcile = reconcile.or(cause);
-            }
+            note_takeover(&outcome, &mut took_over, &mut reconcile);
             if self
                 .swap(&client, &begin.key, &current, &replacement)
                 .await?

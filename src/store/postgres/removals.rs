@@ -88,7 +88,10 @@ impl RemovalFeed {
         T::TlsConnect: Send,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
-        let io = self.io_timeout;
+        // Patient: a heartbeat missed on a busy machine turns the cache off
+        // and empties it; a connection truly gone is noticed within
+        // `HEARTBEAT` twice all the same.
+        let io = self.io_timeout.max(HEARTBEAT);
         let (client, mut connection) = tokio::time::timeout(io, self.pg.connect(tls))
             .await
             .map_err(|_| format!("connecting took over {io:?}"))?

@@ -11,10 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
-use tokio::time::MissedTickBehavior;
 
 use super::{millis, PostgresStore};
-use crate::store::StoreError;
+use crate::store::{purger, StoreError};
 
 /// Rows one sweep statement deletes at most.
 const SWEEP_BATCH: i64 = 1000;
@@ -39,27 +38,9 @@ impl PostgresStore {
     /// Starts a task that sweeps every `every` (the first at once). It
     /// holds only a weak reference, and ends when the store is dropped.
     pub fn spawn_sweeper(self: &Arc<Self>, every: Duration) -> JoinHandle<()> {
-        let store = Arc::downgrade(self);
-        let mut stop = self.sweep_stop.subscribe();
-        tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(every);
-            ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = ticker.tick() => {}
-                    _ = stop.changed() => return,
-                }
-                let Some(store) = store.upgrade() else {
-                    return;
-                };
-                match store.purge_expired().await {
-                    Ok(0) => {}
-                    Ok(purged) => tracing::debug!(purged, "swept expired records"),
-                    Err(error) => {
-                        tracing::warn!(%error, "sweeping expired records failed; will retry")
-                    }
-                }
-            }
+        let stop = self.sweep_stop.subscribe();
+        purger::spawn(Arc::downgrade(self), every, stop, |store| async move {
+            store.purge_expired().await
         })
     }
 }

@@ -115,8 +115,8 @@ use self::value::{claim_id, pexpire_ms, read_stored, stored_completed, unexpecte
 use super::settings::{StoreKind, StoreSettings};
 use super::RemovalWatcher;
 use super::{
-    decide_read, Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor, ScanPage,
-    SharedStore, Store, StoreError,
+    decide_read, note_takeover, Begin, BeginOutcome, ListPage, ListWant, Removal, Removed,
+    ScanCursor, ScanPage, SharedStore, Store, StoreError,
 };
 use crate::core::{new_claim, Clock, CompletedRecord, FencingToken, Record, RecordKey};
 
@@ -384,15 +384,7 @@ impl Store for RedisStore {
             if attempt == BEGIN_ATTEMPTS {
                 break;
             }
-            if let BeginOutcome::Acquired {
-                took_over: taken,
-                reconcile: cause,
-                ..
-            } = outcome
-            {
-                took_over |= taken;
-                reconcile = reconcile.or(cause);
-            }
+            note_takeover(&outcome, &mut took_over, &mut reconcile);
             if swap(&mut conn, &key, &current, &replacement, now).await? {
                 if let Err(why) = self.replicated(&mut conn, &key).await {
                     if matches!(outcome, BeginOutcome::Acquired { .. }) {
