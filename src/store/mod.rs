@@ -407,6 +407,21 @@ pub(crate) fn decide_read(
     decide_begin(begin, live, now)
 }
 
+/// The answer of a shared store's `begin` whose record others changed
+/// under each of its `attempts` to write it: the key is busy, not the
+/// store. `Unavailable` would let `on_store_error = "pass"` forward a
+/// request whose key others are claiming; in flight sends it back (425, or
+/// another look under `on_in_flight = "wait"`).
+pub(crate) fn busy_key(key: &RecordKey, attempts: usize, now: UnixMillis) -> BeginOutcome {
+    tracing::warn!(
+        key = %key.to_hex(),
+        "the record changed under each of {attempts} attempts to claim it; answering in flight"
+    );
+    BeginOutcome::InFlight {
+        lease_expires_at: now,
+    }
+}
+
 /// What a `begin` that is about to write `outcome`'s takeover must
 /// remember for a claim of its own read back after it ([`decide_read`]'s
 /// `took_over` and `reconcile`): that it took a stale claim over, and the

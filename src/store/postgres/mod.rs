@@ -69,8 +69,8 @@ use tokio_postgres::types::ToSql;
 use self::removals::RemovalFeed;
 use self::statements::Statements;
 use super::{
-    decide_read, note_takeover, Begin, BeginOutcome, ListPage, ListWant, Removal, RemovalWatcher,
-    Removed, ScanCursor, ScanPage, Store, StoreError,
+    busy_key, decide_read, note_takeover, Begin, BeginOutcome, ListPage, ListWant, Removal,
+    RemovalWatcher, Removed, ScanCursor, ScanPage, Store, StoreError,
 };
 use crate::core::{
     new_claim, Clock, CompletedRecord, FencingToken, Record, RecordKey, RecordMeta, UnixMillis,
@@ -336,15 +336,11 @@ impl Store for PostgresStore {
                 return Ok(outcome);
             }
         }
-        // Others changed the row under every attempt: the key is busy, not
-        // the store (see the Redis store's `begin`).
-        tracing::warn!(
-            key = %begin.key.to_hex(),
-            "the record changed under each of {BEGIN_ATTEMPTS} attempts to claim it; answering in flight"
-        );
-        Ok(BeginOutcome::InFlight {
-            lease_expires_at: self.clock.now_millis(),
-        })
+        Ok(busy_key(
+            &begin.key,
+            BEGIN_ATTEMPTS,
+            self.clock.now_millis(),
+        ))
     }
 
     async fn complete(

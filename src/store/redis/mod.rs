@@ -115,8 +115,8 @@ use self::value::{claim_id, pexpire_ms, read_stored, stored_completed, unexpecte
 use super::settings::{StoreKind, StoreSettings};
 use super::RemovalWatcher;
 use super::{
-    decide_read, note_takeover, Begin, BeginOutcome, ListPage, ListWant, Removal, Removed,
-    ScanCursor, ScanPage, SharedStore, Store, StoreError,
+    busy_key, decide_read, note_takeover, Begin, BeginOutcome, ListPage, ListWant, Removal,
+    Removed, ScanCursor, ScanPage, SharedStore, Store, StoreError,
 };
 use crate::core::{new_claim, Clock, CompletedRecord, FencingToken, Record, RecordKey};
 
@@ -403,14 +403,11 @@ impl Store for RedisStore {
         // claim (a swap whose answer was lost, sent again by the cluster
         // client, finds its own value and reports a change), a completion,
         // another request's live claim, a different request.
-        tracing::warn!(
-            key = %begin.key.to_hex(),
-            "the record changed under each of {} attempts to claim it; answering in flight",
-            BEGIN_ATTEMPTS - 1
-        );
-        Ok(BeginOutcome::InFlight {
-            lease_expires_at: self.clock.now_millis(),
-        })
+        Ok(busy_key(
+            &begin.key,
+            BEGIN_ATTEMPTS - 1,
+            self.clock.now_millis(),
+        ))
     }
 
     async fn complete(
