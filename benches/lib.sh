@@ -97,8 +97,42 @@ start_redis() {
 start_proxy() {
   local name=$1 port=$2 kind=$3; shift 3
   env IDEMPROXY_LOG__LEVEL=info "$@" "${PROXY_BIN:-$BIN}" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
-    --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "redis://127.0.0.1:${RP:-6379}" >"$WORK/$name.log" 2>&1 &
+    --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "$(store_url "$kind")" >"$WORK/$name.log" 2>&1 &
   PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
+}
+
+# store_url KIND: the private PostgreSQL for `postgres` (start_postgres),
+# else the private Redis.
+store_url() {
+  case $1 in
+    postgres) echo "postgres://postgres@127.0.0.1:$PGP/postgres" ;;
+    *) echo "redis://127.0.0.1:${RP:-6379}" ;;
+  esac
+}
+
+# start_postgres PORT: a private PostgreSQL as an operator would run it
+# (fsync and synchronous_commit on, the defaults), initdb'd into $WORK/pg
+# (as user postgres when running as root, as PostgreSQL requires); sets
+# PGP, and PG_PIDS to the postmaster and its backends (read again after
+# the proxies connect: store_pids).
+start_postgres() {
+  PGP=$1
+  local bindir as=()
+  bindir=$(dirname "$(readlink -f "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb | tail -1)")")
+  mkdir -p "$WORK/pg"
+  if [ "$(id -u)" = 0 ]; then chown postgres: "$WORK" "$WORK/pg"; as=(runuser -u postgres --); fi
+  "${as[@]}" "$bindir/initdb" -A trust -U postgres -D "$WORK/pg/data" >"$WORK/initdb.log"
+  "${as[@]}" "$bindir/pg_ctl" -D "$WORK/pg/data" -l "$WORK/pg/server.log" -w \
+    -o "-p $PGP -k $WORK/pg -c listen_addresses=127.0.0.1 -c max_connections=200" start >/dev/null
+  head -1 "$WORK/pg/data/postmaster.pid" >"$WORK/postgres-server.pid"
+  PG_STOP=("${as[@]}" "$bindir/pg_ctl" -D "$WORK/pg/data" -m fast stop)
+}
+
+# The postmaster and every backend of the private PostgreSQL.
+postgres_pids() {
+  local master
+  master=$(cat "$WORK/postgres-server.pid")
+  echo "$master"; pgrep -P "$master"
 }
 
 # start_floor PORT: examples/bare_forward in front of the upstream, the
@@ -114,6 +148,7 @@ start_floor() {
 stop_rig() {
   local pid f
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  [ -n "${PG_STOP:-}" ] && "${PG_STOP[@]}" >/dev/null 2>&1 || true
   for f in "$WORK"/upstream.pid "$WORK"/control.pid; do
     [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
   done
@@ -146,7 +181,7 @@ start_redis_volatile() {
 start_proxy_admin() {
   local name=$1 port=$2 admin=$3 kind=$4; shift 4
   env IDEMPROXY_LOG__LEVEL=info "$@" "${PROXY_BIN:-$BIN}" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$admin" \
-    --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "redis://127.0.0.1:${RP:-6379}" >"$WORK/$name.log" 2>&1 &
+    --upstream "http://127.0.0.1:$UP" --store "$kind" --redis-url "$(store_url "$kind")" >"$WORK/$name.log" 2>&1 &
   PIDS+=($!); echo $! >"$WORK/$name.pid"; wait_port "$port"
   local _
   for _ in $(seq 100); do

@@ -2,6 +2,7 @@
 # Side-by-side load comparison, one run, one machine:
 #   nginx as a plain reverse proxy (the control)  vs
 #   idemproxy on the memory store  vs  idemproxy on a private Redis  vs
+#   idemproxy on a private PostgreSQL (fsync and synchronous_commit on)  vs
 #   idemproxy on the embedded store (the default: fjall, its journal fsync'd,
 #   here in a scratch directory),
 # and, for the unique-key traffic, the floor of idemproxy's own stack
@@ -32,7 +33,7 @@
 #                                   # (baseline-memory, baseline-redis): two
 #                                   # builds compared in the same run
 #
-# Needs nginx, wrk and redis-server (installed from Debian's packages when
+# Needs nginx, wrk, redis-server and PostgreSQL's initdb (installed from Debian's packages when
 # missing and running as root). Everything binds 127.0.0.1 and stops at exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,10 +47,11 @@ SOAK_SECONDS=${SOAK_SECONDS:-60}
 
 . benches/lib.sh
 need_tools nginx wrk redis-server
+command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_tools postgresql
 
 start_rig
 
-UP=$(free_port); NG=$(free_port); FL=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); IE=$(free_port); RP=$(free_port)
+UP=$(free_port); NG=$(free_port); FL=$(free_port); IM=$(free_port); I1=$(free_port); IR=$(free_port); IR1=$(free_port); IC=$(free_port); IS=$(free_port); IE=$(free_port); RP=$(free_port); IP=$(free_port)
 
 start_upstream
 start_control "$NG"
@@ -58,18 +60,20 @@ start_control "$NG"
 start_floor "$FL"
 
 start_redis "$RP"
+start_postgres "$(free_port)"
 
 start_proxy memory "$IM" memory
 start_proxy redis "$IR" redis
+start_proxy postgres "$IP" postgres
 # Every replay a round trip to Redis: what the local replay cache saves.
 start_proxy redis-nocache "$IC" redis IDEMPROXY_STORE__LOCAL_CACHE_ENTRIES=0
 # The default store: durable, so every claim and completion waits for an
 # fsync (grouped with the others in flight) on this machine's disk.
 start_proxy embedded "$IE" embedded IDEMPROXY_STORE__PATH="$WORK/embedded-data"
 
-declare -A URL=([nginx]="http://127.0.0.1:$NG" [hyper-floor]="http://127.0.0.1:$FL" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-nocache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE")
-TARGETS=(nginx hyper-floor idemproxy-memory idemproxy-redis idemproxy-embedded)
-REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-redis-nocache idemproxy-embedded)
+declare -A URL=([nginx]="http://127.0.0.1:$NG" [hyper-floor]="http://127.0.0.1:$FL" [idemproxy-memory]="http://127.0.0.1:$IM" [idemproxy-memory-1w]="http://127.0.0.1:$I1" [idemproxy-redis]="http://127.0.0.1:$IR" [idemproxy-redis-1w]="http://127.0.0.1:$IR1" [idemproxy-redis-nocache]="http://127.0.0.1:$IC" [idemproxy-embedded]="http://127.0.0.1:$IE" [idemproxy-postgres]="http://127.0.0.1:$IP")
+TARGETS=(nginx hyper-floor idemproxy-memory idemproxy-redis idemproxy-postgres idemproxy-embedded)
+REPLAY_TARGETS=(nginx idemproxy-memory idemproxy-redis idemproxy-redis-nocache idemproxy-postgres idemproxy-embedded)
 if [ "$WORKERS1" = 1 ]; then
   # One traffic worker instead of one per CPU: on two cores that the load
   # generator and the upstream also use, fewer threads can mean fewer
@@ -120,18 +124,27 @@ proxy_pids() {
     idemproxy-redis-1w) cat "$WORK/redis-1w.pid" ;;
     idemproxy-redis-nocache) cat "$WORK/redis-nocache.pid" ;;
     idemproxy-embedded) cat "$WORK/embedded.pid" ;;
+    idemproxy-postgres) cat "$WORK/postgres.pid" ;;
     baseline-memory) cat "$WORK/baseline-memory.pid" ;;
     baseline-redis) cat "$WORK/baseline-redis.pid" ;;
   esac
 }
 upstream_pids() { cat "$WORK/upstream.pid"; pgrep -P "$(cat "$WORK/upstream.pid")"; }
+# The store's processes: PostgreSQL's postmaster and backends for its
+# target, else redis-server.
+store_pids() {
+  case $1 in
+    idemproxy-postgres) postgres_pids ;;
+    *) cat "$WORK/redis-server.pid" ;;
+  esac
+}
 HZ=$(getconf CLK_TCK)
 
 run_wrk() { # scenario target round
   local out proxy upstream store
-  local -a pp up
-  mapfile -t pp < <(proxy_pids "$2"); mapfile -t up < <(upstream_pids)
-  proxy=$(ticks "${pp[@]}"); upstream=$(ticks "${up[@]}"); store=$(ticks "$(cat "$WORK/redis-server.pid")")
+  local -a pp up sp
+  mapfile -t pp < <(proxy_pids "$2"); mapfile -t up < <(upstream_pids); mapfile -t sp < <(store_pids "$2")
+  proxy=$(ticks "${pp[@]}"); upstream=$(ticks "${up[@]}"); store=$(ticks "${sp[@]}")
   # The load generator's own CPU (user + system, from bash's `time`): it
   # shares the two cores with the target, so what it spends is not
   # available to the target.
@@ -139,7 +152,7 @@ run_wrk() { # scenario target round
   loadgen_s=$( { time MODE="$1" RUN="r$3-$2" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s benches/load/post.lua "${URL[$2]}/v1/payments" >"$WORK/wrk.out"; } 2>&1 )
   out=$(cat "$WORK/wrk.out")
   proxy=$(( $(ticks "${pp[@]}") - proxy )); upstream=$(( $(ticks "${up[@]}") - upstream ))
-  store=$(( $(ticks "$(cat "$WORK/redis-server.pid")") - store ))
+  store=$(( $(ticks "${sp[@]}") - store ))
   local rps p50 p99 non2xx requests
   rps=$(awk '/Requests\/sec:/ {print $2}' <<<"$out")
   p50=$(awk '$1=="50%" {print $2}' <<<"$out")
@@ -214,7 +227,7 @@ def field(r, name):
     return None
 targets = {"unique": unique.split(), "passthrough": ["idemproxy-memory"], "replay": replay.split()}
 print(f"wrk -t1 -c{conns} -d{duration}s, {rounds} alternating rounds, medians; ~1 KB JSON POST")
-print(f"{'scenario':<11} {'target':<23} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream redis  wrk")
+print(f"{'scenario':<11} {'target':<23} {'req/s':>9} {'x nginx':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}   CPU µs/request: proxy upstream store  wrk")
 nginx_unique = None
 ratio = {}
 cpu = {}
@@ -233,7 +246,7 @@ for scenario in ["unique", "passthrough", "replay"]:
         ratio[scenario, t] = rps / base
         c = cpu[scenario, t] = {part: statistics.median(float(field(r, "cpu_" + part) or "nan") for r in rs)
                                 for part in ("proxy", "upstream", "redis", "loadgen")}
-        redis = f"{c['redis']:6.1f}" if "redis" in t else f"{'-':>6}"
+        redis = f"{c['redis']:6.1f}" if ("redis" in t or "postgres" in t) else f"{'-':>6}"
         print(f"{scenario:<11} {t:<23} {rps:>9.0f} {rps / base:>8.2f} {p50:>8.2f} {p99:>8.2f} {bad:>8}"
               f"   {c['proxy']:20.1f} {c['upstream']:8.1f} {redis} {c['loadgen']:5.1f}")
 print()
@@ -262,6 +275,13 @@ if ("unique", "idemproxy-redis") in cpu:
     alone = cpu_of("unique", "idemproxy-redis", "redis") / cpu_of("unique", "nginx", "proxy")
     verdict(f"first executions, Redis: proxy + Redis CPU/request <= 1.8x", v <= 1.8, f"{v:.2f}x")
     print(f"  {'  (of which redis-server alone)':<58} {alone:>11.2f}x")
+if ("unique", "idemproxy-postgres") in cpu:
+    # No target: what a claim and a completion cost in PostgreSQL (two
+    # statements, each a commit with its WAL flush) beside Redis's.
+    v = cpu_of("unique", "idemproxy-postgres", "proxy", "redis") / cpu_of("unique", "nginx", "proxy")
+    alone = cpu_of("unique", "idemproxy-postgres", "redis") / cpu_of("unique", "nginx", "proxy")
+    print(f"  {'(no target) first executions, PostgreSQL: proxy + postgres CPU':<58} {v:>11.2f}x")
+    print(f"  {'  (of which postgres alone)':<58} {alone:>11.2f}x")
 if ("replay", "idemproxy-memory") in cpu:
     v = cpu_of("replay", "idemproxy-memory", "proxy") / cpu_of("replay", "nginx", "proxy")
     verdict("replays, memory: proxy CPU/request <= 0.6x", v <= 0.6, f"{v:.2f}x")

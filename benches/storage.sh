@@ -21,6 +21,11 @@
 #       embedded: growth of the store directory (du -b) once the proxy has
 #              stopped, / records (journal and tables: approximate);
 #       memory: growth of the proxy's RSS, / records (approximate);
+#       postgres: pg_total_relation_size of the records table (heap,
+#              primary key and expires_at indexes, TOAST) after - before,
+#              / rows, as written (each row was inserted as a claim, then
+#              updated to its completion; before a VACUUM reuses the old
+#              versions' space);
 #   - CPU per first execution: the proxy's CPU time over the N requests
 #     (every thread's /proc/PID/task/TID/schedstat, ns; the utime+stime
 #     ticks of /proc/PID/stat are kept in the raw results as a check);
@@ -59,7 +64,7 @@ REPLAY_RATE=${REPLAY_RATE:-2000}
 BURST=${BURST:-500}
 ROUNDS=${ROUNDS:-3}
 COMPRESSION_MODES=${COMPRESSION_MODES:-off zstd zstd-dict}
-STORES=${STORES:-redis embedded memory}
+STORES=${STORES:-redis embedded memory postgres}
 BODIES=${BODIES:-small large}
 MEASURE_START=${MEASURE_START:-1000000}
 SAMPLE_KEYS=200
@@ -80,6 +85,15 @@ WORK=$(mktemp -d)
 PIDS=()
 trap stop_rig EXIT
 RESULTS="$WORK/results.txt"; : >"$RESULTS"
+if [[ " $STORES " == *" postgres "* ]]; then
+  command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_tools postgresql
+  start_postgres "$(free_port)"
+fi
+# A configuration's tables in the private PostgreSQL, and their size on
+# disk (heap, indexes, TOAST).
+pg_prefix() { local n=${1//-/_}; echo "s_${n}_"; }
+pg_query() { psql -X -At -h 127.0.0.1 -p "$PGP" -U postgres -d postgres -c "$1"; }
+pg_size() { pg_query "SELECT pg_total_relation_size('${1}records')"; }
 
 read -r -a MODES <<<"$COMPRESSION_MODES"
 read -r -a STORE_LIST <<<"$STORES"
@@ -228,6 +242,7 @@ run_group() {
         rpid[$mode]=$(cat "$WORK/redis-$name.pid")
         ;;
       embedded) dir[$mode]="$WORK/data-$name"; env_vars+=("IDEMPROXY_STORE__PATH=${dir[$mode]}") ;;
+      postgres) env_vars+=("IDEMPROXY_STORE__TABLE_PREFIX=$(pg_prefix "$name")") ;;
     esac
     start_proxy_admin "$name" "${port[$mode]}" "${admin[$mode]}" "$store" "${env_vars[@]}"
     pid[$mode]=$(cat "$WORK/$name.pid")
@@ -236,6 +251,7 @@ run_group() {
       redis) before[$mode]=$(redis_info "${rport[$mode]}" used_memory) ;;
       memory) before[$mode]=$(rss_bytes "${pid[$mode]}") ;;
       embedded) before[$mode]=$(du -sb "${dir[$mode]}" | cut -f1) ;;
+      postgres) before[$mode]=$(pg_size "$(pg_prefix "$name")") ;;
     esac
   done
 
@@ -252,6 +268,11 @@ run_group() {
       memory)
         records[$mode]=$(outcome_count "${admin[$mode]}" executed)
         bytes[$mode]=$(( $(rss_bytes "${pid[$mode]}") - before[$mode] ))
+        ;;
+      postgres)
+        name=$(pg_prefix "$store-$body-$mode-r$round")
+        records[$mode]=$(pg_query "SELECT count(*) FROM ${name}records")
+        bytes[$mode]=$(( $(pg_size "$name") - before[$mode] ))
         ;;
     esac
     # 1,000 keys to replay.
@@ -427,11 +448,12 @@ for c in configs:
     s["rounds"] = len(rs)
 def fmt(v, spec):
     return "-" if math.isnan(v) else format(v, spec)
-what = {"redis": "used_memory", "embedded": "du -b", "memory": "RSS"}
+what = {"redis": "used_memory", "embedded": "du -b", "memory": "RSS", "postgres": "table+idx+toast"}
 print()
 print(f"{binary}: N={n} first executions per run at {rate} req/s, {replays} replays; medians of {rounds} rounds")
 print("bytes/record: redis INFO used_memory delta, embedded directory growth (approximate: journal and tables),")
-print("memory RSS growth (approximate); memory_usage, strlen: Redis MEMORY USAGE / STRLEN of 200 keys;")
+print("memory RSS growth (approximate), postgres pg_total_relation_size growth (heap, indexes, TOAST; as written,")
+print("before VACUUM); memory_usage, strlen: Redis MEMORY USAGE / STRLEN of 200 keys;")
 print("cpu: the proxy's CPU per request (µs); replay_cached: with the default local replay cache (memory: the")
 print("store itself), cache_hit%: how many of those the cache answered (it holds ~40 MiB in 4 KiB units, so")
 print("not all of 1,000 large responses); replay_store: Redis, local_cache_entries = 0 (every replay a GET)")
@@ -469,7 +491,7 @@ for mode in ("off", "zstd", "zstd-dict", "legacy"):
         v = stats[c]["bytes"]; limit = 0.75 * body_bytes["small"]
         verdict(f"redis /small {mode}: used_memory/record <= 0.75 x body ({limit:.0f} B)",
                 None if mode in ("off", "legacy") else v <= limit, f"{v:.0f} B ({v / body_bytes['small']:.2f}x)")
-for store in ("redis", "embedded", "memory"):
+for store in ("redis", "embedded", "memory", "postgres"):
     for body in body_bytes:
         base = stats.get((store, body, "off"))
         if not base:

@@ -228,6 +228,7 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
         StoreKind::Redis | StoreKind::RedisCluster | StoreKind::RedisSentinel => {
             store::redis::open(&config.store).await?
         }
+        StoreKind::Postgres => store::postgres::open(&config.store).await?,
     };
     // Sealed below the cache: the cache keeps opened responses, in this
     // process's memory only. Always in place, keys or not: a response

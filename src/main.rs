@@ -104,13 +104,13 @@ struct Flags {
     /// Upstream base URL.
     #[arg(long, global = true)]
     upstream: Option<String>,
-    /// Store kind: memory, embedded, redis, redis-cluster.
+    /// Store kind: memory, embedded, redis, redis-cluster, redis-sentinel, postgres.
     #[arg(long, global = true, value_parser = parse_store_kind)]
     store: Option<StoreKind>,
     /// Directory of the embedded store.
     #[arg(long, global = true)]
     store_path: Option<PathBuf>,
-    /// Redis URL.
+    /// The store's URL (Redis, or `postgres://` for the PostgreSQL store).
     #[arg(long, global = true)]
     redis_url: Option<String>,
 }
@@ -122,7 +122,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn parse_store_kind(s: &str) -> Result<StoreKind, String> {
     serde_json::from_value(serde_json::Value::String(s.into())).map_err(|_| {
-        format!("`{s}`: expected memory, embedded, redis, redis-cluster or redis-sentinel")
+        format!(
+            "`{s}`: expected memory, embedded, redis, redis-cluster, redis-sentinel or postgres"
+        )
     })
 }
 

@@ -35,6 +35,9 @@ pub(crate) fn problems(config: &Config) -> Vec<String> {
         problems.push(why);
     }
     problems.extend(redis_url_problems(&config.store));
+    if config.store.kind == StoreKind::Postgres {
+        problems.extend(crate::store::postgres::check_settings(&config.store));
+    }
     if let Err(why) = keyring(&config.store) {
         problems.push(why);
     }
@@ -117,7 +120,7 @@ pub(crate) fn record_lifetime(config: &Config) -> std::time::Duration {
 /// them.
 fn redis_url_problems(store: &StoreSettings) -> Vec<String> {
     let urls: Vec<(&str, &String)> = match store.kind {
-        StoreKind::Memory | StoreKind::Embedded => Vec::new(),
+        StoreKind::Memory | StoreKind::Embedded | StoreKind::Postgres => Vec::new(),
         StoreKind::Redis => vec![("store.url", &store.url)],
         StoreKind::RedisCluster => store.urls.iter().map(|url| ("store.urls", url)).collect(),
         StoreKind::RedisSentinel => store

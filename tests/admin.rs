@@ -775,8 +775,9 @@ async fn stored_record(store: &dyn Store, n: u8, body: usize) -> String {
     key.to_hex()
 }
 
-/// The memory, embedded and Redis (at `redis_url`) stores, raw (no
-/// compression, no cache), each with a proxy whose admin API lists it.
+/// The memory, embedded, Redis (at `redis_url`) and PostgreSQL (the
+/// shared test server) stores, raw (no compression, no cache), each with a
+/// proxy whose admin API lists it.
 async fn listed_stores(
     upstream: &TestUpstream,
     dir: &std::path::Path,
@@ -796,8 +797,23 @@ async fn listed_stores(
             Arc::new(idemproxy::store::EmbeddedStore::open(dir).expect("embedded")) as _,
             c.clone(),
         ),
-        ("redis", redis, c),
+        ("redis", redis, c.clone()),
+        ("postgres", postgres_store().await, c),
     ]
+}
+
+/// A PostgreSQL store on the shared test server, tables of its own.
+async fn postgres_store() -> idemproxy::store::SharedStore {
+    let url = tokio::task::spawn_blocking(|| support::postgres_server::shared().url())
+        .await
+        .expect("the shared PostgreSQL starts");
+    let prefix = support::postgres_server::unique_prefix("listing");
+    let store = support::proxy::postgres_config("http://127.0.0.1:9", &url, &prefix).store;
+    Arc::new(
+        idemproxy::store::PostgresStore::connect(&store)
+            .await
+            .expect("postgres"),
+    )
 }
 
 /// Follows `GET /v1/keys?limit=…` pages to the end; each page's hashes.
@@ -864,7 +880,8 @@ async fn a_listing_page_holds_at_most_its_limit_and_the_cursor_walks_the_rest() 
 
 /// A listing reads records' metadata, never their stored responses: ten
 /// records of 2 MB in Redis cost it a few hundred bytes each off the wire
-/// (`GETRANGE`), not 20 MB (`GET`), and the embedded store, which reads
+/// (`GETRANGE`), not 20 MB (`GET`), PostgreSQL likewise (`substring`),
+/// and the embedded store, which reads
 /// whole values, stops a page once 4 MiB were read and goes on with a
 /// cursor. Before, both read every body in full, and a page held all.
 #[tokio::test]
@@ -920,6 +937,8 @@ async fn a_listing_reads_no_stored_response_and_is_bounded_by_bytes() {
                     after - before
                 );
             }
+            // Reads only the fronts (`substring`), as Redis does: one page.
+            "postgres" => assert_eq!(keys.len(), 10, "{page}"),
             _ => {
                 assert!(keys.len() <= 3, "{kind}: 4 MiB a page: {}", keys.len());
                 assert!(page["next_cursor"].is_string(), "{kind}: {page}");

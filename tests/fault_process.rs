@@ -13,7 +13,8 @@ use std::time::Duration;
 use idemproxy::config::Config;
 use support::binary::ProxyProcess;
 use support::fault::{killed_mid_call, raw_exchange, raw_post, Executions};
-use support::proxy::{redis_config, Reply, TestClient};
+use support::postgres_server::{self, PostgresServer};
+use support::proxy::{postgres_config, redis_config, Reply, TestClient};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::task::JoinSet;
@@ -67,7 +68,29 @@ async fn in_flight_then_settled(
 async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown() {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
-    let mut c = on_redis(&upstream, &redis, &redis_server::unique_prefix("kill9"));
+    let c = on_redis(&upstream, &redis, &redis_server::unique_prefix("kill9"));
+    killed_mid_call_then_outcome_unknown(c, &upstream).await;
+}
+
+/// The same on PostgreSQL: the retry through the other proxy process finds
+/// the dead one's claim, in flight, then settled fail-closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_mid_call_on_postgres_leaves_its_key_in_flight_then_outcome_unknown() {
+    let postgres = PostgresServer::start();
+    let upstream = TestUpstream::start().await;
+    let mut c = postgres_config(
+        &upstream.url(),
+        &postgres.url(),
+        &postgres_server::unique_prefix("kill9"),
+    );
+    c.log.level = "info".into();
+    killed_mid_call_then_outcome_unknown(c, &upstream).await;
+}
+
+/// A proxy process on `c` dies holding a key mid-call; another one on the
+/// same store answers the retries: in flight, then `outcome-unknown`, and
+/// the upstream saw the request once.
+async fn killed_mid_call_then_outcome_unknown(mut c: Config, upstream: &TestUpstream) {
     c.upstream.timeout = Duration::from_secs(4);
     c.idempotency.lease_margin = Duration::from_millis(1400);
     let lease = Duration::from_millis(5400);
@@ -81,7 +104,7 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
     // The first request: its proxy dies while the upstream works on it, so
     // its client gets no answer (the connection breaks).
     let pid = first.pid();
-    let sent_at = killed_mid_call(&mut first, &upstream, path, "crash-1", BODY).await;
+    let sent_at = killed_mid_call(&mut first, upstream, path, "crash-1", BODY).await;
 
     let url = second.url(path);
 
@@ -89,7 +112,7 @@ async fn a_proxy_killed_mid_call_leaves_its_key_in_flight_then_outcome_unknown()
         in_flight_then_settled(&client, &url, "crash-1", sent_at, lease).await;
     // The settlement is stored: another retry gets the same answer.
     let again = client.post_json(&url, "crash-1", BODY).await;
-    let executions = Executions::count(&upstream, [path]);
+    let executions = Executions::count(upstream, [path]);
     println!(
         "kill9: operations=1 duplicates=3 executions={} killed_pid={pid} \
          early={} at {early_at:?}, late={}, again={}",

@@ -1,6 +1,6 @@
 //! Fault injection: a duplicate storm. Many operations, each sent by many
 //! concurrent duplicates spread over two replicas that share one private
-//! Redis, against a slow upstream. Every operation executes exactly once;
+//! Redis (or PostgreSQL), against a slow upstream. Every operation executes exactly once;
 //! every answer is the execution's 201, its replay, or 425 in flight.
 
 use crate::support;
@@ -8,9 +8,11 @@ use crate::support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemproxy::store::{RedisStore, SharedStore};
+use idemproxy::config::Config;
+use idemproxy::store::{PostgresStore, RedisStore, SharedStore};
 use support::fault::Executions;
-use support::proxy::{redis_config, TestClient, TestProxy};
+use support::postgres_server::{self, PostgresServer};
+use support::proxy::{postgres_config, redis_config, TestClient, TestProxy};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::sync::Semaphore;
@@ -34,22 +36,51 @@ enum Answer {
 async fn a_duplicate_storm_over_two_replicas_executes_each_operation_once() {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
-    let mut c = redis_config(
+    let c = patient(redis_config(
         &upstream.url(),
         &redis.url(),
         &redis_server::unique_prefix("storm"),
-    );
-    // The storm tests at-most-once, not store timeouts: a slow moment on a
-    // loaded machine must not turn into 503s.
-    c.store.timeout = Duration::from_secs(2);
-    // The margin that timeout needs: see `lease_margin`.
-    c.idempotency.lease_margin = Duration::from_secs(9);
+    ));
     // Each replica has its own Redis connection.
     let mut replicas = Vec::new();
     for _ in 0..2 {
         let store: SharedStore = Arc::new(RedisStore::connect(&c.store).await.expect("redis"));
         replicas.push(TestProxy::start_with_store(c.clone(), store).await);
     }
+    storm(&upstream, &replicas).await;
+}
+
+/// The same storm over two replicas sharing a private PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_storm_over_two_replicas_on_postgres_executes_each_operation_once() {
+    let postgres = PostgresServer::start();
+    let upstream = TestUpstream::start().await;
+    let c = patient(postgres_config(
+        &upstream.url(),
+        &postgres.url(),
+        &postgres_server::unique_prefix("storm"),
+    ));
+    // Each replica has its own pool.
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let store: SharedStore = Arc::new(PostgresStore::connect(&c.store).await.expect("pg"));
+        replicas.push(TestProxy::start_with_store(c.clone(), store).await);
+    }
+    storm(&upstream, &replicas).await;
+}
+
+/// The storm tests at-most-once, not store timeouts: a slow moment on a
+/// loaded machine must not turn into 503s.
+fn patient(mut c: Config) -> Config {
+    c.store.timeout = Duration::from_secs(2);
+    // The margin that timeout needs: see `lease_margin`.
+    c.idempotency.lease_margin = Duration::from_secs(9);
+    c
+}
+
+/// Sends every operation `DUPLICATES` times over `replicas` and checks
+/// each executed once.
+async fn storm(upstream: &TestUpstream, replicas: &[TestProxy]) {
     let client = TestClient::new();
     let paths: Vec<String> = (0..OPERATIONS)
         .map(|op| format!("/v1/storm/{op}"))
@@ -99,7 +130,7 @@ async fn a_duplicate_storm_over_two_replicas_executes_each_operation_once() {
             Answer::Unexpected(what) => unexpected.push(format!("operation {op}: {what}")),
         }
     }
-    let executions = Executions::count(&upstream, paths.iter().map(String::as_str));
+    let executions = Executions::count(upstream, paths.iter().map(String::as_str));
     println!(
         "storm: operations={OPERATIONS} duplicates={} executions={} \
          executed_answers={} replayed={replayed} in_flight={in_flight} unexpected={} \
@@ -128,7 +159,7 @@ async fn a_duplicate_storm_over_two_replicas_executes_each_operation_once() {
 
     // Afterwards, both replicas replay every operation.
     for (op, path) in paths.iter().enumerate() {
-        for replica in &replicas {
+        for replica in replicas {
             let reply = client
                 .post_json(
                     &replica.url(&format!("{path}?delay_ms=50")),

@@ -74,7 +74,12 @@ async fn redis_store(c: &Config) -> SharedStore {
                 .await
                 .expect("redis cluster"),
         ),
-        other => panic!("not a Redis store: {other:?}"),
+        StoreKind::Postgres => Arc::new(
+            idemproxy::store::PostgresStore::connect(&c.store)
+                .await
+                .expect("postgres"),
+        ),
+        other => panic!("not a shared store: {other:?}"),
     }
 }
 
@@ -468,6 +473,15 @@ async fn a_removal_through_one_replica_is_dropped_from_the_others_cache() {
     let server = redis_server::shared();
     let prefix = redis_server::unique_prefix("removal");
     let store = redis_config("", &server.url(), &prefix).store;
+    removal_reaches_the_other_cache(store.clone(), store, "/v1/orders").await;
+}
+
+/// On PostgreSQL, removals reach the other cache by `LISTEN`/`NOTIFY`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_removal_is_dropped_from_the_others_cache() {
+    let server = support::postgres_server::shared();
+    let prefix = support::postgres_server::unique_prefix("removal");
+    let store = support::proxy::postgres_config("", &server.url(), &prefix).store;
     removal_reaches_the_other_cache(store.clone(), store, "/v1/orders").await;
 }
 

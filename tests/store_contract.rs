@@ -20,12 +20,12 @@ use idemproxy::core::{
 };
 use idemproxy::store::embedded::{DATA_DIR, RECORDS_KEYSPACE};
 use idemproxy::store::{
-    Begin, BeginOutcome, CachedStore, EmbeddedStore, MemoryStore, OnStale, RedisStore, Removal,
-    Removed, SharedStore, Store, StoreError,
+    Begin, BeginOutcome, CachedStore, EmbeddedStore, MemoryStore, OnStale, PostgresStore,
+    RedisStore, Removal, Removed, SharedStore, Store, StoreError,
 };
 use tempfile::TempDir;
 
-use crate::support::{redis_server, store_fixtures};
+use crate::support::{postgres_server, redis_server, store_fixtures};
 
 use store_fixtures::{begin, completed, completed_by, new_key, walk, TTL};
 
@@ -121,6 +121,26 @@ async fn redis_cluster_backend() -> Backend {
     redis_store(RedisStore::connect_cluster(&config).await)
 }
 
+/// The one private PostgreSQL server of the test process; each test has
+/// tables of its own (a table prefix).
+async fn postgres_backend() -> Backend {
+    let config = StoreSettings {
+        kind: idemproxy::config::StoreKind::Postgres,
+        url: postgres_server::shared().url(),
+        table_prefix: postgres_server::unique_prefix("contract"),
+        ..StoreSettings::default()
+    };
+    Backend {
+        store: Arc::new(
+            PostgresStore::connect(&config)
+                .await
+                .expect("connect to postgres"),
+        ),
+        clock: Clock::wall(),
+        _guard: None,
+    }
+}
+
 fn redis_store(connected: Result<RedisStore, StoreError>) -> Backend {
     Backend {
         store: Arc::new(connected.expect("connect to redis")),
@@ -177,6 +197,8 @@ contract! {
     redis => crate::store_contract::redis_backend,
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     redis_cluster => crate::store_contract::redis_cluster_backend,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    postgres => crate::store_contract::postgres_backend,
 }
 
 // ---------------------------------------------------------------- fixtures

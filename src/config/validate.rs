@@ -92,7 +92,9 @@ impl Config {
 
     fn check_store(&self, problems: &mut Vec<String>) {
         match self.store.kind {
-            StoreKind::Memory | StoreKind::Embedded => {}
+            // Checked where they are parsed (`postgres::check_settings`),
+            // which the composition root runs.
+            StoreKind::Memory | StoreKind::Embedded | StoreKind::Postgres => {}
             // URLs are checked where they are parsed: the Redis store's
             // `check_url`, which the composition root runs.
             StoreKind::Redis => {}

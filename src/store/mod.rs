@@ -19,6 +19,8 @@ pub mod codec;
 pub mod compression;
 pub mod embedded;
 pub mod memory;
+pub mod postgres;
+mod purger;
 pub mod redis;
 pub mod sealed;
 pub mod settings;
@@ -27,13 +29,17 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use crate::core::{
+    decide_begin, CompletedRecord, FencingToken, Record, RecordKey, RecordMeta, UnixMillis,
+    UnknownCause,
+};
 pub use crate::core::{Begin, BeginOutcome, OnStale, Removal, Removed};
-use crate::core::{CompletedRecord, FencingToken, Record, RecordKey, RecordMeta};
 
 pub use self::redis::RedisStore;
 pub use cache::CachedStore;
 pub use embedded::EmbeddedStore;
 pub use memory::MemoryStore;
+pub use postgres::PostgresStore;
 pub use settings::{Compression, StoreKind, StoreSettings, DEFAULT_LOCAL_CACHE_ENTRIES};
 
 #[derive(Clone, Debug, thiserror::Error)]
@@ -318,7 +324,7 @@ impl ListPage {
         want: &ListWant<'_>,
         key: RecordKey,
         read: Result<RecordMeta, String>,
-        now: crate::core::UnixMillis,
+        now: UnixMillis,
     ) {
         match read {
             Ok(meta) if meta.expires_at <= now => {}
@@ -339,6 +345,31 @@ impl ListPage {
     pub fn held(&self) -> usize {
         self.records.len() + self.unreadable.len()
     }
+
+    /// The page made of `found`, what a store read in walk order from the
+    /// cursor on (at most what one page may examine), `more` saying
+    /// whether the walk goes on after it: filed until the page is full,
+    /// then on from the last record filed.
+    pub(crate) fn of_found(
+        want: &ListWant<'_>,
+        found: Vec<(RecordKey, Result<RecordMeta, String>)>,
+        more: bool,
+        now: UnixMillis,
+    ) -> ListPage {
+        let mut page = ListPage::default();
+        let mut next = found.last().map(|(key, _)| *key).filter(|_| more);
+        let mut last_filed = None;
+        for (key, read) in found {
+            if page.held() >= want.limit.max(1) {
+                next = last_filed;
+                break;
+            }
+            page.file(want, key, read, now);
+            last_filed = Some(key);
+        }
+        page.next = next.map(|key| ScanCursor::new(key.to_hex()));
+        page
+    }
 }
 
 /// The fencing rule shared by the in-process stores: only the holder of the
@@ -347,5 +378,66 @@ pub fn check_owner(existing: Option<&Record>, token: FencingToken) -> Result<(),
     match existing {
         Some(Record::Pending(p)) if p.token == token => Ok(()),
         _ => Err(StoreError::Fenced),
+    }
+}
+
+/// What `begin` makes of a record a shared store read back after its
+/// claim did not take the key (Redis's `SET … NX GET`, PostgreSQL's
+/// `INSERT … ON CONFLICT`): this call's own claim (`begin.token`: a
+/// command sent twice, its first reply lost), or [`decide_begin`]'s
+/// decision on it, the record absent once expired by this proxy's clock
+/// (whenever the store reclaims it).
+pub(crate) fn decide_read(
+    begin: &Begin,
+    existing: Record,
+    now: UnixMillis,
+    took_over: bool,
+    reconcile: Option<UnknownCause>,
+) -> (BeginOutcome, Option<Record>) {
+    if matches!(&existing, Record::Pending(p) if p.token == begin.token) {
+        let token = begin.token;
+        let acquired = BeginOutcome::Acquired {
+            token,
+            took_over,
+            reconcile,
+        };
+        return (acquired, None);
+    }
+    let live = (existing.expires_at() > now).then_some(existing);
+    decide_begin(begin, live, now)
+}
+
+/// The answer of a shared store's `begin` whose record others changed
+/// under each of its `attempts` to write it: the key is busy, not the
+/// store. `Unavailable` would let `on_store_error = "pass"` forward a
+/// request whose key others are claiming; in flight sends it back (425, or
+/// another look under `on_in_flight = "wait"`).
+pub(crate) fn busy_key(key: &RecordKey, attempts: usize, now: UnixMillis) -> BeginOutcome {
+    tracing::warn!(
+        key = %key.to_hex(),
+        "the record changed under each of {attempts} attempts to claim it; answering in flight"
+    );
+    BeginOutcome::InFlight {
+        lease_expires_at: now,
+    }
+}
+
+/// What a `begin` that is about to write `outcome`'s takeover must
+/// remember for a claim of its own read back after it ([`decide_read`]'s
+/// `took_over` and `reconcile`): that it took a stale claim over, and the
+/// cause to settle with if the lookup of a reconciling claim fails.
+pub(crate) fn note_takeover(
+    outcome: &BeginOutcome,
+    took_over: &mut bool,
+    reconcile: &mut Option<UnknownCause>,
+) {
+    if let BeginOutcome::Acquired {
+        took_over: taken,
+        reconcile: cause,
+        ..
+    } = outcome
+    {
+        *took_over |= taken;
+        *reconcile = reconcile.or(*cause);
     }
 }

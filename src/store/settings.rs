@@ -17,6 +17,8 @@ pub enum StoreKind {
     /// A primary that Sentinels watch and fail over (`sentinels`,
     /// `master_name`).
     RedisSentinel,
+    /// A PostgreSQL database (`url`, `table_prefix`, `pool_size`).
+    Postgres,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -26,7 +28,9 @@ pub struct StoreSettings {
     /// Directory of the embedded store.
     pub path: PathBuf,
     /// `redis://` or `rediss://` (TLS) URL of a standalone Redis; may carry
-    /// `user:password@` and a `/db` number.
+    /// `user:password@` and a `/db` number. For `kind = "postgres"`, a
+    /// `postgres://user@host:port/db` URL (`?sslmode=require` for TLS, the
+    /// certificate verified).
     pub url: String,
     /// Seed nodes of a Redis Cluster (`kind = "redis-cluster"`).
     pub urls: Vec<String>,
@@ -41,7 +45,8 @@ pub struct StoreSettings {
     pub database: Option<i64>,
     /// Prefix of every Redis key this proxy writes.
     pub key_prefix: String,
-    /// Extra PEM CA bundle trusted for `rediss://`.
+    /// Extra PEM CA bundle trusted for `rediss://`, and for PostgreSQL with
+    /// `sslmode=require`.
     pub ca_file: Option<PathBuf>,
     /// Completed records cached in-process to answer replays without a
     /// round trip (0 = off). Completed records never change, except that an
@@ -54,7 +59,7 @@ pub struct StoreSettings {
     /// Bounds every store call; past it the store counts as unavailable.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
-    /// How often the embedded store purges expired records.
+    /// How often the embedded and PostgreSQL stores purge expired records.
     #[serde(with = "humantime_serde")]
     pub purge_interval: Duration,
     /// Sentinels of `kind = "redis-sentinel"` (`redis://host:26379`); the
@@ -86,6 +91,29 @@ pub struct StoreSettings {
     /// Dictionaries replaced by `compression_dictionary`, kept so that
     /// records written with them read until they expire (`ttl`).
     pub previous_compression_dictionaries: Vec<PathBuf>,
+    /// PostgreSQL: the prefix of the store's table names (lowercase letters,
+    /// digits, `_`), so several proxies' stores can share a database.
+    pub table_prefix: String,
+    /// PostgreSQL: connections each proxy keeps open at most.
+    pub pool_size: usize,
+}
+
+impl StoreSettings {
+    /// The password to connect with: `password`, else the variable named by
+    /// `password_env` (read now, at connect), else none (the URL's, if any).
+    pub(crate) fn resolved_password(&self) -> Result<Option<String>, super::StoreError> {
+        if let Some(password) = &self.password {
+            return Ok(Some(password.clone()));
+        }
+        match &self.password_env {
+            Some(name) => std::env::var(name).map(Some).map_err(|_| {
+                super::StoreError::Unavailable(format!(
+                    "store.password_env names {name}, which is not set (or not UTF-8)"
+                ))
+            }),
+            None => Ok(None),
+        }
+    }
 }
 
 /// `store.compression`.
@@ -127,6 +155,8 @@ impl Default for StoreSettings {
             compression: Compression::Zstd,
             compression_dictionary: None,
             previous_compression_dictionaries: Vec::new(),
+            table_prefix: "idemproxy_".into(),
+            pool_size: 16,
         }
     }
 }

@@ -6,6 +6,7 @@ pub mod faulty;
 pub mod keys;
 pub mod mcp;
 pub mod otlp;
+pub mod postgres_server;
 pub mod proxy;
 pub mod raw;
 pub mod redis_server;

@@ -42,6 +42,16 @@ pub fn redis_config(upstream_url: &str, redis_url: &str, prefix: &str) -> Config
     c
 }
 
+/// The proxy's configuration on the PostgreSQL at `postgres_url`, its
+/// tables under `prefix`.
+pub fn postgres_config(upstream_url: &str, postgres_url: &str, prefix: &str) -> Config {
+    let mut c = config(upstream_url);
+    c.store.kind = idemproxy::config::StoreKind::Postgres;
+    c.store.url = postgres_url.to_string();
+    c.store.table_prefix = prefix.to_string();
+    c
+}
+
 pub struct TestProxy {
     pub addr: SocketAddr,
     pub admin_addr: SocketAddr,

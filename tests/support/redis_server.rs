@@ -31,18 +31,19 @@ const STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
 const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The supervisor: starts the server in the background, prints its PID,
-/// then waits for a line ("kill": SIGKILL) or end of input (SIGTERM, then
-/// removes the directory). `$1` is the directory, the rest the command.
-const SUPERVISOR: &str = r#"
+/// then waits for a line (a signal's name, e.g. `KILL`: a crash) or end of
+/// input (`$STOP_SIGNAL`, TERM unless set, then removes the directory).
+/// `$1` is the directory, the rest the command.
+pub const SUPERVISOR: &str = r#"
 dir=$1; shift
 "$@" </dev/null >>"$dir/server.out" 2>&1 &
 child=$!
 echo "$child"
 if read -r line; then
-  kill -9 "$child" 2>/dev/null
+  kill -s "$line" "$child" 2>/dev/null
   wait "$child"
 else
-  kill "$child" 2>/dev/null
+  kill -s "${STOP_SIGNAL:-TERM}" "$child" 2>/dev/null
   wait "$child"
   rm -rf "$dir"
 fi
@@ -128,10 +129,65 @@ pub struct RedisOptions {
     pub extra_args: Vec<String>,
 }
 
-struct Supervised {
+/// A server process under [`SUPERVISOR`].
+pub struct Supervised {
     shell: Child,
     stdin: Option<ChildStdin>,
-    pid: u32,
+    pub pid: u32,
+}
+
+impl Supervised {
+    /// Starts `server` (a command whose program and arguments the
+    /// supervisor runs) under the supervisor, with `dir` as its directory.
+    pub fn start(dir: &Path, server: &Command) -> Result<Supervised, String> {
+        Self::spawn(&mut Self::shell(dir, server))
+    }
+
+    /// The supervisor's command for `server`, to spawn once it is
+    /// configured further (its user, `STOP_SIGNAL`).
+    pub fn shell(dir: &Path, server: &Command) -> Command {
+        let mut shell = Command::new("sh");
+        shell.arg("-c").arg(SUPERVISOR).arg("sh").arg(dir);
+        shell.arg(server.get_program()).args(server.get_args());
+        shell
+    }
+
+    /// Spawns `shell`, the supervisor command with its arguments.
+    pub fn spawn(shell: &mut Command) -> Result<Supervised, String> {
+        let mut shell = shell
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot run sh for a server: {e}"))?;
+        let stdin = shell.stdin.take();
+        let mut pid_line = String::new();
+        if let Some(stdout) = shell.stdout.take() {
+            let _ = BufReader::new(stdout).read_line(&mut pid_line);
+        }
+        let pid = pid_line.trim().parse().unwrap_or(0);
+        Ok(Supervised { shell, stdin, pid })
+    }
+
+    /// Sends the server `signal` (`KILL`, `QUIT`) and waits until it and
+    /// its supervisor are gone; the directory stays.
+    pub fn signal(mut self, signal: &str) {
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = writeln!(stdin, "{signal}");
+        }
+        let _ = self.shell.wait();
+    }
+
+    /// Whether the supervisor (and so the server) has exited.
+    pub fn exited(&mut self) -> bool {
+        self.shell.try_wait().ok().flatten().is_some()
+    }
+
+    /// Stops the server (`$STOP_SIGNAL`) and removes its directory.
+    pub fn stop(mut self) {
+        drop(self.stdin.take());
+        let _ = self.shell.wait();
+    }
 }
 
 /// A private `redis-server`. Dropping it stops the server.
@@ -204,11 +260,8 @@ impl RedisServer {
 
     /// Crashes the server (SIGKILL) and waits until it is gone.
     pub fn kill(&mut self) {
-        if let Some(mut process) = self.process.take() {
-            if let Some(mut stdin) = process.stdin.take() {
-                let _ = stdin.write_all(b"kill\n");
-            }
-            let _ = process.shell.wait();
+        if let Some(process) = self.process.take() {
+            process.signal("KILL");
         }
     }
 
@@ -303,36 +356,16 @@ impl RedisServer {
 
     /// Starts the server under its supervisor and waits until it answers.
     fn spawn(&mut self) -> Result<(), String> {
-        let mut shell = Command::new("sh")
-            .arg("-c")
-            .arg(SUPERVISOR)
-            .arg("sh")
-            .arg(self.dir.path())
-            .arg(server_bin())
-            .args(self.args())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot run sh for redis-server: {e}"))?;
-        let stdin = shell.stdin.take();
-        let mut pid_line = String::new();
-        if let Some(stdout) = shell.stdout.take() {
-            let _ = BufReader::new(stdout).read_line(&mut pid_line);
-        }
-        let pid = pid_line.trim().parse().unwrap_or(0);
-        self.process = Some(Supervised { shell, stdin, pid });
+        let mut server = Command::new(server_bin());
+        server.args(self.args());
+        self.process = Some(Supervised::start(self.dir.path(), &server)?);
 
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         loop {
             if self.answers() {
                 return Ok(());
             }
-            let exited = self
-                .process
-                .as_mut()
-                .and_then(|p| p.shell.try_wait().ok().flatten())
-                .is_some();
+            let exited = self.process.as_mut().is_some_and(Supervised::exited);
             if exited || Instant::now() > deadline {
                 let log = self.log();
                 self.kill();
@@ -368,11 +401,10 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        if let Some(mut process) = self.process.take() {
+        if let Some(process) = self.process.take() {
             // End of input: the supervisor stops the server (SIGTERM) and
             // removes the directory.
-            drop(process.stdin.take());
-            let _ = process.shell.wait();
+            process.stop();
         }
     }
 }
@@ -642,29 +674,13 @@ impl SentinelProcess {
                 ),
             )
             .expect("write sentinel.conf");
-            let mut shell = Command::new("sh")
-                .arg("-c")
-                .arg(SUPERVISOR)
-                .arg("sh")
-                .arg(dir.path())
-                .arg(server_bin())
-                .arg(&conf)
-                .arg("--sentinel")
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("run sh for a sentinel");
-            let stdin = shell.stdin.take();
-            let mut pid_line = String::new();
-            if let Some(stdout) = shell.stdout.take() {
-                let _ = BufReader::new(stdout).read_line(&mut pid_line);
-            }
-            let pid = pid_line.trim().parse().unwrap_or(0);
+            let mut server = Command::new(server_bin());
+            server.arg(&conf).arg("--sentinel");
+            let process = Supervised::start(dir.path(), &server).expect("run a sentinel");
             let sentinel = SentinelProcess {
                 port,
                 dir,
-                process: Some(Supervised { shell, stdin, pid }),
+                process: Some(process),
             };
             let deadline = Instant::now() + STARTUP_TIMEOUT;
             while Instant::now() < deadline {
@@ -712,9 +728,8 @@ impl SentinelProcess {
 
 impl Drop for SentinelProcess {
     fn drop(&mut self) {
-        if let Some(mut process) = self.process.take() {
-            drop(process.stdin.take());
-            let _ = process.shell.wait();
+        if let Some(process) = self.process.take() {
+            process.stop();
         }
     }
 }

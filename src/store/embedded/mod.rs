@@ -79,7 +79,6 @@ use async_trait::async_trait;
 use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::MissedTickBehavior;
 
 use self::expiry::{ExpiryFilters, Horizon, PURGE_BATCH};
 use self::tables::{db_error, decode, encode_value, expiry_of, live, read, record_bytes, wrap};
@@ -292,30 +291,10 @@ impl EmbeddedStore {
     /// It holds only a weak reference, and ends as soon as the store is
     /// dropped. Must be called within a Tokio runtime.
     pub fn spawn_purger(self: &Arc<Self>, every: Duration) -> JoinHandle<()> {
-        let store = Arc::downgrade(self);
-        let mut stop = self.purger_stop.subscribe();
-        tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(every);
-            // A purge that overran its period must not be followed by a burst
-            // of catch-up purges.
-            ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = ticker.tick() => {}
-                    // Only ever an error: the sender is never used to send.
-                    _ = stop.changed() => return,
-                }
-                let Some(store) = store.upgrade() else {
-                    return;
-                };
-                match store.purge_expired().await {
-                    Ok(0) => {}
-                    Ok(purged) => tracing::debug!(purged, "purged expired records"),
-                    Err(error) => {
-                        tracing::warn!(%error, "purging expired records failed; will retry")
-                    }
-                }
-            }
+        let stop = self.purger_stop.subscribe();
+        super::purger::spawn(Arc::downgrade(self), every, stop, |store| async move {
+            let purged = store.purge_expired().await?;
+            Ok(u64::try_from(purged).unwrap_or(u64::MAX))
         })
     }
 
@@ -494,19 +473,7 @@ impl Store for EmbeddedStore {
                 Ok((found, false))
             })
             .await?;
-        let mut page = ListPage::default();
-        let mut next = found.last().map(|(key, _)| *key).filter(|_| more);
-        for (i, (key, read)) in found.iter().enumerate() {
-            if page.held() >= want.limit.max(1) {
-                // Full before the end of what was read: on from the last
-                // record filed.
-                next = i.checked_sub(1).and_then(|j| found.get(j)).map(|(k, _)| *k);
-                break;
-            }
-            page.file(want, *key, read.clone(), now);
-        }
-        page.next = next.map(|key| ScanCursor::new(key.to_hex()));
-        Ok(page)
+        Ok(ListPage::of_found(want, found, more, now))
     }
 
     /// In key order, each page after the last key of the one before.

@@ -7,9 +7,7 @@ use bytes::Bytes;
 use super::connections::Conn;
 use super::value::{pexpire_ms, stored, stored_pending};
 use super::{redis_error, SCRIPTS};
-use crate::core::{
-    decide_begin, Begin, BeginOutcome, PendingRecord, Record, UnixMillis, UnknownCause,
-};
+use crate::core::{PendingRecord, Record, UnixMillis};
 use crate::store::StoreError;
 
 /// `SET key claim NX GET PX …`: writes `claim` if the key is free (`None`),
@@ -53,28 +51,4 @@ pub(super) async fn swap(
         .await
         .map_err(redis_error)?;
     Ok(swapped == 1)
-}
-
-/// What `begin` makes of the record a `SET … NX GET` read back: this
-/// call's own claim (`token`: a command the cluster client sent twice),
-/// or [`decide_begin`]'s decision on it, the record absent once expired by
-/// this proxy's clock (whenever Redis reclaims it).
-pub(super) fn decide_read(
-    begin: &Begin,
-    existing: Record,
-    now: UnixMillis,
-    took_over: bool,
-    reconcile: Option<UnknownCause>,
-) -> (BeginOutcome, Option<Record>) {
-    if matches!(&existing, Record::Pending(p) if p.token == begin.token) {
-        let token = begin.token;
-        let acquired = BeginOutcome::Acquired {
-            token,
-            took_over,
-            reconcile,
-        };
-        return (acquired, None);
-    }
-    let live = (existing.expires_at() > now).then_some(existing);
-    decide_begin(begin, live, now)
 }

@@ -352,20 +352,9 @@ fn io_timeout(config: &StoreSettings) -> Duration {
     config.timeout.saturating_mul(4).max(MIN_IO_TIMEOUT)
 }
 
-/// The password `config` asks for: `password`, else the variable named by
-/// `password_env` (read now, at connect), else none (the URL's, if any).
+/// The password `config` asks for (see [`StoreSettings::resolved_password`]).
 fn password(config: &StoreSettings) -> Result<Option<String>, StoreError> {
-    if let Some(password) = &config.password {
-        return Ok(Some(password.clone()));
-    }
-    match &config.password_env {
-        Some(name) => std::env::var(name).map(Some).map_err(|_| {
-            StoreError::Unavailable(format!(
-                "store.password_env names {name}, which is not set (or not UTF-8)"
-            ))
-        }),
-        None => Ok(None),
-    }
+    config.resolved_password()
 }
 
 /// The trust roots for `rediss://` when `ca_file` is set: its certificates

@@ -108,15 +108,15 @@ use bytes::Bytes;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{RedisError, Script, Value};
 
-use self::claim::{claim_unless_held, decide_read, swap};
+use self::claim::{claim_unless_held, swap};
 use self::connections::{Conn, LoopConnections};
 use self::removals::RemovalChannel;
 use self::value::{claim_id, pexpire_ms, read_stored, stored_completed, unexpected, Reply};
 use super::settings::{StoreKind, StoreSettings};
 use super::RemovalWatcher;
 use super::{
-    Begin, BeginOutcome, ListPage, ListWant, Removal, Removed, ScanCursor, ScanPage, SharedStore,
-    Store, StoreError,
+    busy_key, decide_read, note_takeover, Begin, BeginOutcome, ListPage, ListWant, Removal,
+    Removed, ScanCursor, ScanPage, SharedStore, Store, StoreError,
 };
 use crate::core::{new_claim, Clock, CompletedRecord, FencingToken, Record, RecordKey};
 
@@ -384,15 +384,7 @@ impl Store for RedisStore {
             if attempt == BEGIN_ATTEMPTS {
                 break;
             }
-            if let BeginOutcome::Acquired {
-                took_over: taken,
-                reconcile: cause,
-                ..
-            } = outcome
-            {
-                took_over |= taken;
-                reconcile = reconcile.or(cause);
-            }
+            note_takeover(&outcome, &mut took_over, &mut reconcile);
             if swap(&mut conn, &key, &current, &replacement, now).await? {
                 if let Err(why) = self.replicated(&mut conn, &key).await {
                     if matches!(outcome, BeginOutcome::Acquired { .. }) {
@@ -411,14 +403,11 @@ impl Store for RedisStore {
         // claim (a swap whose answer was lost, sent again by the cluster
         // client, finds its own value and reports a change), a completion,
         // another request's live claim, a different request.
-        tracing::warn!(
-            key = %begin.key.to_hex(),
-            "the record changed under each of {} attempts to claim it; answering in flight",
-            BEGIN_ATTEMPTS - 1
-        );
-        Ok(BeginOutcome::InFlight {
-            lease_expires_at: self.clock.now_millis(),
-        })
+        Ok(busy_key(
+            &begin.key,
+            BEGIN_ATTEMPTS - 1,
+            self.clock.now_millis(),
+        ))
     }
 
     async fn complete(
