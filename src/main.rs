@@ -252,16 +252,17 @@ fn migrate_store(config: &Config) -> ExitCode {
         eprintln!("idemproxy: store migrate works on the embedded store only");
         return ExitCode::from(2);
     }
-    match idemproxy::store::EmbeddedStore::open(&config.store.path) {
-        Ok(store) => {
-            match store.migrated() {
+    let dir = &config.store.path;
+    match idemproxy::tools::migrate::migrate_embedded(dir) {
+        Ok(migrated) => {
+            match migrated {
                 Some(done) => println!(
                     "migrated {} records ({} unreadable, kept to be listed) into {}",
                     done.records,
                     done.unreadable,
-                    store.path().display()
+                    dir.display()
                 ),
-                None => println!("nothing to migrate in {}", config.store.path.display()),
+                None => println!("nothing to migrate in {}", dir.display()),
             }
             ExitCode::SUCCESS
         }

@@ -125,6 +125,12 @@ async fn store_migrate_migrates_once_and_a_second_open_finds_the_records() {
     let said = String::from_utf8_lossy(&first.stdout);
     assert!(first.status.success(), "{first:?}");
     assert!(said.contains("migrated 3 records (0 unreadable"), "{said}");
+    // Progress on stderr (plain: not a terminal), stdout the answer.
+    let shown = String::from_utf8_lossy(&first.stderr);
+    assert!(
+        shown.contains("store migrate: 3 records examined, 3 copied"),
+        "{shown}"
+    );
     let again = run();
     let said = String::from_utf8_lossy(&again.stdout);
     assert!(again.status.success(), "{again:?}");

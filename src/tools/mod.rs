@@ -8,10 +8,13 @@
 //!   stuck `pending`) keys, look one up, ask the upstream's lookup
 //!   (`reconcile_url`) and settle it by the answer, or forget it once its
 //!   effect was checked with the upstream (docs/runbook.md).
+//! - `idemproxy store migrate` ([`migrate`]) copies an earlier version's
+//!   embedded store into today's.
 //! - [`progress`] shows how far such a walk over many records has come.
 
 pub mod dictionary;
 pub mod keys;
+pub mod migrate;
 mod progress;
 
 pub use dictionary::{train_dictionary, TrainOptions, TrainReport};

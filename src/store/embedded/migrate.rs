@@ -51,11 +51,14 @@ pub struct Migrated {
 }
 
 /// Copies the records of the redb file in `dir`, if there is one, into
-/// `records`; `None` when there was nothing to migrate.
+/// `records`, telling `copied` of each batch persisted (how many records
+/// it held: an operator's progress); `None` when there was nothing to
+/// migrate.
 pub fn from_redb(
     dir: &Path,
     db: &Database,
     records: &Keyspace,
+    copied: &mut dyn FnMut(u64),
 ) -> Result<Option<Migrated>, StoreError> {
     let file = dir.join(REDB_FILE_NAME);
     if !file.exists() {
@@ -68,7 +71,7 @@ pub fn from_redb(
         // Copied whole by a start that died before the rename below.
         None
     } else {
-        let migrated = copy(&file, db, records)?;
+        let migrated = copy(&file, db, records, copied)?;
         let mut done = db.batch().durability(Some(PersistMode::SyncAll));
         done.insert(&meta, MIGRATED_KEY, migrated.records.to_be_bytes());
         done.commit().map_err(db_error)?;
@@ -89,7 +92,12 @@ pub fn from_redb(
     Ok(migrated)
 }
 
-fn copy(file: &Path, db: &Database, records: &Keyspace) -> Result<Migrated, StoreError> {
+fn copy(
+    file: &Path,
+    db: &Database,
+    records: &Keyspace,
+    copied: &mut dyn FnMut(u64),
+) -> Result<Migrated, StoreError> {
     let unavailable = |e: &dyn std::fmt::Display| {
         StoreError::Unavailable(format!("cannot migrate {}: {e}", file.display()))
     };
@@ -122,9 +130,13 @@ fn copy(file: &Path, db: &Database, records: &Keyspace) -> Result<Migrated, Stor
                 &mut batch,
                 db.batch().durability(Some(PersistMode::SyncAll)),
             );
+            let held = full.len() as u64;
             full.commit().map_err(db_error)?;
+            copied(held);
         }
     }
+    let held = batch.len() as u64;
     batch.commit().map_err(db_error)?;
+    copied(held);
     Ok(migrated)
 }

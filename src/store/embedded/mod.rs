@@ -159,6 +159,15 @@ impl EmbeddedStore {
     /// directory, from this process or another, fails with
     /// [`StoreError::Unavailable`].
     pub fn open(dir: &Path) -> Result<EmbeddedStore, StoreError> {
+        Self::open_reporting(dir, &mut |_| {})
+    }
+
+    /// [`Self::open`], telling `copied` how many records each batch of a
+    /// migration from redb copied (`idemproxy store migrate`'s progress).
+    pub fn open_reporting(
+        dir: &Path,
+        copied: &mut dyn FnMut(u64),
+    ) -> Result<EmbeddedStore, StoreError> {
         fs::create_dir_all(dir).map_err(|e| {
             StoreError::Unavailable(format!(
                 "cannot create the store directory {}: {e}",
@@ -192,7 +201,7 @@ impl EmbeddedStore {
                 KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES)
             })
             .map_err(db_error)?;
-        let migrated = migrate::from_redb(dir, &db, &records)?;
+        let migrated = migrate::from_redb(dir, &db, &records, copied)?;
         let (purger_stop, _) = watch::channel(());
         Ok(EmbeddedStore {
             writer: Writer::start(db, records.clone())?,
