@@ -7,7 +7,7 @@
 //!
 //! Plain HTTP and MCP routes in enforce mode: observe mode never renders
 //! a lookup, so its claims never ask to reconcile. What a found lookup
-//! becomes is the dialect's ([`Dialect::reconciled`]): the lookup's own
+//! becomes is the dialect's ([`Dialect::reconciled`](super::dialect::Dialect::reconciled)): the lookup's own
 //! response for HTTP, a tool result saying what it found for MCP.
 
 use std::time::Duration;
@@ -36,7 +36,7 @@ pub(super) const IDEMPOTENCY_RECONCILED: &str = "idempotency-reconciled";
 /// What the lookup said.
 pub(super) enum Lookup {
     /// The operation happened: this is what the lookup answered, which
-    /// the dialect makes the stored outcome ([`Dialect::reconciled`]).
+    /// the dialect makes the stored outcome ([`Dialect::reconciled`](super::dialect::Dialect::reconciled)).
     Found(FoundAnswer),
     /// It never happened: execute the request.
     Absent,

@@ -17,7 +17,7 @@
 //!   restart keeps compressing with it.
 //! - A record names its dictionary (packed layout 3). A replica that meets
 //!   an id it has not loaded reads the dictionary's record first
-//!   ([`OutcomeCodec::needs`]); a store that does not answer is the store
+//!   ([`OutcomeCodec::needs`](crate::store::codec::OutcomeCodec::needs)); a store that does not answer is the store
 //!   being unavailable (retry later), never a corrupt record.
 //! - A dictionary compresses new records for [`USABLE_FOR`]; its records
 //!   outlive that by the longest record lifetime, so every record written
