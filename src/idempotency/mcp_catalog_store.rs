@@ -6,21 +6,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use sha2::{Digest, Sha256};
 
 use super::layer::Settings;
 use super::policy::McpRoute;
-use crate::core::{
-    millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, OnStale, Outcome,
-    Record, Removal, StoredResponse,
-};
+use crate::core::{CompletedRecord, Outcome, Record, Removal, StoredResponse};
+use crate::store::fixed_record::{self, Written};
 
 /// How long the shared record lives after it last changed: any listing
 /// after that writes it again.
 const SHARED_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
-
-/// A catalog write holds its claim this long at most.
-const WRITE_LEASE: Duration = Duration::from_secs(30);
 
 /// Before deciding how calls of `name` are protected: when no listing
 /// through this process named it, learns what the shared record says
@@ -80,57 +74,33 @@ async fn share_catalog(settings: &Settings, route: &McpRoute) {
     {
         route.catalog.learn_shared(&stored.body);
     }
-    let body = Bytes::from(route.catalog.to_shared());
-    let fingerprint = Fingerprint(Sha256::digest(&body).into());
-    // A changed catalog meets the old record as a mismatch: removed, then
-    // written on the second pass.
+    let response = StoredResponse {
+        status: 200,
+        headers: vec![(
+            "content-type".into(),
+            Bytes::from_static(b"application/json"),
+        )],
+        body: Bytes::from(route.catalog.to_shared()),
+    };
+    // A changed catalog meets the old record as another body: removed,
+    // then written on the second pass.
     for _ in 0..2 {
-        let begin = Begin {
+        let now = settings.clock.now_millis();
+        let written = fixed_record::write(
+            store.as_ref(),
             key,
-            fingerprint,
-            lease: WRITE_LEASE,
-            ttl: SHARED_TTL,
-            on_stale: OnStale::Retry,
-            token: FencingToken::random(),
-            reconcile: false,
-        };
-        let outcome = match tokio::time::timeout(timeout, store.begin(&begin)).await {
-            Ok(Ok(outcome)) => outcome,
-            _ => return,
-        };
-        match outcome {
-            BeginOutcome::Acquired { token, .. } => {
-                let now = settings.clock.now_millis();
-                let record = CompletedRecord {
-                    fingerprint,
-                    created_at: now,
-                    completed_at: now,
-                    expires_at: now.saturating_add(millis(SHARED_TTL)),
-                    outcome: Outcome::Response(StoredResponse {
-                        status: 200,
-                        headers: vec![(
-                            "content-type".into(),
-                            Bytes::from_static(b"application/json"),
-                        )],
-                        body,
-                    }),
-                };
-                let complete = store.complete(&key, token, &record);
-                if !matches!(tokio::time::timeout(timeout, complete).await, Ok(Ok(()))) {
-                    let release = store.release(&key, token);
-                    let _ = tokio::time::timeout(timeout, release).await;
-                }
-                return;
-            }
-            BeginOutcome::Mismatch { .. } => {
-                let remove = store.remove(&key, Removal::UnlessLeased);
-                if !matches!(tokio::time::timeout(timeout, remove).await, Ok(Ok(_))) {
-                    return;
-                }
-            }
-            // The record says the same already, or another replica is
-            // writing it now.
-            _ => return,
+            response.clone(),
+            SHARED_TTL,
+            now,
+            timeout,
+        )
+        .await;
+        if !matches!(written, Written::Other) {
+            return;
+        }
+        let remove = store.remove(&key, Removal::UnlessLeased);
+        if !matches!(tokio::time::timeout(timeout, remove).await, Ok(Ok(_))) {
+            return;
         }
     }
 }

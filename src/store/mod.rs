@@ -18,6 +18,7 @@ pub mod cache;
 pub mod codec;
 pub mod compression;
 pub mod embedded;
+pub mod fixed_record;
 pub mod memory;
 pub mod postgres;
 mod purger;

@@ -34,9 +34,10 @@ use sha2::{Digest, Sha256};
 
 use super::{compressed_len, payload, train, worth_compressing, Dictionary, DictionaryId, Packer};
 use crate::core::{
-    millis, now_millis, Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, OnStale,
-    Outcome, Record, RecordKey, Removal, StoredResponse, UnixMillis,
+    millis, now_millis, CompletedRecord, Outcome, Record, RecordKey, Removal, StoredResponse,
+    UnixMillis,
 };
+use crate::store::fixed_record::{self, Written};
 use crate::store::SharedStore;
 
 /// Responses trained on: ~300 KB of ~1 KB JSON, about what zstd's trainer
@@ -57,9 +58,6 @@ const WORTH_KEEPING_PERCENT: usize = 80;
 
 /// How long one dictionary compresses new records.
 pub const USABLE_FOR: Duration = Duration::from_secs(30 * 24 * 3600);
-
-/// A dictionary write holds its claim this long at most.
-const WRITE_LEASE: Duration = Duration::from_secs(30);
 
 /// Where the dictionary to compress with is shared: a fixed record key in a
 /// domain of its own (no key a caller sends can hash to it).
@@ -318,8 +316,8 @@ impl Compression {
         }
         for _ in 0..2 {
             match learning.claim(*CURRENT, &body, lifetime).await {
-                Claim::Written(record) | Claim::Taken(record) => return self.adopt(&record),
-                Claim::Other => {
+                Written::Now(record) | Written::Held(record) => return self.adopt(&record),
+                Written::Other => {
                     if self.adopt_current().await {
                         return true;
                     }
@@ -329,7 +327,7 @@ impl Compression {
                         return false;
                     }
                 }
-                Claim::Failed => return false,
+                Written::Failed => return false,
             }
         }
         false
@@ -369,18 +367,6 @@ impl Compression {
     }
 }
 
-/// How a claim of a shared record went.
-enum Claim {
-    /// Written now, as given.
-    Written(CompletedRecord),
-    /// It held the same bytes already.
-    Taken(CompletedRecord),
-    /// It holds something else, or another replica is writing it.
-    Other,
-    /// The store did not answer.
-    Failed,
-}
-
 impl Learning {
     async fn within_timeout<T, E>(&self, call: impl Future<Output = Result<T, E>>) -> Option<T> {
         match tokio::time::timeout(self.store_timeout, call).await {
@@ -394,48 +380,18 @@ impl Learning {
     async fn write(&self, key: RecordKey, body: &Bytes, lifetime: Duration) -> bool {
         matches!(
             self.claim(key, body, lifetime).await,
-            Claim::Written(_) | Claim::Taken(_)
+            Written::Now(_) | Written::Held(_)
         )
     }
 
-    async fn claim(&self, key: RecordKey, body: &Bytes, lifetime: Duration) -> Claim {
-        let fingerprint = Fingerprint(Sha256::digest(body).into());
-        let begin = Begin {
-            key,
-            fingerprint,
-            lease: WRITE_LEASE,
-            ttl: lifetime,
-            on_stale: OnStale::Retry,
-            token: FencingToken::random(),
-            reconcile: false,
+    async fn claim(&self, key: RecordKey, body: &Bytes, lifetime: Duration) -> Written {
+        let response = StoredResponse {
+            status: 200,
+            headers: Vec::new(),
+            body: body.clone(),
         };
-        let token = match self.within_timeout(self.store.begin(&begin)).await {
-            Some(BeginOutcome::Acquired { token, .. }) => token,
-            Some(BeginOutcome::Completed(record)) => return Claim::Taken((*record).clone()),
-            Some(_) => return Claim::Other,
-            None => return Claim::Failed,
-        };
-        let now = now_millis();
-        let record = CompletedRecord {
-            fingerprint,
-            created_at: now,
-            completed_at: now,
-            expires_at: now.saturating_add(millis(lifetime)),
-            outcome: Outcome::Response(StoredResponse {
-                status: 200,
-                headers: Vec::new(),
-                body: body.clone(),
-            }),
-        };
-        if self
-            .within_timeout(self.store.complete(&key, token, &record))
-            .await
-            .is_some()
-        {
-            return Claim::Written(record);
-        }
-        let _ = self.within_timeout(self.store.release(&key, token)).await;
-        Claim::Failed
+        let (store, timeout) = (self.store.as_ref(), self.store_timeout);
+        fixed_record::write(store, key, response, lifetime, now_millis(), timeout).await
     }
 }
 
