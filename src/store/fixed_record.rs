@@ -18,7 +18,7 @@ use crate::core::{
 /// (`OnStale::Retry`).
 const WRITE_LEASE: Duration = Duration::from_secs(30);
 
-/// What [`write`] found or did.
+/// What [`write()`] found or did.
 #[derive(Debug)]
 pub enum Written {
     /// Written now, as given.
