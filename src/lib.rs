@@ -244,11 +244,14 @@ pub async fn open_store(config: &Config) -> Result<SharedStore, Error> {
     // sealed as any, never packed.
     let compression = store::compression::Compression::new(
         settings::packer(config)?,
-        Some(store::compression::LearnSettings {
-            store: store.clone(),
-            store_timeout: config.store.timeout,
-            record_lifetime: settings::record_lifetime(config),
-        }),
+        config
+            .store
+            .learn_dictionary
+            .then(|| store::compression::LearnSettings {
+                store: store.clone(),
+                store_timeout: config.store.timeout,
+                record_lifetime: settings::record_lifetime(config),
+            }),
     );
     compression.adopt_shared();
     let store: SharedStore = Arc::new(store::compression::LearningStore::shared(

@@ -174,3 +174,64 @@ async fn replicas_share_a_learned_dictionary_and_read_each_others_records() {
         assert_replays(&restarted, i, "restarted").await;
     }
 }
+
+/// `learn_dictionary = false`: responses are still packed, each on its
+/// own, and no dictionary reaches the store, while a proxy that learns,
+/// fed the same responses alongside, has learned and shared one by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_told_not_to_learn_keeps_no_dictionary() {
+    let upstream = TestUpstream::start().await;
+    let learning_config = redis_config(&upstream.url(), &shared().url(), &unique_prefix("learns"));
+    let mut plain_config = redis_config(
+        &upstream.url(),
+        &shared().url(),
+        &unique_prefix("learns-not"),
+    );
+    plain_config.store.learn_dictionary = false;
+    let learning_raw = RedisStore::connect(&learning_config.store)
+        .await
+        .expect("redis");
+    let plain_raw = RedisStore::connect(&plain_config.store)
+        .await
+        .expect("redis");
+    let learning = idemproxy::open_store(&learning_config)
+        .await
+        .expect("learning proxy");
+    let plain = idemproxy::open_store(&plain_config)
+        .await
+        .expect("plain proxy");
+
+    // Fed alike until the learning one has written 50 records with its
+    // dictionary (a second of them at least): time enough for the other
+    // to have learned too, had it been told to.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let (mut i, mut with_dictionary) = (0, 0);
+    while with_dictionary < 50 {
+        store_response(&*learning, key(i), response(i)).await;
+        store_response(&*plain, key(i), response(i)).await;
+        if stored_with(&learning_raw, key(i)).await.is_some() {
+            with_dictionary += 1;
+        }
+        assert_eq!(stored_with(&plain_raw, key(i)).await, None, "record {i}");
+        i += 1;
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the learning proxy learned nothing after {i} responses"
+        );
+        if i as usize >= SAMPLES {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert!(
+        matches!(learning_raw.get(&CURRENT).await, Ok(Some(_))),
+        "the learning proxy shared its dictionary"
+    );
+    assert_eq!(
+        plain_raw.get(&CURRENT).await.expect("read"),
+        None,
+        "no dictionary shared by the proxy told not to learn"
+    );
+    for j in [0, i - 1] {
+        assert_replays(&plain, j, "plain").await;
+    }
+}

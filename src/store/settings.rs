@@ -88,6 +88,14 @@ pub struct StoreSettings {
     /// records are compressed with: small JSON responses compress several
     /// times better with one trained on the API's own responses.
     pub compression_dictionary: Option<PathBuf>,
+    /// Without `compression_dictionary`: whether the proxy learns a
+    /// dictionary from its own first responses and shares it through the
+    /// store ([`compression`](super::compression)). Off, each response
+    /// is compressed on its own: for operators whose policy keeps no
+    /// response content past its record (a learned dictionary is made of
+    /// fragments of real responses, kept, sealed like any record, as long
+    /// as records may use it).
+    pub learn_dictionary: bool,
     /// Dictionaries replaced by `compression_dictionary`, kept so that
     /// records written with them read until they expire (`ttl`).
     pub previous_compression_dictionaries: Vec<PathBuf>,
@@ -154,6 +162,7 @@ impl Default for StoreSettings {
             encryption_keys_env: None,
             compression: Compression::Zstd,
             compression_dictionary: None,
+            learn_dictionary: true,
             previous_compression_dictionaries: Vec::new(),
             table_prefix: "idemproxy_".into(),
             pool_size: 16,
