@@ -398,7 +398,8 @@ codec_reference() {
       [ -n "$line" ] || continue
       read -r in out c d <<<"$line"
       awk -v b="$body" -v m="$mode" -v i="$in" -v o="$out" -v c="$c" -v d="$d" \
-        'BEGIN { printf "  /%-6s %-10s %6d -> %5d B  compress %5.1f µs  decompress %5.1f µs\n", b, m, i, o, i / c, i / d }'
+        'BEGIN { if (c + 0 > 0 && d + 0 > 0) printf "  /%-6s %-10s %6d -> %5d B  compress %5.1f µs  decompress %5.1f µs\n", b, m, i, o, i / c, i / d
+                 else printf "  /%-6s %-10s %6d -> %5d B  (zstd -b reported no speed: %s, %s MB/s)\n", b, m, i, o, c, d }'
     done
   done
 }
