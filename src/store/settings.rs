@@ -102,7 +102,8 @@ pub struct StoreSettings {
     /// PostgreSQL: the prefix of the store's table names (lowercase letters,
     /// digits, `_`), so several proxies' stores can share a database.
     pub table_prefix: String,
-    /// PostgreSQL: connections each proxy keeps open at most.
+    /// PostgreSQL: connections each proxy keeps open at most for traffic,
+    /// split between its traffic threads.
     pub pool_size: usize,
 }
 

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::NoTls;
 
+use super::pools::{LoopPools, MakePool};
 use super::removals::RemovalFeed;
 use super::statements::Statements;
 use super::tls::MakeRustls;
@@ -79,39 +80,54 @@ impl PostgresStore {
         }
         let pg = pg_config(config)?;
         let io = io_timeout(config);
-        // A connection a restart closed is noticed when it is handed out,
-        // without a round trip per call.
-        let recycling = ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        };
         let tls = match pg.get_ssl_mode() {
             SslMode::Require => Some(MakeRustls::new(config)?),
             _ => None,
         };
-        let manager = match &tls {
-            Some(tls) => Manager::from_config(pg.clone(), tls.clone(), recycling),
-            None => Manager::from_config(pg.clone(), NoTls, recycling),
+        let pool = build_pool(&pg, tls.as_ref(), config.pool_size, io)?;
+        let make: MakePool = {
+            let (pg, tls) = (pg.clone(), tls.clone());
+            Box::new(move |size| build_pool(&pg, tls.as_ref(), size, io).ok())
         };
-        let pool = Pool::builder(manager)
-            .max_size(config.pool_size)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(io))
-            .create_timeout(Some(io))
-            .recycle_timeout(Some(io))
-            .build()
-            .map_err(|e| StoreError::Unavailable(format!("postgres pool: {e}")))?;
         migrate_when_up(&pool, config, wait).await?;
         let sql = Arc::new(Statements::new(&config.table_prefix));
         let feed = RemovalFeed::new(pg, tls, sql.channel.clone(), io);
         let (sweep_stop, _) = watch::channel(());
         Ok(PostgresStore {
-            pool,
+            pools: Arc::new(LoopPools::new(pool, make, config.pool_size)),
             sql,
             clock: Clock::wall(),
             feed,
             sweep_stop: Arc::new(sweep_stop),
         })
     }
+}
+
+/// A pool of at most `size` connections to `pg`, each checked when handed
+/// out, its waits bounded by `io`.
+fn build_pool(
+    pg: &tokio_postgres::Config,
+    tls: Option<&MakeRustls>,
+    size: usize,
+    io: Duration,
+) -> Result<Pool, StoreError> {
+    // A connection a restart closed is noticed when it is handed out,
+    // without a round trip per call.
+    let recycling = ManagerConfig {
+        recycling_method: RecyclingMethod::Fast,
+    };
+    let manager = match tls {
+        Some(tls) => Manager::from_config(pg.clone(), tls.clone(), recycling),
+        None => Manager::from_config(pg.clone(), NoTls, recycling),
+    };
+    Pool::builder(manager)
+        .max_size(size)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(io))
+        .create_timeout(Some(io))
+        .recycle_timeout(Some(io))
+        .build()
+        .map_err(|e| StoreError::Unavailable(format!("postgres pool: {e}")))
 }
 
 /// Migrates the tables, trying again until `wait` is up while the database

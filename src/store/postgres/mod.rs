@@ -51,6 +51,7 @@
 //! executed), a row that does not decode [`StoreError::Corrupt`].
 
 mod connect;
+mod pools;
 mod removals;
 mod schema;
 mod statements;
@@ -62,7 +63,7 @@ pub use connect::{check_settings, open, open_within, STARTUP_WAIT};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::Object;
 use tokio::sync::watch;
 use tokio_postgres::types::ToSql;
 
@@ -87,7 +88,7 @@ const REMOVE_ATTEMPTS: usize = 5;
 /// A [`Store`] in PostgreSQL. See the module docs for the layout.
 #[derive(Clone)]
 pub struct PostgresStore {
-    pool: Pool,
+    pools: Arc<pools::LoopPools>,
     sql: Arc<Statements>,
     clock: Clock,
     feed: Arc<RemovalFeed>,
@@ -165,7 +166,8 @@ impl PostgresStore {
     }
 
     async fn client(&self) -> Result<Object, StoreError> {
-        self.pool
+        self.pools
+            .current()
             .get()
             .await
             .map_err(|e| StoreError::Unavailable(format!("postgres: {e}")))
