@@ -117,15 +117,23 @@ impl Canonical {
         self.out.len() + (at - self.run)
     }
 
-    /// Skips whitespace from `at` on, which ends the pending run.
+    /// Skips whitespace from `at` on, which ends the pending run. One
+    /// comparison when there is none: every byte up to a space is
+    /// whitespace or a control character, which no JSON text has outside
+    /// strings (and which `skip_space` does not skip).
     #[inline(always)]
     fn space(&mut self, bytes: &[u8], at: usize) -> usize {
-        if let Some(b' ' | b'\n' | b'\t' | b'\r') = bytes.get(at) {
-            self.flush(bytes, at);
-            self.run = skip_space(bytes, at);
-            return self.run;
+        match bytes.get(at) {
+            Some(&b) if b <= b' ' => self.skip_space(bytes, at),
+            _ => at,
         }
-        at
+    }
+
+    #[inline(never)]
+    fn skip_space(&mut self, bytes: &[u8], at: usize) -> usize {
+        self.flush(bytes, at);
+        self.run = skip_space(bytes, at);
+        self.run
     }
 
     /// The whole body: one value, whitespace around it; where it ends.
@@ -134,20 +142,23 @@ impl Canonical {
     fn document(&mut self, text: &str) -> Result<usize, ParseError> {
         let bytes = text.as_bytes();
         let mut at = 0;
+        // Whether the innermost open container is an object, and how many
+        // are open (`open`'s length, kept where it is read fastest).
         let mut in_object = false;
+        let mut depth = 0;
         loop {
-            at = self.space(bytes, at);
+            // A value starts here, or whitespace before it.
             match bytes.get(at) {
                 Some(b'"') => at = self.string(text, at + 1)?,
                 Some(b'-' | b'0'..=b'9') => at = self.number(text, at)?,
-                Some(b'[' | b'{') if self.open.len() == MAX_DEPTH => {
+                Some(b'[' | b'{') if depth == MAX_DEPTH => {
                     return Err(error(at, "nested too deep"));
                 }
                 Some(b'[') => {
                     at = self.space(bytes, at + 1);
                     if bytes.get(at) != Some(&b']') {
                         self.open.push((false, 0));
-                        in_object = false;
+                        (in_object, depth) = (false, depth + 1);
                         continue;
                     }
                     at += 1;
@@ -156,7 +167,7 @@ impl Canonical {
                     at = self.space(bytes, at + 1);
                     if bytes.get(at) != Some(&b'}') {
                         self.open.push((true, self.members.len()));
-                        in_object = true;
+                        (in_object, depth) = (true, depth + 1);
                         at = self.member_name(text, at)?;
                         continue;
                     }
@@ -165,20 +176,17 @@ impl Canonical {
                 Some(b't') => at = literal(bytes, at, b"true")?,
                 Some(b'f') => at = literal(bytes, at, b"false")?,
                 Some(b'n') => at = literal(bytes, at, b"null")?,
+                Some(b' ' | b'\n' | b'\t' | b'\r') => {
+                    at = self.skip_space(bytes, at);
+                    continue;
+                }
                 _ => return Err(error(at, "expected a value")),
             }
             // A value ended here: a separator follows, or the end of its
-            // container, which is a value that ended too.
+            // container, which is a value that ended too, or whitespace.
             loop {
-                at = self.space(bytes, at);
-                let Some(&(_, first)) = self.open.last() else {
-                    return match bytes.get(at) {
-                        None => Ok(at),
-                        Some(_) => Err(error(at, "trailing characters")),
-                    };
-                };
                 match (bytes.get(at), in_object) {
-                    (Some(b','), false) => {
+                    (Some(b','), false) if depth > 0 => {
                         at += 1;
                         break;
                     }
@@ -191,18 +199,26 @@ impl Canonical {
                         at = self.member_name(text, at)?;
                         break;
                     }
-                    (Some(b']'), false) => at += 1,
+                    (Some(b']'), false) if depth > 0 => at += 1,
                     (Some(b'}'), true) => {
                         let end = self.pos(at);
                         if let Some(member) = self.members.last_mut() {
                             member.end = end;
                         }
+                        let first = self.open.last().map_or(0, |&(_, first)| first);
                         self.close_object(text, first, at)?;
                         at += 1;
                     }
+                    (Some(b' ' | b'\n' | b'\t' | b'\r'), _) => {
+                        at = self.skip_space(bytes, at);
+                        continue;
+                    }
+                    (None, _) if depth == 0 => return Ok(at),
+                    _ if depth == 0 => return Err(error(at, "trailing characters")),
                     _ => return Err(error(at, "expected `,` or the end of the container")),
                 }
                 self.open.pop();
+                depth -= 1;
                 in_object = matches!(self.open.last(), Some((true, _)));
             }
         }
@@ -262,6 +278,9 @@ impl Canonical {
             (member, next)
         };
         self.members.push(member);
+        if bytes.get(next) == Some(&b':') {
+            return Ok(next + 1);
+        }
         let at = self.space(bytes, next);
         if bytes.get(at) != Some(&b':') {
             return Err(error(at, "expected `:`"));
@@ -298,12 +317,20 @@ impl Canonical {
     fn close_object(&mut self, text: &str, first: usize, at: usize) -> Result<(), ParseError> {
         let Canonical {
             members,
+            open,
             names,
             order,
             last_keys,
             last_order,
             ..
         } = self;
+        // Only records in arrays come in runs of the same names: the
+        // others are not remembered, so as not to forget the records'.
+        let in_array = open
+            .len()
+            .checked_sub(2)
+            .and_then(|i| open.get(i))
+            .is_some_and(|&(object, _)| !object);
         let own = members.get(first..).unwrap_or_default();
         let name = |m: &Member| -> &str {
             let (from, to) = m.name;
@@ -350,7 +377,7 @@ impl Canonical {
                         }
                     }
                 }
-                if distinct {
+                if distinct && in_array {
                     last_keys.clear();
                     last_keys.extend(own.iter().map(|m| m.key));
                     last_order.clone_from(order);
@@ -448,7 +475,8 @@ fn plain_key(bytes: &[u8], start: usize, stop: usize) -> u64 {
     let len = stop - start;
     match bytes.get(start..start + 8).map(<[u8; 8]>::try_from) {
         Some(Ok(word)) if len < 8 => {
-            let keep = !(u64::MAX.checked_shr(8 * len as u32).unwrap_or(0));
+            // Shifted by less than 64.
+            let keep = !(u64::MAX >> (8 * len));
             utf16_key(u64::from_be_bytes(word) & keep)
         }
         _ => sort_key(bytes.get(start..stop).unwrap_or_default()),
