@@ -414,20 +414,23 @@ impl Canonical {
             return;
         };
         if from >= out.len() {
-            // Where the canonical form's positions are in the body.
-            let shift = *run - out.len();
-            out.extend_from_slice(bytes.get(*run..from + shift).unwrap_or_default());
+            // Where a position of the canonical form in the pending run is
+            // in the body. Not a difference of the two: the canonical form
+            // so far can be longer than the body read (`1e20`).
+            let (base, start) = (out.len(), *run);
+            let body_at = |canonical: usize| start + (canonical - base);
+            out.extend_from_slice(bytes.get(start..body_at(from)).unwrap_or_default());
             for (k, m) in rewritten.iter().filter_map(|&i| own.get(i)).enumerate() {
                 if k > 0 {
                     out.push(b',');
                 }
                 out.extend_from_slice(
                     bytes
-                        .get(m.start + shift..m.end + shift)
+                        .get(body_at(m.start)..body_at(m.end))
                         .unwrap_or_default(),
                 );
             }
-            *run = to + shift;
+            *run = body_at(to);
             return;
         }
         out.extend_from_slice(bytes.get(*run..close).unwrap_or_default());
@@ -580,6 +583,11 @@ mod tests {
             // Some of the members copied out already: after whitespace,
             // an escape, a number written anew.
             (r#"{"b": 1, "a" :2}"#, r#"{"a":2,"b":1}"#),
+            // The canonical form longer than the body read so far.
+            (
+                r#"{"a":1e20,"c":{"z":1,"y":2}}"#,
+                r#"{"a":100000000000000000000,"c":{"y":2,"z":1}}"#,
+            ),
             (
                 r#"{"c":"\n","b":[ 1 ],"a":1.0,"z":[{"y":1e2,"x":0}]}"#,
                 r#"{"a":1,"b":[1],"c":"\n","z":[{"x":0,"y":100}]}"#,
