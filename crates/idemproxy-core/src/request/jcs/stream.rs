@@ -1,15 +1,19 @@
 //! The canonical form written while parsing, for bodies without ignore
 //! pointers: no [`Document`](super::Document), no tape.
 //!
-//! Scalars and arrays are final as they are read: each is written in its
-//! canonical form straight into the output, most of them as a copy of
-//! their text (a string without escapes between its quotes, an integer up
-//! to 2^53, a short decimal without an exponent or trailing zeros). An
-//! object's members are written as they come too, each remembered by its
-//! name and where its bytes start; when the object closes, and only if its
-//! members came out of order, the bytes of the members that moved are put
-//! back in order, in place. Nothing else is buffered: the output is the
-//! canonical form, which the fingerprint hashes in one call.
+//! Most of a body is its own canonical form: strings without escapes
+//! (with their quotes), integers up to 2^53, short decimals without an
+//! exponent or trailing zeros, punctuation. That text is not copied token
+//! by token: the writer keeps where the pending run of it starts, and
+//! copies it in one piece when something else must be written (after
+//! whitespace, at an escape, at a number written anew) or at the end.
+//! An object's members are remembered by their names and where their
+//! bytes start and end in the canonical form; when the object closes,
+//! and only if its members came out of order, those between the first and
+//! the last that move are put in order, copied straight from the body if
+//! they are all in the pending run, in place in the output otherwise.
+//! The output is the canonical form, which the fingerprint hashes in one
+//! call.
 //!
 //! It accepts exactly what [`Document::parse`](super::Document::parse)
 //! accepts and then finds exact ([`Document::is_exact`](super::Document::is_exact)),
@@ -34,8 +38,8 @@ pub(crate) struct Canonical {
     /// Where the pending run starts in the body: the text from there on
     /// read so far is its own canonical form, not yet copied to `out`.
     /// Positions in the canonical form (the members' `start` and `end`)
-    /// below `out.len()` are in `out`; those from it on are in the run,
-    /// at `run - out.len()` further on in the body.
+    /// below `out.len()` are in `out`; a position `p` from it on is in the
+    /// run, at `run + (p - out.len())` in the body.
     run: usize,
     /// The members of the objects still open, innermost last.
     members: Vec<Member>,
@@ -47,8 +51,8 @@ pub(crate) struct Canonical {
     /// The order of the members of the object being closed: the index,
     /// in the order they came, of each in sorted order.
     order: Vec<usize>,
-    /// The keys of the last object sorted whose keys all differ, and the
-    /// order they sorted in. Records repeat their names in the same order,
+    /// The keys of the last object in an array sorted whose keys all
+    /// differ, and the order they sorted in. Records repeat their names in the same order,
     /// and the same keys, all different, sort the same way: a comparison
     /// per name instead of a sort.
     last_keys: Vec<u64>,
@@ -115,6 +119,16 @@ impl Canonical {
     #[inline(always)]
     fn pos(&self, at: usize) -> usize {
         self.out.len() + (at - self.run)
+    }
+
+    /// Ends the last member of the innermost object at `at`, its comma or
+    /// closing brace.
+    #[inline(always)]
+    fn end_member(&mut self, at: usize) {
+        let end = self.pos(at);
+        if let Some(member) = self.members.last_mut() {
+            member.end = end;
+        }
     }
 
     /// Skips whitespace from `at` on, which ends the pending run. One
@@ -191,20 +205,14 @@ impl Canonical {
                         break;
                     }
                     (Some(b','), true) => {
-                        let end = self.pos(at);
-                        if let Some(member) = self.members.last_mut() {
-                            member.end = end;
-                        }
+                        self.end_member(at);
                         at = self.space(bytes, at + 1);
                         at = self.member_name(text, at)?;
                         break;
                     }
                     (Some(b']'), false) if depth > 0 => at += 1,
                     (Some(b'}'), true) => {
-                        let end = self.pos(at);
-                        if let Some(member) = self.members.last_mut() {
-                            member.end = end;
-                        }
+                        self.end_member(at);
                         let first = self.open.last().map_or(0, |&(_, first)| first);
                         self.close_object(text, first, at)?;
                         at += 1;
