@@ -62,7 +62,7 @@ use quick_cache::sync::Cache;
 use quick_cache::Equivalent;
 use sha2::{Digest, Sha256};
 
-use super::jcs::{Document, Kind, NodeId, Sink};
+use super::jcs::{with_canonical, Document, Kind, NodeId, Sink};
 use super::key::trim_ows;
 use crate::core::Fingerprint;
 
@@ -258,14 +258,32 @@ impl FingerprintRules {
             Some(raw)
         };
         let mut h = hashed(bytes);
-        let Some(doc) = parse_ijson(body, &self.ignore) else {
-            return digest.unwrap_or_else(|| raw_fingerprint(h, body));
+        let hashed_json = if self.ignore.is_empty() {
+            // Without pointers to remove, the canonical form is written
+            // while parsing, and hashed in one call.
+            with_canonical(body, |canonical| {
+                h.update(b"J");
+                h.update(canonical);
+                // usize is at most 64 bits on every supported target.
+                h.update((canonical.len() as u64).to_be_bytes());
+            })
+            .is_some()
+        } else {
+            match parse_ijson(body, &self.ignore) {
+                Some(doc) => {
+                    h.update(b"J");
+                    let mut sink = HashSink::new(&mut h);
+                    doc.write(&mut sink);
+                    let len = sink.finish();
+                    h.update(len.to_be_bytes());
+                    true
+                }
+                None => false,
+            }
         };
-        h.update(b"J");
-        let mut sink = HashSink::new(&mut h);
-        doc.write(&mut sink);
-        let len = sink.finish();
-        h.update(len.to_be_bytes());
+        if !hashed_json {
+            return digest.unwrap_or_else(|| raw_fingerprint(h, body));
+        }
         let canonical = Fingerprint(h.finalize().into());
         let key = match digest {
             Some(raw) => MemoKey::Digest(raw),
@@ -292,6 +310,9 @@ fn raw_fingerprint(mut h: Sha256, body: &[u8]) -> Fingerprint {
 /// exposed so tests and tooling can show an operator why two bodies do or
 /// do not count as the same request.
 pub fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
+    if ignore.is_empty() {
+        return with_canonical(body, <[u8]>::to_vec);
+    }
     let doc = parse_ijson(body, ignore)?;
     let mut out = Vec::with_capacity(body.len());
     doc.write(&mut out);

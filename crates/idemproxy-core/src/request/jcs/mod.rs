@@ -23,7 +23,10 @@
 
 mod parse;
 mod scan;
+mod stream;
 mod write;
+
+pub(super) use stream::with_canonical;
 
 use std::borrow::Cow;
 use std::cmp::Ordering;
@@ -275,11 +278,19 @@ mod tests {
     use proptest::prelude::*;
     use serde_json::Value;
 
+    /// The canonical form of `json` from the tape, checked against the one
+    /// written while parsing.
     pub(super) fn canonical(json: &str) -> String {
         let doc = Document::parse(json.as_bytes()).expect("JSON");
         assert!(doc.is_exact(), "I-JSON: {json}");
         let mut out = Vec::new();
         doc.write(&mut out);
+        let mut streamed = stream::Canonical::default();
+        assert_eq!(
+            streamed.write(json.as_bytes()).map(<[u8]>::to_vec),
+            Ok(out.clone()),
+            "{json}"
+        );
         String::from_utf8(out).expect("UTF-8")
     }
 

@@ -72,7 +72,7 @@ const EXACT_INTEGERS: u64 = 1 << 53;
 
 /// How many containers may be open at once: serde_json's recursion limit
 /// (128) trips as the 128th opens.
-const MAX_DEPTH: usize = 127;
+pub(super) const MAX_DEPTH: usize = 127;
 
 /// The document being parsed. While a container is open, its header's
 /// `end` holds the position of the header of the container around it, and
@@ -386,70 +386,10 @@ impl<'a> Parser<'a> {
         Ok(end)
     }
 
-    /// A number at `start`, as serde_json reads it (RFC 8259's grammar);
-    /// the position after it.
+    /// A number at `start`, as serde_json reads it; the position after it.
     #[inline(always)]
     fn number(&mut self, text: &str, start: usize) -> Result<usize, ParseError> {
-        let bytes = text.as_bytes();
-        let negative = bytes.get(start) == Some(&b'-');
-        let int_start = start + usize::from(negative);
-        // The digits read as an integer, wrapping: how many there are
-        // tells whether it fits.
-        let (mut mantissa, mut at) = digits(bytes, int_start, 0);
-        let int_digits = at - int_start;
-        if int_digits == 0 {
-            return Err(error(at, "expected a digit"));
-        }
-        if int_digits > 1 && bytes.get(int_start) == Some(&b'0') {
-            return Err(error(int_start, "leading zero"));
-        }
-        let mut significant = int_digits;
-        // The power of ten that scales `mantissa`.
-        let mut scale = 0i64;
-        let fraction = bytes.get(at) == Some(&b'.');
-        if fraction {
-            let first = at + 1;
-            (mantissa, at) = digits(bytes, first, mantissa);
-            if at == first {
-                return Err(error(at, "expected a digit"));
-            }
-            significant += at - first;
-            scale = i64::try_from(at - first).map_or(i64::MIN, |n| -n);
-        }
-        let exponent = matches!(bytes.get(at), Some(b'e' | b'E'));
-        if exponent {
-            (scale, at) = exponent_of(bytes, at + 1, scale)?;
-        }
-        let integer = !fraction && !exponent;
-        if integer {
-            // 19 digits always fit a u64, 21 never do.
-            let magnitude = match int_digits {
-                ..=19 => Some(mantissa),
-                20 => bytes.get(int_start..at).and_then(exact_integer),
-                _ => None,
-            };
-            if let Some(magnitude) = magnitude {
-                self.integer(negative, magnitude);
-                return Ok(at);
-            }
-        }
-        let magnitude = match fast_double(mantissa, scale) {
-            Some(value) if significant <= 19 => value,
-            _ => slow_double(text, int_start, at)?,
-        };
-        if !magnitude.is_finite() {
-            return Err(error(start, "number out of range"));
-        }
-        let value = if negative { -magnitude } else { magnitude };
-        // An integer literal that does not fit 64 bits is past 2^53. In
-        // the normal range (below it doubles have fewer digits), a decimal
-        // of at most `DBL_DIG` digits is the only one that short to read
-        // as its double, so it is what that double writes as; and zero
-        // digits read as zero. Only the rest, long literals and results
-        // that underflowed, are compared digit by digit.
-        let exact = !integer
-            && (significant <= DBL_DIG && (magnitude.is_normal() || mantissa == 0)
-                || writes_as(text.get(int_start..at).unwrap_or_default(), magnitude));
+        let (value, exact, at) = read_number(text, start)?;
         if exact {
             self.tape.push(Entry::Number(value));
         } else {
@@ -458,30 +398,81 @@ impl<'a> Parser<'a> {
         }
         Ok(at)
     }
+}
 
-    /// An integer literal that fits 64 bits, as the double serde_json
-    /// reads it as (for `-0` and below -2^63 it hands over a double, the
-    /// same one).
-    #[inline(always)]
-    fn integer(&mut self, negative: bool, magnitude: u64) {
-        match (negative, magnitude) {
-            (false, m) => self.push_integer(m, m as f64),
-            (true, 0) => self.tape.push(Entry::Number(-0.0)),
-            (true, m) => self.push_integer(m, -(m as f64)),
+/// A number at `start`, as serde_json reads it (RFC 8259's grammar): the
+/// double it reads as, whether its literal is exact (an integer up to
+/// [`EXACT_INTEGERS`], or a literal whose value is that of its double's
+/// canonical form), and the position after it.
+#[inline(always)]
+pub(super) fn read_number(text: &str, start: usize) -> Result<(f64, bool, usize), ParseError> {
+    let bytes = text.as_bytes();
+    let negative = bytes.get(start) == Some(&b'-');
+    let int_start = start + usize::from(negative);
+    // The digits read as an integer, wrapping: how many there are
+    // tells whether it fits.
+    let (mut mantissa, mut at) = digits(bytes, int_start, 0);
+    let int_digits = at - int_start;
+    if int_digits == 0 {
+        return Err(error(at, "expected a digit"));
+    }
+    if int_digits > 1 && bytes.get(int_start) == Some(&b'0') {
+        return Err(error(int_start, "leading zero"));
+    }
+    let mut significant = int_digits;
+    // The power of ten that scales `mantissa`.
+    let mut scale = 0i64;
+    let fraction = bytes.get(at) == Some(&b'.');
+    if fraction {
+        let first = at + 1;
+        (mantissa, at) = digits(bytes, first, mantissa);
+        if at == first {
+            return Err(error(at, "expected a digit"));
+        }
+        significant += at - first;
+        scale = i64::try_from(at - first).map_or(i64::MIN, |n| -n);
+    }
+    let exponent = matches!(bytes.get(at), Some(b'e' | b'E'));
+    if exponent {
+        (scale, at) = exponent_of(bytes, at + 1, scale)?;
+    }
+    let integer = !fraction && !exponent;
+    if integer {
+        // 19 digits always fit a u64, 21 never do.
+        let magnitude = match int_digits {
+            ..=19 => Some(mantissa),
+            20 => bytes.get(int_start..at).and_then(exact_integer),
+            _ => None,
+        };
+        if let Some(magnitude) = magnitude {
+            // For `-0` and below -2^63 serde_json hands over a double,
+            // the same one.
+            let value = match (negative, magnitude) {
+                (false, m) => m as f64,
+                (true, 0) => -0.0,
+                (true, m) => -(m as f64),
+            };
+            return Ok((value, magnitude <= EXACT_INTEGERS, at));
         }
     }
-
-    /// An integer literal, `value` as the double it reads as: inexact past
-    /// [`EXACT_INTEGERS`] in `magnitude`.
-    #[inline(always)]
-    fn push_integer(&mut self, magnitude: u64, value: f64) {
-        if magnitude > EXACT_INTEGERS {
-            self.inexact = true;
-            self.tape.push(Entry::Inexact(value));
-        } else {
-            self.tape.push(Entry::Number(value));
-        }
+    let magnitude = match fast_double(mantissa, scale) {
+        Some(value) if significant <= 19 => value,
+        _ => slow_double(text, int_start, at)?,
+    };
+    if !magnitude.is_finite() {
+        return Err(error(start, "number out of range"));
     }
+    let value = if negative { -magnitude } else { magnitude };
+    // An integer literal that does not fit 64 bits is past 2^53. In
+    // the normal range (below it doubles have fewer digits), a decimal
+    // of at most `DBL_DIG` digits is the only one that short to read
+    // as its double, so it is what that double writes as; and zero
+    // digits read as zero. Only the rest, long literals and results
+    // that underflowed, are compared digit by digit.
+    let exact = !integer
+        && (significant <= DBL_DIG && (magnitude.is_normal() || mantissa == 0)
+            || writes_as(text.get(int_start..at).unwrap_or_default(), magnitude));
+    Ok((value, exact, at))
 }
 
 /// The parser this one replaced: serde_json validates and tokenizes, and
@@ -763,6 +754,7 @@ mod oracle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::jcs::stream::Canonical;
     use crate::request::jcs::tests::canonical;
     use proptest::prelude::*;
     use proptest::sample::{select, Index};
@@ -956,6 +948,28 @@ mod tests {
             String::from_utf8_lossy(body),
             Document::parse(body).err(),
             oracle::parse(body).err()
+        );
+        streams_alike(body)
+    }
+
+    /// The canonical form written while parsing is the tape's, and both
+    /// refuse the same bodies (the tape's when it is not exact).
+    fn streams_alike(body: &[u8]) -> Result<(), TestCaseError> {
+        let tape = Document::parse(body)
+            .ok()
+            .filter(Document::is_exact)
+            .map(|doc| {
+                let mut out = Vec::new();
+                doc.write(&mut out);
+                out
+            });
+        let mut canonical = Canonical::default();
+        let streamed = canonical.write(body).ok().map(<[u8]>::to_vec);
+        prop_assert_eq!(
+            streamed.as_deref().map(String::from_utf8_lossy),
+            tape.as_deref().map(String::from_utf8_lossy),
+            "on {:?}",
+            String::from_utf8_lossy(body)
         );
         Ok(())
     }

@@ -317,6 +317,13 @@ pub(super) fn sort_key(name: &[u8]) -> u64 {
             .checked_shl(8 * (8 - name.len() as u32))
             .unwrap_or(0),
     };
+    utf16_key(key)
+}
+
+/// A name's first eight bytes, big-endian and padded with zeros, made
+/// into its [`sort_key`].
+#[inline(always)]
+pub(super) fn utf16_key(key: u64) -> u64 {
     if key & HIGH == 0 {
         return key;
     }

@@ -52,7 +52,7 @@ impl Document<'_> {
 /// `Number.prototype.toString` does (RFC 8785 §3.2.2.3), which is what
 /// ryu-js implements; the common short numbers skip it (see
 /// [`short_decimal`]).
-fn write_number<S: Sink + ?Sized>(value: f64, out: &mut S) {
+pub(super) fn write_number<S: Sink + ?Sized>(value: f64, out: &mut S) {
     if value == 0.0 {
         // Both zeros are "0".
         out.put(b"0");
@@ -163,7 +163,7 @@ fn write_tape_string<S: Sink + ?Sized>(entry: Option<&Entry<'_>>, out: &mut S) {
 /// Strings as ECMAScript's `JSON.stringify` writes them (RFC 8785
 /// §3.2.2.2): only `"`, `\` and control characters are escaped, with the
 /// short forms where they exist and lower-case `\u00xx` otherwise.
-fn write_string<S: Sink + ?Sized>(s: &str, out: &mut S) {
+pub(super) fn write_string<S: Sink + ?Sized>(s: &str, out: &mut S) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     out.put(b"\"");
     let bytes = s.as_bytes();
