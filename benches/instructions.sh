@@ -17,6 +17,8 @@
 #
 #   benches/instructions.sh                         # unique replay passthrough
 #   STORE=redis benches/instructions.sh unique      # a private redis-server
+#   STORE=embedded benches/instructions.sh unique   # fjall, in a fresh scratch
+#                                                   # directory for every run
 #   BASELINE=../old/target/release/idemproxy benches/instructions.sh unique
 #   PROXY_ENV="IDEMPROXY_TELEMETRY__SAMPLE_RATIO=0.1" benches/instructions.sh
 #   PROFILES=/tmp/cg benches/instructions.sh unique # keeps cachegrind's files:
@@ -85,7 +87,10 @@ instructions() {
   # a compression dictionary one run learned would spare the next its
   # learning, and the difference of the two would not be per request.
   [ "$STORE" = redis ] && redis-cli -p "$RP" flushall >/dev/null
-  env "${proxy_env[@]}" valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$out" \
+  # Likewise an empty embedded store: a directory of its own for each run.
+  local store_env=()
+  [ "$STORE" = embedded ] && store_env=(IDEMPROXY_STORE__PATH="$WORK/embedded.$mode.$seconds.$RANDOM")
+  env "${proxy_env[@]}" "${store_env[@]}" valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$out" \
     "$bin" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
     --upstream "http://127.0.0.1:$UP" --store "$STORE" >"$WORK/proxy.log" 2>&1 &
   pid=$!

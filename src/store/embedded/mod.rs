@@ -81,7 +81,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use self::expiry::{ExpiryFilters, Horizon, PURGE_BATCH};
-use self::tables::{db_error, decode, encode_value, expiry_of, live, read, record_bytes, wrap};
+use self::tables::{
+    db_error, decode, encode_completed, encode_value, expiry_of, live, read, record_bytes,
+};
 use self::writer::{Waited, WriteError, Writer};
 pub use self::writer::{MAX_GROUP, MAX_QUEUED};
 use super::{
@@ -102,13 +104,36 @@ pub const DATA_DIR: &str = "idemproxy.fjall";
 pub const RECORDS_KEYSPACE: &str = "records";
 
 /// fjall's block cache. Its default (32 MiB) is sized for a database, not
-/// a sidecar; the OS's page cache backs what does not fit.
-const CACHE_BYTES: u64 = 8 * 1024 * 1024;
+/// a sidecar; the OS's page cache backs what does not fit. Under
+/// `benches/load.sh`'s unique-key load the cache holds the blocks that
+/// completions read back from just-flushed tables: 8 MiB of it filled and
+/// cost ~5 MiB more peak RSS in a 20 s run than 2 MiB, with the same CPU
+/// per request (docs/performance.md, "The embedded store on fjall").
+const CACHE_BYTES: u64 = 2 * 1024 * 1024;
 
 /// The memtable's size before it is flushed to a table. fjall's default
-/// (64 MiB) alone would exceed the RSS a sidecar is allowed; a small one
-/// means more, smaller flushes, which compactions merge.
-const MEMTABLE_BYTES: u64 = 8 * 1024 * 1024;
+/// (64 MiB) alone would exceed the RSS a sidecar is allowed. fjall keeps
+/// the active memtable and up to four sealed ones waiting for their flush,
+/// each taking ~1.5x its nominal size in the heap (skip-list nodes, one
+/// allocation per key and per value): at 8 MiB they were ~14 MiB of the
+/// proxy's peak under load, at 1 MiB ~2. Smaller memtables mean more,
+/// smaller flushes and compactions: with one worker thread (below) a first
+/// execution costs 194.5k instructions at 1 MiB against 194.3k at 8 MiB
+/// (cachegrind), and the CPU per request under load did not move beyond
+/// this machine's noise.
+const MEMTABLE_BYTES: u64 = 1024 * 1024;
+
+/// fjall's background threads (flushes and compactions). Its default,
+/// one per core up to four, wastes a core here: with two or more, worker
+/// 0 never compacts but hands every compaction request back to the queue
+/// and takes the next message, so while worker 1 compacts, worker 0 spins
+/// taking and re-sending the same request (fjall 3.1.13,
+/// `worker_pool::worker_tick`). Under cachegrind that was ~23k instructions
+/// per first execution with 1 MiB memtables (218.0k against 194.5k with one
+/// worker); one worker flushes and compacts in turn, and fjall's own
+/// backpressure (writes wait while four memtables await their flush)
+/// bounds what a long compaction can hold back.
+const WORKER_THREADS: usize = 1;
 
 /// A [`Store`] on local disk, backed by fjall.
 ///
@@ -178,6 +203,7 @@ impl EmbeddedStore {
         let horizon = Horizon::default();
         let filters = Arc::new(ExpiryFilters(horizon.clone()));
         let db = Database::builder(&path)
+            .worker_threads(WORKER_THREADS)
             .cache_size(CACHE_BYTES)
             // Every batch says how it is persisted (`Tables::commit`).
             .manual_journal_persist(true)
@@ -394,7 +420,7 @@ impl Store for EmbeddedStore {
         record: &CompletedRecord,
     ) -> Result<(), StoreError> {
         let key = *key;
-        let value = wrap(record.expires_at, &record.encode());
+        let value = encode_completed(record);
         let now = self.clock.now_millis();
         self.write(Waited::Either, move |tables| {
             let stored = tables.read_for_write(&key)?;

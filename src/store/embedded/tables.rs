@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use fjall::{Keyspace, OwnedWriteBatch, PersistMode};
 
 use super::writer::{storage, WriteError};
-use crate::core::{Record, RecordKey, UnixMillis};
+use crate::core::{CompletedRecord, PendingRecord, Record, RecordKey, UnixMillis};
 use crate::store::StoreError;
 
 /// Bytes of the `expires_at` prefix of every value.
@@ -21,7 +21,22 @@ pub(super) const EXPIRY_PREFIX: usize = 8;
 
 /// `record` as the keyspace holds it.
 pub(super) fn encode_value(record: &Record) -> Vec<u8> {
-    wrap(record.expires_at(), &record.encode())
+    match record {
+        Record::Pending(claim) => {
+            let mut value = Vec::with_capacity(EXPIRY_PREFIX + PendingRecord::ENCODED_LEN_MAX);
+            value.extend_from_slice(&claim.expires_at.to_be_bytes());
+            claim.encode_after(value)
+        }
+        Record::Completed(completed) => encode_completed(completed),
+    }
+}
+
+/// `record`'s completion as the keyspace holds it, encoded after its
+/// prefix in one buffer (not encoded, then copied behind the prefix).
+pub(super) fn encode_completed(record: &CompletedRecord) -> Vec<u8> {
+    let mut value = Vec::with_capacity(EXPIRY_PREFIX + record.encoded_len_max());
+    value.extend_from_slice(&record.expires_at.to_be_bytes());
+    record.encode_after(value)
 }
 
 /// A value of `encoded` record bytes that expire at `expires_at`.
@@ -109,11 +124,17 @@ impl Tables {
 
     /// The record under `key`, expired or not: one that does not decode
     /// refuses this change alone.
+    /// Decodes from the group's buffer or fjall's, without copying the
+    /// value out first (decoding copies what it keeps).
     pub(super) fn read_for_write(&self, key: &RecordKey) -> Result<Option<Record>, WriteError> {
-        match self.value(key)? {
-            Some(value) => decode(key, &value).map(Some).map_err(WriteError::Refused),
-            None => Ok(None),
-        }
+        let decoded = match self.written.get(key.as_bytes()) {
+            Some(written) => written.as_deref().map(|value| decode(key, value)),
+            None => {
+                let stored = self.records.get(key.as_bytes()).map_err(storage)?;
+                stored.map(|value| decode(key, &value))
+            }
+        };
+        decoded.transpose().map_err(WriteError::Refused)
     }
 
     /// Stores `value` (see [`encode_value`]) under `key`.
