@@ -19,6 +19,9 @@
 #   STORE=redis benches/instructions.sh unique      # a private redis-server
 #   STORE=embedded benches/instructions.sh unique   # fjall, in a fresh scratch
 #                                                   # directory for every run
+#   benches/instructions.sh floor passthrough       # examples/bare_forward (hyper
+#       # and hyper-util forwarding, nothing else: the floor of idemproxy's
+#       # own stack) beside the keyless row
 #   BASELINE=../old/target/release/idemproxy benches/instructions.sh unique
 #   PROXY_ENV="IDEMPROXY_TELEMETRY__SAMPLE_RATIO=0.1" benches/instructions.sh
 #   PROFILES=/tmp/cg benches/instructions.sh unique # keeps cachegrind's files:
@@ -152,6 +155,22 @@ CONF
   without_sha256 "$out"
 }
 
+# floor_instructions SECONDS: examples/bare_forward's (one worker) for
+# SECONDS of keyless traffic, under cachegrind as the proxy is.
+floor_instructions() {
+  local port out pid
+  port=$(free_port)
+  out="$WORK/cachegrind.out.floor.$1.$RANDOM"
+  valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$out" \
+    "$FLOOR" "127.0.0.1:$port" "http://127.0.0.1:$UP" 1 >"$WORK/floor.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+  load "$port" passthrough "$1"
+  kill -TERM "$pid"
+  wait "$pid" || true
+  without_sha256 "$out"
+}
+
 # per_request COMMAND ARGS...: COMMAND's instructions per request, from a
 # short and a long run.
 per_request() {
@@ -170,6 +189,11 @@ printf '%-12s %14s %8s' mode "this build" "x nginx"
 [ -n "${BASELINE:-}" ] && printf ' %14s %8s %10s' baseline "x nginx" change
 printf '\n'
 for mode in "${MODES[@]}"; do
+  if [ "$mode" = floor ]; then
+    now=$(per_request floor_instructions)
+    printf '%-12s %14s %8s\n' "$mode" "$now" "$(times "$now" "$nginx")"
+    continue
+  fi
   now=$(per_request instructions "$BIN" "$mode")
   printf '%-12s %14s %8s' "$mode" "$now" "$(times "$now" "$nginx")"
   if [ -n "${BASELINE:-}" ]; then
