@@ -97,12 +97,7 @@ instructions() {
     "$bin" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" \
     --upstream "http://127.0.0.1:$UP" --store "$STORE" >"$WORK/proxy.log" 2>&1 &
   pid=$!
-  # valgrind takes seconds to start the binary.
-  for _ in $(seq 600); do (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
-  [ "$mode" = replay ] && load "$port" replay $((1000 / RATE + 1))
-  load "$port" "$mode" "$seconds"
-  kill -TERM "$pid"
-  wait "$pid" || true
+  serve "$pid" "$port" "$mode" "$seconds" TERM
   [ -n "${PROFILES:-}" ] && mkdir -p "$PROFILES" && cp "$out" "$PROFILES/${bin//\//_}.$mode.$seconds"
   without_sha256 "$out"
 }
@@ -114,6 +109,19 @@ without_sha256() {
     /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
     /sha2::sha256::compress256/ { gsub(",", "", $1); sha += $1 }
     END { printf "%d\n", total - sha }'
+}
+
+# serve PID PORT MODE SECONDS SIGNAL: once the process PID listens on
+# PORT (valgrind takes seconds to start it), SECONDS of MODE traffic
+# (replays after their keys are stored), then SIGNAL, and waits for it to
+# exit and write its counts.
+serve() {
+  local pid=$1 port=$2 mode=$3 seconds=$4 signal=$5
+  for _ in $(seq 600); do (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+  [ "$mode" = replay ] && load "$port" replay $((1000 / RATE + 1))
+  load "$port" "$mode" "$seconds"
+  kill "-$signal" "$pid"
+  wait "$pid" || true
 }
 
 # load PORT MODE SECONDS: the traffic, to api_upstream's one-object path.
@@ -148,10 +156,7 @@ CONF
   valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$out" \
     nginx -c "$WORK/measured.conf" -p "$WORK" >"$WORK/nginx.log" 2>&1 &
   pid=$!
-  for _ in $(seq 600); do (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
-  load "$port" passthrough "$1"
-  kill -QUIT "$pid"
-  wait "$pid" || true
+  serve "$pid" "$port" passthrough "$1" QUIT
   without_sha256 "$out"
 }
 
@@ -164,10 +169,7 @@ floor_instructions() {
   valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$out" \
     "$FLOOR" "127.0.0.1:$port" "http://127.0.0.1:$UP" 1 >"$WORK/floor.log" 2>&1 &
   pid=$!
-  for _ in $(seq 600); do (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
-  load "$port" passthrough "$1"
-  kill -TERM "$pid"
-  wait "$pid" || true
+  serve "$pid" "$port" passthrough "$1" TERM
   without_sha256 "$out"
 }
 
