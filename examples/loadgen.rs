@@ -25,23 +25,8 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-/// The JSON body up to its metadata's last field; `body` closes it.
-fn body_head() -> String {
-    let items: Vec<String> = (1..=12)
-        .map(|i| {
-            format!(
-                r#"{{"sku":"item-{i:05}","qty":{},"price":{}.{:02},"tags":["a","b"],"meta":{{"note":"line {i}"}}}}"#,
-                i % 7 + 1,
-                i * 3,
-                i % 100
-            )
-        })
-        .collect();
-    format!(
-        r#"{{"customer":"cus_123","currency":"eur","items":[{}],"metadata":{{"sent_at":"2026-11-30T12:00:00Z""#,
-        items.join(",")
-    )
-}
+#[path = "common/loadgen_body.rs"]
+mod loadgen_body;
 
 /// The body of a request: the same bytes for every replay of the warmed
 /// keys; for a first execution (`seq`) a body of its own, as distinct
@@ -79,7 +64,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let client = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(connections)
         .build_http::<Full<Bytes>>();
-    let head = Arc::new(body_head());
+    let head = Arc::new(loadgen_body::body_head());
     let replay_body = body(&head, None);
     let histogram = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(
         1, 60_000_000, 3,

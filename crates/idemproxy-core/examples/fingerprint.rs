@@ -31,27 +31,12 @@ use std::process::{Command, Stdio};
 
 use idemproxy_core::request::fingerprint::{canonical_json, FingerprintRules};
 
+#[path = "../../../examples/common/loadgen_body.rs"]
+mod loadgen_body;
+
 const SHORT: u64 = 2_000;
 const LONG: u64 = 12_000;
 const MODES: [&str; 3] = ["fingerprint", "ignore", "canonical"];
-
-/// examples/loadgen.rs's body up to its metadata's last field.
-fn body_head() -> String {
-    let items: Vec<String> = (1..=12)
-        .map(|i| {
-            format!(
-                r#"{{"sku":"item-{i:05}","qty":{},"price":{}.{:02},"tags":["a","b"],"meta":{{"note":"line {i}"}}}}"#,
-                i % 7 + 1,
-                i * 3,
-                i % 100
-            )
-        })
-        .collect();
-    format!(
-        r#"{{"customer":"cus_123","currency":"eur","items":[{}],"metadata":{{"sent_at":"2026-11-30T12:00:00Z""#,
-        items.join(",")
-    )
-}
 
 /// Writes `n` in decimal, zero-padded, over `digits`.
 fn number_into(digits: &mut [u8], mut n: u64) {
@@ -62,7 +47,7 @@ fn number_into(digits: &mut [u8], mut n: u64) {
 }
 
 fn run(mode: &str, n: u64) -> Result<(), String> {
-    let head = body_head();
+    let head = loadgen_body::body_head();
     // loadgen's `{head},"seq":"{run}-{i}"}}`, the number fixed-width so
     // that it is rewritten in place.
     let mut body = format!(r#"{head},"seq":"ins-unique-fp-0000000000"}}}}"#).into_bytes();
