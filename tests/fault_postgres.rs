@@ -308,3 +308,50 @@ async fn a_standby_promoted_mid_traffic_keeps_every_answered_record() {
     let paths = loaded.iter().map(|(path, _, _)| path.as_str());
     Executions::count(&upstream, paths).assert_at_most_once();
 }
+
+/// `pool_size` bounds a proxy's traffic connections however many traffic
+/// threads it runs: each thread keeps its own share of it
+/// (`store/postgres/pools.rs`). Traffic connections are those whose last
+/// statement was a claim or a completion; the shared pool (start-up, the
+/// sweep, readiness pings) and the `LISTEN` connection run others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_traffic_threads_split_pool_size_between_them() {
+    let postgres = tokio::task::block_in_place(PostgresServer::start);
+    let upstream = TestUpstream::start().await;
+    let mut c = on_postgres(&upstream, &postgres, "pools");
+    c.workers = 2;
+    c.store.pool_size = 2;
+    let proxy = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+    wait_ready(&proxy, &client).await;
+
+    // Rounds of 48 first executions at once, so that each thread has
+    // several store calls waiting together and opens all it may.
+    let mut most = 0;
+    for round in 0..3 {
+        let mut set = JoinSet::new();
+        for i in 0..48 {
+            let (client, url) = (client.clone(), proxy.url(&format!("/v1/pools/{round}-{i}")));
+            set.spawn(async move {
+                client
+                    .post_json(&url, &format!("pools-{round}-{i}"), BODY)
+                    .await
+            });
+        }
+        for reply in set.join_all().await {
+            assert_eq!(reply.status, 201, "{reply:?}");
+        }
+        let traffic = tokio::task::block_in_place(|| {
+            postgres.sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemproxy' \
+                 AND (query LIKE 'INSERT%' OR query LIKE 'UPDATE%')",
+            )
+        });
+        most = most.max(traffic.trim().parse::<usize>().expect("a count"));
+    }
+    assert!(most >= 1, "no traffic connection seen");
+    assert!(
+        most <= 2,
+        "{most} traffic connections for pool_size = 2 over 2 threads"
+    );
+}
