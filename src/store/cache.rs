@@ -414,7 +414,7 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         let epoch = self.shared.epoch();
         let result = self.inner.complete_prepared(key, token, completion).await;
         match &result {
-            Ok(()) => self.insert(*key, Arc::new(completion.record.clone()), epoch),
+            Ok(()) => self.insert(*key, Arc::clone(&completion.record), epoch),
             Err(_) => {
                 self.shared.cache.remove(key);
             }

@@ -173,9 +173,11 @@ impl<C: OutcomeCodec> Store for CodecStore<C> {
             return self.inner.prepare(key, record);
         };
         let below = self.inner.prepare(key, with_outcome(&record, outcome))?;
-        let stored = below.stored.unwrap_or(below.record);
+        let stored = below
+            .stored
+            .unwrap_or_else(|| Arc::unwrap_or_clone(below.record));
         Ok(Completion {
-            record,
+            record: Arc::new(record),
             stored: Some(stored),
         })
     }

@@ -101,7 +101,7 @@ pub trait Store: Send + Sync + 'static {
     fn prepare(&self, key: &RecordKey, record: CompletedRecord) -> Result<Completion, StoreError> {
         let _ = key;
         Ok(Completion {
-            record,
+            record: Arc::new(record),
             stored: None,
         })
     }
@@ -218,8 +218,9 @@ pub type SharedStore = Arc<dyn Store>;
 #[derive(Clone, Debug)]
 pub struct Completion {
     /// The record as the caller gave it: what a cache above the encoding
-    /// keeps.
-    pub record: CompletedRecord,
+    /// keeps, shared with it rather than copied (a copy is an allocation
+    /// per header, and another set of frees when it goes).
+    pub record: Arc<CompletedRecord>,
     /// What the store beneath the encoding writes, when a layer encoded
     /// it; `None`: the record itself.
     pub stored: Option<CompletedRecord>,
