@@ -3,10 +3,11 @@
 //! read back.
 
 use bytes::Bytes;
+use redis::Cmd;
 
 use super::connections::Conn;
 use super::value::{pexpire_ms, stored, stored_pending};
-use super::{redis_error, SCRIPTS};
+use super::{redis_error, ScriptCall, SCRIPTS};
 use crate::core::{PendingRecord, Record, UnixMillis};
 use crate::store::StoreError;
 
@@ -18,16 +19,18 @@ pub(super) async fn claim_unless_held(
     claim: &PendingRecord,
     now: UnixMillis,
 ) -> Result<Option<Bytes>, StoreError> {
-    let current: Option<Vec<u8>> = redis::cmd("SET")
+    let value = stored_pending(claim);
+    // "SET", the key, the value, "NX", "GET", "PX" and its digits: sized
+    // at once, as a `redis::cmd` grows its buffers from empty.
+    let mut set = Cmd::with_capacity(7, 32 + key.len() + value.len());
+    set.arg("SET")
         .arg(key)
-        .arg(stored_pending(claim))
+        .arg(&value[..])
         .arg("NX")
         .arg("GET")
         .arg("PX")
-        .arg(pexpire_ms(claim.expires_at, now))
-        .query_async(conn)
-        .await
-        .map_err(redis_error)?;
+        .arg(pexpire_ms(claim.expires_at, now));
+    let current: Option<Vec<u8>> = set.query_async(conn).await.map_err(redis_error)?;
     Ok(current.map(Bytes::from))
 }
 
@@ -41,14 +44,16 @@ pub(super) async fn swap(
     replacement: &Record,
     now: UnixMillis,
 ) -> Result<bool, StoreError> {
-    let swapped: i64 = SCRIPTS
-        .swap
-        .key(key)
-        .arg(current)
-        .arg(stored(replacement))
-        .arg(pexpire_ms(replacement.expires_at(), now))
-        .invoke_async(conn)
-        .await
-        .map_err(redis_error)?;
+    let replacement_value = stored(replacement);
+    let mut call = ScriptCall::new(
+        &SCRIPTS.swap,
+        key,
+        3,
+        20 + current.len() + replacement_value.len(),
+    );
+    call.arg(current)
+        .arg(&replacement_value[..])
+        .arg(pexpire_ms(replacement.expires_at(), now));
+    let swapped: i64 = call.run(conn).await.map_err(redis_error)?;
     Ok(swapped == 1)
 }

@@ -4,7 +4,6 @@
 //! yet), and the one each traffic worker's event loop keeps of its own
 //! ([`LoopConnections`]).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -41,11 +40,13 @@ pub(super) enum Conn {
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
+            // The manager's own `send_packed_command`, not its
+            // `ConnectionLike` method, which boxes another future per call.
             Conn::Single(c) => Box::pin(async move {
-                match c.req_packed_command(cmd).await {
+                match c.send_packed_command(cmd).await {
                     Err(e) if e.is_connection_dropped() => {
                         tracing::debug!(error = %e, "the Redis connection was gone; sending the command again");
-                        c.req_packed_command(cmd).await
+                        c.send_packed_command(cmd).await
                     }
                     answered => answered,
                 }
@@ -63,9 +64,9 @@ impl ConnectionLike for Conn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Conn::Single(c) => Box::pin(async move {
-                match c.req_packed_commands(pipeline, offset, count).await {
+                match c.send_packed_commands(pipeline, offset, count).await {
                     Err(e) if e.is_connection_dropped() => {
-                        c.req_packed_commands(pipeline, offset, count).await
+                        c.send_packed_commands(pipeline, offset, count).await
                     }
                     answered => answered,
                 }
@@ -161,14 +162,18 @@ pub(super) struct LoopConnections {
     /// again. Tokio may reuse the id of a runtime that has ended; a new
     /// runtime inheriting a dead runtime's connection would then see it
     /// fail like a broken one (the single-node manager reconnects).
-    by_runtime: Mutex<HashMap<tokio::runtime::Id, Option<Conn>>>,
+    ///
+    /// A list, not a map: there is one entry per traffic worker, a handful,
+    /// and every store call looks its own up; hashing the id with the
+    /// standard library's SipHash cost more than comparing it with each.
+    by_runtime: Mutex<Vec<(tokio::runtime::Id, Option<Conn>)>>,
 }
 
 impl LoopConnections {
     pub(super) fn new(connector: Connector) -> Arc<Self> {
         Arc::new(Self {
             connector,
-            by_runtime: Mutex::new(HashMap::new()),
+            by_runtime: Mutex::new(Vec::new()),
         })
     }
 
@@ -184,28 +189,29 @@ impl LoopConnections {
             .by_runtime
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        match by_runtime.get(&id) {
-            Some(conn) => conn.clone(),
-            None => {
-                by_runtime.insert(id, None);
-                let loops = Arc::clone(self);
-                handle.spawn(async move {
-                    let opened = loops.connector.connect().await;
-                    let mut by_runtime = loops
-                        .by_runtime
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner);
-                    match opened {
-                        Ok(conn) => by_runtime.insert(id, Some(conn)),
-                        Err(e) => {
-                            tracing::debug!(error = %e, "cannot open a worker's Redis connection yet");
-                            by_runtime.remove(&id)
-                        }
-                    };
-                });
-                None
-            }
+        if let Some((_, conn)) = by_runtime.iter().find(|(runtime, _)| *runtime == id) {
+            return conn.clone();
         }
+        by_runtime.push((id, None));
+        let loops = Arc::clone(self);
+        handle.spawn(async move {
+            let opened = loops.connector.connect().await;
+            let mut by_runtime = loops
+                .by_runtime
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let Some(at) = by_runtime.iter().position(|(runtime, _)| *runtime == id) else {
+                return;
+            };
+            match opened {
+                Ok(conn) => by_runtime[at].1 = Some(conn),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot open a worker's Redis connection yet");
+                    by_runtime.swap_remove(at);
+                }
+            }
+        });
+        None
     }
 }
 

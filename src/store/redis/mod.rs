@@ -47,8 +47,8 @@
 //!   claim.
 //!
 //! Scripts are preloaded at connect, so the first call does not pay for a
-//! `NOSCRIPT` retry; after a Redis restart [`redis::Script`] reloads them
-//! once.
+//! `NOSCRIPT` retry; after a Redis restart a call that meets `NOSCRIPT`
+//! loads its script and sends it once more ([`ScriptCall`]).
 //!
 //! # Clocks
 //!
@@ -106,12 +106,16 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-use redis::{RedisError, Script, Value};
+use redis::{
+    Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind, ToRedisArgs, Value,
+};
 
 use self::claim::{claim_unless_held, swap};
 use self::connections::{Conn, LoopConnections};
 use self::removals::RemovalChannel;
-use self::value::{claim_id, pexpire_ms, read_stored, stored_completed, unexpected, Reply};
+use self::value::{
+    claim_id, pexpire_ms, read_stored, stored_completed, unexpected, Reply, CLAIM_ID_LEN,
+};
 use super::settings::{StoreKind, StoreSettings};
 use super::RemovalWatcher;
 use super::{
@@ -133,6 +137,48 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     remove: Script::new(include_str!("remove.lua")),
     remove_foreign: Script::new(include_str!("remove_foreign.lua")),
 });
+
+/// One `EVALSHA` of a script on one key, built as a plain command sized
+/// at once. A [`redis::ScriptInvocation`] copies every argument into a
+/// vector of its own before copying them all into the command it sends,
+/// whose buffers grow from empty: a completion's record (a kilobyte or
+/// more) was copied once more, in one more allocation, and the command
+/// reallocated on the way.
+struct ScriptCall<'a> {
+    script: &'a Script,
+    cmd: Cmd,
+}
+
+impl<'a> ScriptCall<'a> {
+    /// `EVALSHA` of `script` on `key`, with room for `args` arguments of
+    /// `args_len` bytes in all after it (more only costs a reallocation).
+    fn new(script: &'a Script, key: &str, args: usize, args_len: usize) -> Self {
+        let hash = script.get_hash();
+        // "EVALSHA", the hash, the key count "1", the key.
+        let mut cmd = Cmd::with_capacity(4 + args, 8 + hash.len() + key.len() + args_len);
+        cmd.arg("EVALSHA").arg(hash).arg(1).arg(key);
+        Self { script, cmd }
+    }
+
+    fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.cmd.arg(arg);
+        self
+    }
+
+    /// Runs the script. A Redis that has lost its scripts (a restart, a
+    /// failover to a replica that never loaded them, `SCRIPT FLUSH`)
+    /// answers `NOSCRIPT`: the script is loaded and sent once more, as
+    /// [`redis::ScriptInvocation::invoke_async`] does.
+    async fn run<T: FromRedisValue>(&self, conn: &mut Conn) -> Result<T, RedisError> {
+        match self.cmd.query_async(conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.script.load_async(conn).await?;
+                self.cmd.query_async(conn).await
+            }
+            answered => answered,
+        }
+    }
+}
 
 /// Reads of a key that a guarded removal makes before it gives up: each
 /// one after the first follows a value that changed under `remove.lua`.
@@ -302,28 +348,31 @@ impl RedisStore {
         token: FencingToken,
         completed: Option<&CompletedRecord>,
     ) -> Result<(), StoreError> {
-        self.settle_on(&mut self.conn(), key, token, completed)
+        self.settle_on(&mut self.conn(), &self.redis_key(key), token, completed)
             .await
     }
 
-    /// [`Self::settle`] over `conn`, which a `WAIT` after it must share.
+    /// [`Self::settle`] of the Redis key `name` over `conn`, which a `WAIT`
+    /// after it must share.
     async fn settle_on(
         &self,
         conn: &mut Conn,
-        key: &RecordKey,
+        name: &str,
         token: FencingToken,
         completed: Option<&CompletedRecord>,
     ) -> Result<(), StoreError> {
         let now = self.clock.now_millis();
-        let mut invocation = SCRIPTS.settle.key(self.redis_key(key));
-        invocation.arg(now).arg(&claim_id(b'p', token.0)[..]);
-        match completed {
-            Some(record) => invocation
-                .arg(stored_completed(record))
-                .arg(pexpire_ms(record.expires_at, now)),
-            None => invocation.arg("").arg(0),
+        let settled =
+            completed.map(|done| (stored_completed(done), pexpire_ms(done.expires_at, now)));
+        // now and the PX: at most 20 digits each.
+        let args_len = 40 + CLAIM_ID_LEN + settled.as_ref().map_or(0, |(value, _)| value.len());
+        let mut call = ScriptCall::new(&SCRIPTS.settle, name, 4, args_len);
+        call.arg(now).arg(&claim_id(b'p', token.0)[..]);
+        match &settled {
+            Some((value, px)) => call.arg(&value[..]).arg(*px),
+            None => call.arg("").arg(0),
         };
-        let reply: Value = invocation.invoke_async(conn).await.map_err(redis_error)?;
+        let reply: Value = call.run(conn).await.map_err(redis_error)?;
         match reply {
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(StoreError::Fenced),
@@ -416,11 +465,12 @@ impl Store for RedisStore {
         token: FencingToken,
         record: &CompletedRecord,
     ) -> Result<(), StoreError> {
-        let mut conn = self.conn();
-        self.settle_on(&mut conn, key, token, Some(record)).await?;
+        let (mut conn, name) = (self.conn(), self.redis_key(key));
+        self.settle_on(&mut conn, &name, token, Some(record))
+            .await?;
         // The caller retries a completion that fails here: `settle.lua`
         // finds its own write and the replicas are asked again.
-        self.replicated(&mut conn, &self.redis_key(key)).await
+        self.replicated(&mut conn, &name).await
     }
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {

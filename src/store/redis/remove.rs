@@ -7,7 +7,7 @@ use bytes::Bytes;
 use redis::RedisError;
 
 use super::value::{read_stored, stored_expires_at};
-use super::{redis_error, RedisStore, REMOVE_ATTEMPTS, SCRIPTS};
+use super::{redis_error, RedisStore, ScriptCall, REMOVE_ATTEMPTS, SCRIPTS};
 use crate::core::{running_lease, RecordKey};
 use crate::store::{Removal, Removed, StoreError};
 
@@ -86,11 +86,9 @@ impl RedisStore {
             if let (Removal::UnlessLeased, Some(until)) = (removal, running) {
                 return Ok(Removed::Leased { until });
             }
-            let deleted: i64 = SCRIPTS
-                .remove
-                .key(&name)
+            let deleted: i64 = ScriptCall::new(&SCRIPTS.remove, &name, 1, value.len())
                 .arg(&value[..])
-                .invoke_async(&mut self.conn())
+                .run(&mut self.conn())
                 .await
                 .map_err(redis_error)?;
             if deleted == 1 {
@@ -111,10 +109,8 @@ impl RedisStore {
     /// anything else) if it still holds none (`remove_foreign.lua`): a
     /// claim written since it was read is a string, and is left alone.
     async fn delete_foreign(&self, name: &str) -> Result<bool, StoreError> {
-        let deleted: i64 = SCRIPTS
-            .remove_foreign
-            .key(name)
-            .invoke_async(&mut self.conn())
+        let deleted: i64 = ScriptCall::new(&SCRIPTS.remove_foreign, name, 0, 0)
+            .run(&mut self.conn())
             .await
             .map_err(redis_error)?;
         Ok(deleted == 1)

@@ -19,7 +19,7 @@ const HEADER_LEN: usize = 25;
 
 /// The header's first bytes, state and fencing token: what `settle.lua`
 /// compares with the caller's claim.
-const CLAIM_ID_LEN: usize = 17;
+pub(super) const CLAIM_ID_LEN: usize = 17;
 
 /// The header of a stored value (see "Layout" in the [`super`] docs),
 /// with room for the `record_len` bytes of the record that follow it.
