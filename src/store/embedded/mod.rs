@@ -8,27 +8,15 @@
 //! An fsync takes a fraction of a millisecond to several: a sync per
 //! change would cap the store at one change per fsync. So every change
 //! goes to one writer thread, which takes all the changes queued while it
-//! was busy (up to [`MAX_GROUP`]) and applies them in order to the group's
-//! view of the keyspace ([`tables::Tables`]); a committer thread then
-//! writes them as one batch to the journal and syncs it once; only then
-//! does it answer their callers. Each change still sees every change
-//! queued before it, and is answered only once it is durable, so the
-//! contract is the one a transaction per change gave. A change refused on
-//! its own merits (a fencing token that does not own the key, a record that
-//! does not decode) writes nothing and leaves the rest of its group to
-//! commit; a failure of fjall itself aborts the group, and every change in
-//! it gets the error.
-//!
-//! The two threads are a pipeline: while the committer syncs one batch,
-//! the writer decides the next groups, on the keyspace overlaid with the
-//! writes of the groups handed over but not yet committed; the committer
-//! takes every group decided by then into its next batch. Deciding and
-//! answering no longer wait for the disk, nor the disk for them. A group
-//! decided on another's writes must not outlive it: when a batch fails,
-//! every group the writer decided before it learned of the failure fails
-//! too, unwritten (see `writer::write_groups`). A group that wrote nothing
-//! and read only durable state is answered by the writer at once; one that
-//! read a write in flight waits for it like a group that wrote.
+//! was busy (up to [`MAX_GROUP`]), applies them in order to the group's
+//! view of the keyspace ([`tables::Tables`]), then writes them as one
+//! batch to the journal and syncs it once; only then does it answer their
+//! callers. Each change still sees every change queued before it, and is
+//! answered only once it is durable, so the contract is the one a
+//! transaction per change gave. A change refused on its own merits (a
+//! fencing token that does not own the key, a record that does not decode)
+//! writes nothing and leaves the rest of its group to commit; a failure of
+//! fjall itself aborts the group, and every change in it gets the error.
 //!
 //! The queue to the writer holds at most [`MAX_QUEUED`] changes: past that
 //! the disk is not keeping up, and a change fails at once (503) instead of
@@ -48,12 +36,11 @@
 //!
 //! # Only durable state is served
 //!
-//! A group's writes reach the keyspace only through [`tables::commit`],
-//! which syncs the journal before it applies the batch to the memtables
-//! and makes it visible: what any reader sees is durable. Changes read the
-//! writes of their own group and of the groups in flight from the writer's
-//! overlays, which no reader sees, and are answered after the sync of
-//! every write they read.
+//! A group's writes reach the keyspace only through
+//! [`tables::Tables::commit`], which syncs the journal before it applies
+//! the batch to the memtables and makes it visible: what any reader sees
+//! is durable. Within a group, changes read each other's writes from the
+//! group's own overlay, and are answered after the sync.
 //!
 //! # Fencing tokens across restarts
 //!
@@ -253,8 +240,8 @@ impl EmbeddedStore {
         })
     }
 
-    /// Batches the committer has written and synced since the store
-    /// opened. Under concurrent load, fewer than the changes they carried.
+    /// Groups the writer has written and synced since the store opened.
+    /// Under concurrent load, fewer than the changes they carried.
     pub fn commit_count(&self) -> u64 {
         self.writer.commits.load(Ordering::Relaxed)
     }

@@ -10,7 +10,7 @@
 use std::borrow::Borrow;
 use std::collections::HashMap;
 
-use fjall::{Database, Keyspace, OwnedWriteBatch, PersistMode, Slice};
+use fjall::{Keyspace, OwnedWriteBatch, PersistMode};
 
 use super::writer::{storage, WriteError};
 use crate::core::{CompletedRecord, PendingRecord, Record, RecordKey, UnixMillis};
@@ -88,25 +88,13 @@ pub(super) fn live<R: Borrow<Record>>(record: Option<R>, now: UnixMillis) -> Opt
     record.filter(|r| r.borrow().expires_at() > now)
 }
 
-/// The writes of one group, as the committer writes them: each key once
-/// (`None`: deleted).
-pub(super) type GroupWrites = Vec<([u8; 32], Option<Slice>)>;
-
-/// The keyspace as the writer's groups of changes see it: what is
-/// persisted, overlaid with the writes of the groups handed to the
-/// committer but not yet known to be committed (`in_flight`), overlaid with
-/// what the group being decided wrote so far (`written`). Nothing of a
-/// group reaches the keyspace (where readers look) before its batch is
-/// persisted: the overlays are the writer's alone.
+/// The keyspace as one group of changes sees it. Its writes go to
+/// `written` only, so that nothing of the group is in the keyspace (where
+/// readers look) before the group's batch is persisted.
 pub(super) struct Tables {
     records: Keyspace,
-    /// Writes of the groups decided ahead of their commit, with the number
-    /// of the last group that wrote each key: once that group is committed
-    /// the keyspace holds the same value, and the entry goes.
-    in_flight: HashMap<[u8; 32], (u64, Option<Slice>)>,
-    /// The group's writes so far, which its later changes read in place of
-    /// the keyspace's value. Kept across groups, so that its table is
-    /// allocated once.
+    /// The group's writes so far (`None`: deleted), which later changes of
+    /// the group read in place of the keyspace's value.
     written: HashMap<[u8; 32], Option<Vec<u8>>>,
 }
 
@@ -114,7 +102,6 @@ impl Tables {
     pub(super) fn new(records: Keyspace) -> Self {
         Self {
             records,
-            in_flight: HashMap::new(),
             written: HashMap::new(),
         }
     }
@@ -125,27 +112,14 @@ impl Tables {
         !self.written.is_empty()
     }
 
-    /// Whether the group may have read a write that is not yet durable.
-    pub(super) fn reads_in_flight(&self) -> bool {
-        !self.in_flight.is_empty()
-    }
-
-    /// The value under `key` as the earlier groups left it: in flight, or
-    /// as persisted.
-    fn before_group(&self, key: &RecordKey) -> Result<Option<Slice>, WriteError> {
-        match self.in_flight.get(key.as_bytes()) {
-            Some((_, value)) => Ok(value.clone()),
-            None => self.records.get(key.as_bytes()).map_err(storage),
-        }
-    }
-
     /// The value under `key`, as the group left it; a fjall failure aborts
     /// the group.
-    pub(super) fn value(&self, key: &RecordKey) -> Result<Option<Slice>, WriteError> {
-        match self.written.get(key.as_bytes()) {
-            Some(written) => Ok(written.as_deref().map(Slice::from)),
-            None => self.before_group(key),
+    pub(super) fn value(&self, key: &RecordKey) -> Result<Option<Vec<u8>>, WriteError> {
+        if let Some(written) = self.written.get(key.as_bytes()) {
+            return Ok(written.clone());
         }
+        let stored = self.records.get(key.as_bytes()).map_err(storage)?;
+        Ok(stored.map(|value| value.to_vec()))
     }
 
     /// The record under `key`, expired or not: one that does not decode
@@ -155,7 +129,10 @@ impl Tables {
     pub(super) fn read_for_write(&self, key: &RecordKey) -> Result<Option<Record>, WriteError> {
         let decoded = match self.written.get(key.as_bytes()) {
             Some(written) => written.as_deref().map(|value| decode(key, value)),
-            None => self.before_group(key)?.map(|value| decode(key, &value)),
+            None => {
+                let stored = self.records.get(key.as_bytes()).map_err(storage)?;
+                stored.map(|value| decode(key, &value))
+            }
         };
         decoded.transpose().map_err(WriteError::Refused)
     }
@@ -170,73 +147,22 @@ impl Tables {
         self.written.insert(*key.as_bytes(), None);
     }
 
-    /// Ends the group numbered `group`, decided: its writes, for the
-    /// committer, and in flight for the groups decided after it.
-    pub(super) fn hand_over(&mut self, group: u64) -> GroupWrites {
-        let mut writes = Vec::with_capacity(self.written.len());
-        for (key, value) in self.written.drain() {
-            let value = value.map(Slice::from);
-            self.in_flight.insert(key, (group, value.clone()));
-            writes.push((key, value));
-        }
-        writes
-    }
-
-    /// Ends the group without a trace: it was aborted.
-    pub(super) fn discard(&mut self) {
-        self.written.clear();
-    }
-
-    /// The groups up to `group` are committed: the keyspace holds what they
-    /// wrote.
-    pub(super) fn committed_through(&mut self, group: u64) {
-        self.in_flight.retain(|_, (last, _)| *last > group);
-    }
-
-    /// Every group in flight failed or is bound to: their writes never
-    /// happened.
-    pub(super) fn forget_in_flight(&mut self) {
-        self.in_flight.clear();
-    }
-}
-
-/// Writes `groups` (in the order they were decided: a later group's value
-/// for a key replaces an earlier one's) as one batch and persists it
-/// (`fdatasync` of the journal) before it applies it to the keyspace:
-/// fjall's `WriteBatch::commit` with a durability writes the journal,
-/// syncs it, and only then inserts into the memtables and publishes the
-/// batch's sequence number, all under the journal's lock. So a reader
-/// (`get`, the walks, the writer once it learns the batch is committed)
-/// never sees a change that is not durable, and a failed sync (which
-/// poisons the database: every later write fails) leaves the keyspace
-/// without any of the batch. Returns whether there was anything to write.
-pub(super) fn commit<'a>(
-    db: &Database,
-    records: &Keyspace,
-    groups: impl Iterator<Item = &'a GroupWrites>,
-) -> Result<bool, StoreError> {
-    let mut writing = groups.filter(|writes| !writes.is_empty());
-    let (Some(first), second) = (writing.next(), writing.next()) else {
-        return Ok(false);
-    };
-    let mut batch: OwnedWriteBatch = db.batch().durability(Some(PersistMode::SyncData));
-    let mut add = |key: &[u8; 32], value: &Option<Slice>| match value {
-        Some(value) => batch.insert(records, *key, value.clone()),
-        None => batch.remove(records, *key),
-    };
-    match second {
-        // Each key once already (the group's writes were a map).
-        None => first.iter().for_each(|(key, value)| add(key, value)),
-        // One batch has one sequence number: a key written twice in it
-        // would leave either value. The last group's wins.
-        Some(second) => {
-            let mut latest: HashMap<&[u8; 32], &Option<Slice>> = HashMap::new();
-            for writes in [first, second].into_iter().chain(writing) {
-                latest.extend(writes.iter().map(|(key, value)| (key, value)));
+    /// Writes the group as one batch and persists it (`fdatasync` of the
+    /// journal) before it applies it to the keyspace: fjall's
+    /// `WriteBatch::commit` with a durability writes the journal, syncs it,
+    /// and only then inserts into the memtables and publishes the batch's
+    /// sequence number, all under the journal's lock. So a reader (`get`,
+    /// the walks, the next group) never sees a change that is not durable,
+    /// and a failed sync (which poisons the database: every later write
+    /// fails) leaves the keyspace without any of the group.
+    pub(super) fn commit(self, db: &fjall::Database) -> Result<(), StoreError> {
+        let mut batch: OwnedWriteBatch = db.batch().durability(Some(PersistMode::SyncData));
+        for (key, value) in self.written {
+            match value {
+                Some(value) => batch.insert(&self.records, key, value),
+                None => batch.remove(&self.records, key),
             }
-            latest.into_iter().for_each(|(key, value)| add(key, value));
         }
+        batch.commit().map_err(db_error)
     }
-    batch.commit().map_err(db_error)?;
-    Ok(true)
 }

@@ -1,7 +1,6 @@
-//! Group commit, pipelined: the writer thread, which decides groups of
-//! changes; the committer thread, which writes and syncs them in order
-//! while the writer decides the next ones; the bounded queue of changes to
-//! the writer; and how a group ends for each change in it (see "Group
+//! Group commit: the one writer thread, the bounded queue of changes to
+//! it, and how a group's batch ends for each change in it. One fsync
+//! then serves every change queued while the previous one ran (see "Group
 //! commit" in the [`super`] docs).
 
 use std::collections::VecDeque;
@@ -13,7 +12,7 @@ use std::thread::JoinHandle as ThreadHandle;
 use fjall::{Database, Keyspace};
 use tokio::sync::oneshot;
 
-use super::tables::{commit, db_error, GroupWrites, Tables};
+use super::tables::{db_error, Tables};
 use super::EmbeddedStore;
 use crate::store::StoreError;
 
@@ -29,12 +28,6 @@ pub const MAX_GROUP: usize = 256;
 /// that time out leave their changes queued, and a completion retried
 /// against a stalled disk queued a copy of its response each time.
 pub const MAX_QUEUED: usize = 16 * MAX_GROUP;
-
-/// Most decided groups waiting for the committer. It takes all of them
-/// into its next batch, so a few are enough to keep it busy; past them the
-/// writer waits, and changes wait in (and past [`MAX_QUEUED`], are refused
-/// by) the queue, as when the disk stalls.
-const MAX_DECIDED: usize = 4;
 
 impl EmbeddedStore {
     /// Queues `op` for the writer and waits until its group is committed.
@@ -122,108 +115,38 @@ struct Ran {
 /// Sends a change's caller its answer, given how its group ended.
 type Answer = Box<dyn FnOnce(Result<(), &StoreError>) + Send>;
 
-/// A group the writer decided, for the committer to write, persist and
-/// answer.
-struct Decided {
-    /// Which failures it is bound to: it was decided on the writes of every
-    /// group in flight, and fails with any of them (see [`write_groups`]).
-    epoch: u64,
-    /// Groups are numbered in the order they were decided.
-    group: u64,
-    writes: GroupWrites,
-    answers: Vec<Answer>,
-}
-
-/// What the committer tells the writer about the groups it took.
-enum Committed {
-    /// Every group up to this one is durable and in the keyspace.
-    Through(u64),
-    /// Every group of this epoch or earlier failed, or will.
-    Failed { epoch: u64 },
-}
-
-/// The writer and committer threads and the queue to them.
+/// The writer thread and the queue to it.
 pub(super) struct Writer {
     /// `None` only while dropping: closing the queue is what stops the
-    /// threads, after they have answered everything queued. At most
+    /// thread, after it has answered everything queued. At most
     /// [`MAX_QUEUED`] changes wait in it.
     queue: Option<mpsc::SyncSender<Job>>,
     thread: Option<ThreadHandle<()>>,
-    /// Batches committed, by the committer ([`EmbeddedStore::commit_count`]).
+    /// Groups committed, by the writer thread ([`EmbeddedStore::commit_count`]).
     pub(super) commits: Arc<AtomicU64>,
-    /// Lets tests see the pipeline's steps and fail a commit.
-    #[cfg(test)]
-    pub(super) probe: Arc<Probe>,
-}
-
-/// What tests see of, and inject into, the pipeline.
-#[cfg(test)]
-#[derive(Default)]
-pub(super) struct Probe {
     /// Changes queued since the store opened: lets a test know that the
     /// changes it started are waiting for the writer.
-    pub(super) submitted: AtomicU64,
-    /// Groups the writer handed to the committer.
-    pub(super) handed_over: AtomicU64,
-    /// Runs (once) on the committer before its next batch that writes, in
-    /// place of fjall's failure: its error fails the batch.
-    pub(super) before_commit: std::sync::Mutex<Option<CommitHook>>,
+    #[cfg(test)]
+    submitted: AtomicU64,
 }
-
-#[cfg(test)]
-pub(super) type CommitHook = Box<dyn FnOnce() -> Result<(), StoreError> + Send>;
 
 impl Writer {
     pub(super) fn start(db: Database, records: Keyspace) -> Result<Self, StoreError> {
         let (queue, jobs) = mpsc::sync_channel(MAX_QUEUED);
-        let (to_committer, decided) = mpsc::sync_channel(MAX_DECIDED);
-        let (to_writer, committed) = mpsc::channel();
         let commits = Arc::new(AtomicU64::new(0));
-        #[cfg(test)]
-        let probe = Arc::new(Probe::default());
-        let pipeline = Pipeline {
-            commits: Arc::clone(&commits),
-            #[cfg(test)]
-            probe: Arc::clone(&probe),
-        };
-        let committer = {
-            let records = records.clone();
-            std::thread::Builder::new()
-                .name("idemproxy-commit".into())
-                .spawn(move || commit_groups(&db, &records, &decided, &to_writer, &pipeline))
-        };
-        // Lets a test know that the writer has decided the groups it waits
-        // for.
-        #[cfg(test)]
-        let handed_over = {
-            let probe = Arc::clone(&probe);
-            move || {
-                probe.handed_over.fetch_add(1, Ordering::Relaxed);
-            }
-        };
-        #[cfg(not(test))]
-        let handed_over = || {};
-        let thread = committer.and_then(|committer| {
-            std::thread::Builder::new()
-                .name("idemproxy-store".into())
-                .spawn(move || {
-                    write_groups(records, &jobs, &to_committer, &committed, handed_over);
-                    // Closing its queue ends the committer, once it has
-                    // answered every group decided; the database is closed
-                    // when both are gone.
-                    drop(to_committer);
-                    let _ = committer.join();
-                })
-        });
-        let thread = thread.map_err(|e| {
-            StoreError::Unavailable(format!("cannot start the embedded store's writer: {e}"))
-        })?;
+        let counter = Arc::clone(&commits);
+        let thread = std::thread::Builder::new()
+            .name("idemproxy-store".into())
+            .spawn(move || write_groups(&db, &records, &jobs, &counter))
+            .map_err(|e| {
+                StoreError::Unavailable(format!("cannot start the embedded store's writer: {e}"))
+            })?;
         Ok(Self {
             queue: Some(queue),
             thread: Some(thread),
             commits,
             #[cfg(test)]
-            probe,
+            submitted: AtomicU64::new(0),
         })
     }
 
@@ -241,16 +164,9 @@ impl Writer {
             Err(mpsc::TrySendError::Disconnected(_)) => return Err(closed()),
         }
         #[cfg(test)]
-        self.probe.submitted.fetch_add(1, Ordering::Relaxed);
+        self.submitted.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
-}
-
-/// What the committer shares with the store.
-struct Pipeline {
-    commits: Arc<AtomicU64>,
-    #[cfg(test)]
-    probe: Arc<Probe>,
 }
 
 fn closed() -> StoreError {
@@ -261,35 +177,20 @@ impl Drop for Writer {
     fn drop(&mut self) {
         self.queue = None;
         if let Some(thread) = self.thread.take() {
-            // At most the groups decided: one batch and its fsync.
+            // At most the group in progress: one batch and its fsync.
             let _ = thread.join();
         }
     }
 }
 
 /// The writer thread: waits for a change, takes everything queued behind
-/// it, decides them as one group on the keyspace overlaid with the groups
-/// still in flight, and hands the group to the committer without waiting
-/// for its commit; until the queue closes.
-///
-/// A group decided on another's writes must not outlive it: if that one
-/// fails, so does this one. Every group carries the writer's epoch, and
-/// when the committer fails a batch it fails every later group of the
-/// same epoch or earlier: all of them were decided before the writer
-/// learned of the failure, on overlays that may hold the failed writes.
-/// The writer, told, forgets every write in flight and moves to the next
-/// epoch. This fails more than the groups that read the failed writes, but
-/// a failure of fjall is rare and poisons the database anyway (every later
-/// write fails); what matters is that none of them is committed.
+/// it, commits them as one group, answers them; until the queue closes.
 fn write_groups(
-    records: Keyspace,
+    db: &Database,
+    records: &Keyspace,
     jobs: &mpsc::Receiver<Job>,
-    to_committer: &mpsc::SyncSender<Decided>,
-    committed: &mpsc::Receiver<Committed>,
-    handed_over: impl Fn(),
+    commits: &AtomicU64,
 ) {
-    let mut tables = Tables::new(records);
-    let (mut epoch, mut next_group) = (0, 0);
     let mut queued = VecDeque::new();
     loop {
         if queued.is_empty() {
@@ -304,162 +205,74 @@ fn write_groups(
                 Err(_) => break,
             }
         }
-        while let Ok(news) = committed.try_recv() {
-            match news {
-                Committed::Through(group) => tables.committed_through(group),
-                Committed::Failed { epoch: failed } if failed >= epoch => {
-                    tables.forget_in_flight();
-                    epoch = failed + 1;
-                }
-                Committed::Failed { .. } => {}
-            }
-        }
-        let mut answers = Vec::with_capacity(queued.len());
         // A panic would be a bug in a change; it costs that group (its
         // callers see the change dropped), not the store.
-        let ran = catch_unwind(AssertUnwindSafe(|| {
-            run_group(&mut tables, &mut queued, &mut answers)
+        let group = catch_unwind(AssertUnwindSafe(|| {
+            commit_group(db, records, &mut queued, commits)
         }));
-        match ran {
-            // Decided on durable state alone, writing nothing: nothing to
-            // wait for.
-            Ok(Ok(())) if !tables.wrote() && !tables.reads_in_flight() => {
-                answers.into_iter().for_each(|answer| answer(Ok(())));
-            }
-            Ok(Ok(())) => {
-                let group = next_group;
-                next_group += 1;
-                let writes = tables.hand_over(group);
-                let decided = Decided {
-                    epoch,
-                    group,
-                    writes,
-                    answers,
-                };
-                if to_committer.send(decided).is_err() {
-                    // The committer is gone (it cannot be, short of a
-                    // panic in fjall): its answers are dropped, and so
-                    // are the changes queued.
-                    tracing::error!("embedded store: the committer stopped");
-                    return;
-                }
-                handed_over();
-            }
-            Ok(Err(error)) => {
-                tables.discard();
-                tracing::error!(%error, "embedded store: a group of changes failed");
-                answers.into_iter().for_each(|answer| answer(Err(&error)));
-            }
-            // The changes run before it wrote only to the group's overlay,
-            // discarded, so their callers see them dropped; those queued
-            // after it never ran and go in the next group, as after a
-            // storage error.
-            Err(_) => {
-                tables.discard();
-                tracing::error!("embedded store: a change panicked; its group was dropped");
-            }
+        match group {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::error!(%error, "embedded store: a group of changes failed"),
+            // The changes run before it wrote only to the group the
+            // unwinding dropped, so their callers see them dropped; those
+            // queued after it never ran and go in the next group, as after
+            // a storage error.
+            Err(_) => tracing::error!("embedded store: a change panicked; its group was dropped"),
         }
     }
 }
 
-/// Runs queued changes as one group, in order. Changes not run (after one
-/// that aborted the group) stay queued for the next group.
+/// Runs queued changes as one group, in order, writes and persists its
+/// batch and answers them. Changes not run (after one that aborted the
+/// group) stay queued for the next group. If the group fails before any
+/// change ran, the whole queue is dropped (its callers see that), rather
+/// than retried in a loop.
+fn commit_group(
+    db: &Database,
+    records: &Keyspace,
+    queued: &mut VecDeque<Job>,
+    commits: &AtomicU64,
+) -> Result<(), StoreError> {
+    let mut answers = Vec::with_capacity(queued.len());
+    let result = run_group(db, records, queued, &mut answers);
+    match result {
+        // Counted before anyone is answered, so a caller that got its
+        // answer sees its commit counted.
+        Ok(true) => {
+            commits.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(false) => {}
+        Err(_) if answers.is_empty() => queued.clear(),
+        Err(_) => {}
+    }
+    let result = result.map(|_| ());
+    for answer in answers {
+        answer(result.as_ref().copied());
+    }
+    result
+}
+
 fn run_group(
-    tables: &mut Tables,
+    db: &Database,
+    records: &Keyspace,
     queued: &mut VecDeque<Job>,
     answers: &mut Vec<Answer>,
-) -> Result<(), StoreError> {
+) -> Result<bool, StoreError> {
+    let mut tables = Tables::new(records.clone());
     while let Some(job) = queued.pop_front() {
-        let ran = job(tables);
+        let ran = job(&mut tables);
         answers.push(ran.answer);
         if let Some(error) = ran.aborts {
-            // Discarding the group's writes aborts it.
+            // Dropping the group's writes unwritten aborts it.
             return Err(error);
         }
     }
-    Ok(())
-}
-
-/// The committer thread: takes every group decided so far, writes them as
-/// one batch with one fsync, then answers their callers and tells the
-/// writer; until the writer is gone.
-fn commit_groups(
-    db: &Database,
-    records: &Keyspace,
-    decided: &mpsc::Receiver<Decided>,
-    to_writer: &mpsc::Sender<Committed>,
-    pipeline: &Pipeline,
-) {
-    // The last failure, and its epoch: the groups of that epoch or earlier
-    // still to come were decided on its writes.
-    let mut failed: Option<(u64, StoreError)> = None;
-    let mut batch = Vec::with_capacity(MAX_DECIDED);
-    while let Ok(group) = decided.recv() {
-        batch.push(group);
-        batch.extend(decided.try_iter());
-        let doomed = batch
-            .iter()
-            .take_while(|group| {
-                failed
-                    .as_ref()
-                    .is_some_and(|(epoch, _)| group.epoch <= *epoch)
-            })
-            .count();
-        for group in batch.drain(..doomed) {
-            if let Some((_, error)) = &failed {
-                let error = StoreError::Unavailable(format!(
-                    "an earlier group of changes that this one read failed: {error}"
-                ));
-                group
-                    .answers
-                    .into_iter()
-                    .for_each(|answer| answer(Err(&error)));
-            }
-        }
-        let Some(last) = batch.last() else { continue };
-        let (epoch, group) = (last.epoch, last.group);
-        let result = catch_unwind(AssertUnwindSafe(|| {
-            #[cfg(test)]
-            if batch.iter().any(|group| !group.writes.is_empty()) {
-                let hook = pipeline
-                    .probe
-                    .before_commit
-                    .lock()
-                    .ok()
-                    .and_then(|mut h| h.take());
-                if let Some(hook) = hook {
-                    hook()?;
-                }
-            }
-            commit(db, records, batch.iter().map(|group| &group.writes))
-        }))
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(
-                "the embedded store's commit panicked".into(),
-            ))
-        });
-        let news = match &result {
-            Ok(wrote) => {
-                // Counted before anyone is answered, so a caller that got
-                // its answer sees its commit counted.
-                if *wrote {
-                    pipeline.commits.fetch_add(1, Ordering::Relaxed);
-                }
-                Committed::Through(group)
-            }
-            Err(error) => {
-                tracing::error!(%error, "embedded store: a batch of changes failed");
-                failed = Some((epoch, error.clone()));
-                Committed::Failed { epoch }
-            }
-        };
-        // The writer reads it before its next group: it never waits.
-        let _ = to_writer.send(news);
-        let result = result.as_ref().map(|_| ());
-        for group in batch.drain(..) {
-            group.answers.into_iter().for_each(|answer| answer(result));
-        }
+    if !tables.wrote() {
+        // Nothing to make durable: no batch, no fsync.
+        return Ok(false);
     }
+    tables.commit(db)?;
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -510,21 +323,15 @@ mod tests {
         })
     }
 
-    /// Waits until `counter` (of the probe) reaches `count`.
-    async fn until_counted(counter: &AtomicU64, count: u64, what: &str) {
+    /// Waits until `changes` changes in all have been queued for the writer.
+    async fn until_queued(store: &EmbeddedStore, changes: u64) {
         for _ in 0..500 {
-            if counter.load(Ordering::Relaxed) >= count {
+            if store.writer.submitted.load(Ordering::Relaxed) >= changes {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        panic!("never {count} {what}");
-    }
-
-    /// Waits until `changes` changes in all have been queued for the writer.
-    async fn until_queued(store: &EmbeddedStore, changes: u64) {
-        let queued = &store.writer.probe.submitted;
-        until_counted(queued, changes, "changes queued for the writer").await;
+        panic!("{changes} changes never reached the writer's queue");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -536,7 +343,7 @@ mod tests {
 
         let commits_before = store.commit_count();
         let release = hold_writer(&store).await;
-        let queued_before = store.writer.probe.submitted.load(Ordering::Relaxed);
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
         // Queued behind the holder, in this order: 15 claims, a completion
         // with a token that does not own `held`, a release by its rightful
         // holder, 15 more claims.
@@ -592,7 +399,7 @@ mod tests {
             RecordKey::from_bytes([2; 32]),
         );
         let release = hold_writer(&store).await;
-        let queued_before = store.writer.probe.submitted.load(Ordering::Relaxed);
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
         // Queued behind the holder; its caller gives up (store.timeout)
         // and answers its request 503.
         let given_up = tokio::time::timeout(
@@ -630,7 +437,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
         let release = hold_writer(&store).await;
-        let queued_before = store.writer.probe.submitted.load(Ordering::Relaxed);
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
         let waiting: Vec<_> = (0..MAX_QUEUED)
             .map(|i| {
                 let store = Arc::clone(&store);
@@ -675,7 +482,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
         let release = hold_writer(&store).await;
-        let queued_before = store.writer.probe.submitted.load(Ordering::Relaxed);
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
         let claims: Vec<_> = (0..16).map(|_| spawn_claim(&store, 7)).collect();
         // All of them wait for the writer, and land in the same group.
         until_queued(&store, queued_before + 16).await;
@@ -703,7 +510,7 @@ mod tests {
         Result<BeginOutcome, StoreError>,
     ) {
         let release = hold_writer(store).await;
-        let queued_before = store.writer.probe.submitted.load(Ordering::Relaxed);
+        let queued_before = store.writer.submitted.load(Ordering::Relaxed);
         let claim = |i: u8| spawn_claim(store, i);
         let first = claim(1);
         until_queued(store, queued_before + 1).await;
@@ -788,173 +595,6 @@ mod tests {
             .await
             .expect("get")
             .is_some());
-    }
-
-    /// Waits until the writer has handed `groups` groups in all to the
-    /// committer.
-    async fn until_handed_over(store: &EmbeddedStore, groups: u64) {
-        let handed_over = &store.writer.probe.handed_over;
-        until_counted(handed_over, groups, "groups handed to the committer").await;
-    }
-
-    /// Stops the committer before its next batch that writes, until the
-    /// returned sender is used (or dropped); the batch then fails with
-    /// `failure`, as if fjall had, or commits. The receiver says when the
-    /// committer is held.
-    fn hold_next_commit(
-        store: &EmbeddedStore,
-        failure: Option<StoreError>,
-    ) -> (std::sync::mpsc::Sender<()>, oneshot::Receiver<()>) {
-        let (release, held) = std::sync::mpsc::channel::<()>();
-        let (committing, started) = oneshot::channel();
-        let hook: CommitHook = Box::new(move || {
-            let _ = committing.send(());
-            let _ = held.recv();
-            failure.map_or(Ok(()), Err)
-        });
-        *store.writer.probe.before_commit.lock().expect("hook") = Some(hook);
-        (release, started)
-    }
-
-    /// The pipeline's failure case: a batch fails while groups decided on
-    /// its writes wait behind it. None of them may commit or tell its
-    /// caller what it read: the claim failed, so a completion of it, and a
-    /// begin that found it in flight, read a claim that never existed.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_failed_commit_fails_the_groups_decided_on_its_writes() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
-        let (key, other) = (
-            RecordKey::from_bytes([1; 32]),
-            RecordKey::from_bytes([2; 32]),
-        );
-        let (release, started) = hold_next_commit(
-            &store,
-            Some(StoreError::Unavailable("injected commit failure".into())),
-        );
-
-        // The claim's group reaches the committer, which stops before its
-        // commit.
-        let claim_of_key = begin(key, 60_000, OnStale::Store);
-        let holder = claim_of_key.token;
-        let claimed = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.begin(&claim_of_key).await })
-        };
-        started
-            .await
-            .expect("the committer takes the claim's group");
-
-        // Decided meanwhile, on the claim in flight: its holder completes
-        // it, another caller finds it in flight, a third claims another key.
-        let handed_before = store.writer.probe.handed_over.load(Ordering::Relaxed);
-        let completed_by_holder = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.complete(&key, holder, &completed(60_000)).await })
-        };
-        until_handed_over(&store, handed_before + 1).await;
-        let duplicate = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.begin(&begin(key, 60_000, OnStale::Store)).await })
-        };
-        until_handed_over(&store, handed_before + 2).await;
-        let unrelated = spawn_claim(&store, 2);
-        until_handed_over(&store, handed_before + 3).await;
-        drop(release);
-
-        let claimed = claimed.await.expect("task");
-        assert!(
-            matches!(&claimed, Err(StoreError::Unavailable(e)) if e == "injected commit failure"),
-            "{claimed:?}"
-        );
-        let completed_by_holder = completed_by_holder.await.expect("task");
-        assert!(
-            matches!(&completed_by_holder, Err(StoreError::Unavailable(e)) if e.contains("injected")),
-            "{completed_by_holder:?}"
-        );
-        let duplicate = duplicate.await.expect("task");
-        assert!(
-            matches!(&duplicate, Err(StoreError::Unavailable(_))),
-            "told about a claim that never was: {duplicate:?}"
-        );
-        // Decided before the writer learned of the failure: it fails too,
-        // though it read nothing of it.
-        let unrelated = unrelated.await.expect("task");
-        assert!(
-            matches!(&unrelated, Err(StoreError::Unavailable(_))),
-            "{unrelated:?}"
-        );
-        assert_eq!(store.get(&key).await.expect("get"), None);
-        assert_eq!(store.get(&other).await.expect("get"), None);
-
-        // The writer forgot the failed writes: the key is free, and the
-        // store goes on.
-        let again = claim(&store, key).await;
-        store
-            .complete(&key, again, &completed(60_000))
-            .await
-            .expect("complete");
-        claim(&store, other).await;
-        drop(store);
-        let reopened = EmbeddedStore::open(dir.path()).expect("reopen");
-        assert_eq!(reopened.record_count().await.expect("count"), 2);
-    }
-
-    /// Groups decided while a batch commits are committed after it, in
-    /// order, each seeing the writes of those before it; a key written by
-    /// several of the groups one batch takes keeps the last group's value.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn groups_decided_during_a_commit_build_on_it_in_order() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = Arc::new(EmbeddedStore::open(dir.path()).expect("open"));
-        let key = RecordKey::from_bytes([4; 32]);
-        let (release, started) = hold_next_commit(&store, None);
-        let first = spawn_claim(&store, 5);
-        started.await.expect("the committer takes the first group");
-
-        // Three groups behind it, one batch: claim, complete, then remove
-        // and claim again, each decided on the one before.
-        let handed_before = store.writer.probe.handed_over.load(Ordering::Relaxed);
-        let claim_of_key = begin(key, 60_000, OnStale::Store);
-        let holder = claim_of_key.token;
-        let claimed = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.begin(&claim_of_key).await })
-        };
-        until_handed_over(&store, handed_before + 1).await;
-        let completion = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.complete(&key, holder, &completed(60_000)).await })
-        };
-        until_handed_over(&store, handed_before + 2).await;
-        let replaced = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move {
-                store.remove(&key, Removal::Any).await?;
-                store.begin(&begin(key, 60_000, OnStale::Store)).await
-            })
-        };
-        until_handed_over(&store, handed_before + 3).await;
-        // Not answered before their commit.
-        assert!(!claimed.is_finished() && !completion.is_finished());
-        let commits = store.commit_count();
-        drop(release);
-
-        token(first.await.expect("task").expect("first claim"));
-        token(claimed.await.expect("task").expect("claim"));
-        completion.await.expect("task").expect("completion");
-        let last = token(replaced.await.expect("task").expect("claimed again"));
-        assert!(store.commit_count() <= commits + 3);
-        match store.get(&key).await.expect("get") {
-            Some(Record::Pending(pending)) => assert_eq!(pending.token, last),
-            other => panic!("expected the last claim, got {other:?}"),
-        }
-        drop(store);
-        let reopened = EmbeddedStore::open(dir.path()).expect("reopen");
-        match reopened.get(&key).await.expect("get") {
-            Some(Record::Pending(pending)) => assert_eq!(pending.token, last),
-            other => panic!("expected the last claim after a restart, got {other:?}"),
-        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
