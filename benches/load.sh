@@ -84,14 +84,15 @@ if [ "$WORKERS1" = 1 ]; then
   REPLAY_TARGETS+=(idemproxy-memory-1w idemproxy-redis-1w)
 fi
 if [ -n "${BASELINE_BIN:-}" ]; then
-  BM=$(free_port); BR=$(free_port)
+  BM=$(free_port); BR=$(free_port); BE=$(free_port)
   PROXY_BIN=$BASELINE_BIN start_proxy baseline-memory "$BM" memory
   # Its own keys: a build before compression reads the records a newer one
   # packed as corrupt (503), and the replay runs share their keys.
   PROXY_BIN=$BASELINE_BIN start_proxy baseline-redis "$BR" redis IDEMPROXY_STORE__KEY_PREFIX=baseline:
-  URL[baseline-memory]="http://127.0.0.1:$BM"; URL[baseline-redis]="http://127.0.0.1:$BR"
-  TARGETS+=(baseline-memory baseline-redis)
-  REPLAY_TARGETS+=(baseline-memory baseline-redis)
+  PROXY_BIN=$BASELINE_BIN start_proxy baseline-embedded "$BE" embedded IDEMPROXY_STORE__PATH="$WORK/baseline-embedded-data"
+  URL[baseline-memory]="http://127.0.0.1:$BM"; URL[baseline-redis]="http://127.0.0.1:$BR"; URL[baseline-embedded]="http://127.0.0.1:$BE"
+  TARGETS+=(baseline-memory baseline-redis baseline-embedded)
+  REPLAY_TARGETS+=(baseline-memory baseline-redis baseline-embedded)
 fi
 FIXED_TARGETS=(nginx idemproxy-memory idemproxy-redis)
 RESULTS="$WORK/results.txt"; : >"$RESULTS"
@@ -127,6 +128,7 @@ proxy_pids() {
     idemproxy-postgres) cat "$WORK/postgres.pid" ;;
     baseline-memory) cat "$WORK/baseline-memory.pid" ;;
     baseline-redis) cat "$WORK/baseline-redis.pid" ;;
+    baseline-embedded) cat "$WORK/baseline-embedded.pid" ;;
   esac
 }
 upstream_pids() { cat "$WORK/upstream.pid"; pgrep -P "$(cat "$WORK/upstream.pid")"; }
@@ -316,3 +318,6 @@ if soak:
         print(f"  {r[1]:<28} {float(field(r, 'rps')):>8.0f} req/s  " + " ".join(f"{s:.0f}" for s in samples)
               + f"  (last vs 15 s: {samples[-1] - at15:+.1f} MiB, vs 30 s: {samples[-1] - at30:+.1f} MiB)")
 PY
+if [ -n "${BASELINE_BIN:-}" ]; then
+  echo "  peak RSS, baseline-embedded: $(awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$(cat "$WORK/baseline-embedded.pid")/status") MiB"
+fi
