@@ -11,7 +11,8 @@
 //! (`store::redis::connections`).
 //!
 //! `store.pool_size` stays the proxy's bound on traffic connections: the
-//! loops' pools split it, each resized as loops appear. Everything else
+//! loops' pools split it, rounded down, each resized as loops appear
+//! (with more loops than `pool_size`, each still gets one). Everything else
 //! (startup, the admin API, the sweeper, tests on a multi-thread runtime)
 //! uses the shared pool, which opens few.
 
@@ -75,9 +76,12 @@ impl LoopPools {
     }
 }
 
-/// Each of `loops` pools' part of `total` connections, at least one.
+/// Each of `loops` pools' part of `total` connections: rounded down, so
+/// that the parts add up to `total` at most; at least one, so a loop with
+/// more loops than connections to share can still serve (then, and only
+/// then, one connection per loop is more than `total`).
 fn share(total: usize, loops: usize) -> usize {
-    total.div_ceil(loops.max(1)).max(1)
+    (total / loops.max(1)).max(1)
 }
 
 #[cfg(test)]
@@ -88,7 +92,8 @@ mod tests {
     fn the_loops_split_the_pool_size() {
         assert_eq!(share(16, 1), 16);
         assert_eq!(share(16, 2), 8);
-        assert_eq!(share(16, 3), 6);
+        assert_eq!(share(16, 3), 5);
+        assert_eq!(share(3, 2), 1);
         assert_eq!(share(1, 4), 1);
         assert_eq!(share(16, 0), 16);
     }
