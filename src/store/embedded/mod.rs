@@ -301,8 +301,7 @@ impl EmbeddedStore {
             let mut deleted = 0;
             for key in due {
                 let expired = tables
-                    .value(&key)?
-                    .and_then(|value| expiry_of(&value))
+                    .with_value(&key, |value| value.and_then(expiry_of))?
                     .is_some_and(|expires_at| expires_at <= now);
                 if expired {
                     tables.delete(&key);
@@ -456,13 +455,13 @@ impl Store for EmbeddedStore {
         // deletion are one step of the one writer.
         let now = self.clock.now_millis();
         self.write(Waited::Either, move |tables| {
-            let Some(value) = tables.value(&key)? else {
-                return Ok(Removed::Absent);
-            };
             // Removing is how an operator clears a record that no longer
             // decodes, so it must not need to decode it (one that does not is
             // no running claim).
-            let old = decode(&key, &value).ok();
+            let Some(old) = tables.with_value(&key, |value| value.map(|v| decode(&key, v).ok()))?
+            else {
+                return Ok(Removed::Absent);
+            };
             if removal == Removal::UnlessLeased {
                 if let Some(until) = old.as_ref().and_then(|r| running_lease(r, now)) {
                     return Ok(Removed::Leased { until });

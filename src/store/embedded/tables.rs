@@ -23,9 +23,7 @@ pub(super) const EXPIRY_PREFIX: usize = 8;
 pub(super) fn encode_value(record: &Record) -> Vec<u8> {
     match record {
         Record::Pending(claim) => {
-            let mut value = Vec::with_capacity(EXPIRY_PREFIX + PendingRecord::ENCODED_LEN_MAX);
-            value.extend_from_slice(&claim.expires_at.to_be_bytes());
-            claim.encode_after(value)
+            claim.encode_after(prefix(claim.expires_at, PendingRecord::ENCODED_LEN_MAX))
         }
         Record::Completed(completed) => encode_completed(completed),
     }
@@ -34,16 +32,21 @@ pub(super) fn encode_value(record: &Record) -> Vec<u8> {
 /// `record`'s completion as the keyspace holds it, encoded after its
 /// prefix in one buffer (not encoded, then copied behind the prefix).
 pub(super) fn encode_completed(record: &CompletedRecord) -> Vec<u8> {
-    let mut value = Vec::with_capacity(EXPIRY_PREFIX + record.encoded_len_max());
-    value.extend_from_slice(&record.expires_at.to_be_bytes());
-    record.encode_after(value)
+    record.encode_after(prefix(record.expires_at, record.encoded_len_max()))
 }
 
 /// A value of `encoded` record bytes that expire at `expires_at`.
 pub(super) fn wrap(expires_at: UnixMillis, encoded: &[u8]) -> Vec<u8> {
-    let mut value = Vec::with_capacity(EXPIRY_PREFIX + encoded.len());
-    value.extend_from_slice(&expires_at.to_be_bytes());
+    let mut value = prefix(expires_at, encoded.len());
     value.extend_from_slice(encoded);
+    value
+}
+
+/// A value's `expires_at` prefix, with room for `record_len` bytes of
+/// record after it.
+fn prefix(expires_at: UnixMillis, record_len: usize) -> Vec<u8> {
+    let mut value = Vec::with_capacity(EXPIRY_PREFIX + record_len);
+    value.extend_from_slice(&expires_at.to_be_bytes());
     value
 }
 
@@ -112,29 +115,27 @@ impl Tables {
         !self.written.is_empty()
     }
 
-    /// The value under `key`, as the group left it; a fjall failure aborts
-    /// the group.
-    pub(super) fn value(&self, key: &RecordKey) -> Result<Option<Vec<u8>>, WriteError> {
+    /// `look` at the value under `key` as the group left it, where it is
+    /// (the group's buffer or fjall's), without copying it out; a fjall
+    /// failure aborts the group.
+    pub(super) fn with_value<T>(
+        &self,
+        key: &RecordKey,
+        look: impl FnOnce(Option<&[u8]>) -> T,
+    ) -> Result<T, WriteError> {
         if let Some(written) = self.written.get(key.as_bytes()) {
-            return Ok(written.clone());
+            return Ok(look(written.as_deref()));
         }
         let stored = self.records.get(key.as_bytes()).map_err(storage)?;
-        Ok(stored.map(|value| value.to_vec()))
+        Ok(look(stored.as_deref()))
     }
 
     /// The record under `key`, expired or not: one that does not decode
     /// refuses this change alone.
-    /// Decodes from the group's buffer or fjall's, without copying the
-    /// value out first (decoding copies what it keeps).
     pub(super) fn read_for_write(&self, key: &RecordKey) -> Result<Option<Record>, WriteError> {
-        let decoded = match self.written.get(key.as_bytes()) {
-            Some(written) => written.as_deref().map(|value| decode(key, value)),
-            None => {
-                let stored = self.records.get(key.as_bytes()).map_err(storage)?;
-                stored.map(|value| decode(key, &value))
-            }
-        };
-        decoded.transpose().map_err(WriteError::Refused)
+        self.with_value(key, |value| value.map(|value| decode(key, value)))?
+            .transpose()
+            .map_err(WriteError::Refused)
     }
 
     /// Stores `value` (see [`encode_value`]) under `key`.
