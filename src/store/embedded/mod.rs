@@ -76,6 +76,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use fjall::config::PinningPolicy;
 use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -134,6 +135,27 @@ const MEMTABLE_BYTES: u64 = 1024 * 1024;
 /// backpressure (writes wait while four memtables await their flush)
 /// bounds what a long compaction can hold back.
 const WORKER_THREADS: usize = 1;
+
+/// Tables in level 0 (each a flushed memtable) before a compaction merges
+/// them into level 1; fjall's default is 4. Record keys are random, so
+/// every table of level 1 overlaps every table of level 0, and each such
+/// compaction rewrites all of level 1: merging 12 memtables at a time
+/// instead of 4 rewrites it a third as often. Lookups check every level-0
+/// table's filter (pinned, below), a hash probe each; fjall slows writes
+/// only from 20 level-0 tables on. Under sustained unique-key load (`wrk
+/// -c64`, 24 s) the CPU per first execution stayed at 66-69 µs with 12,
+/// where with 4 it climbed to 81 µs as level 1 grew
+/// (docs/performance.md, "The embedded store under sustained load").
+const L0_TABLES: u8 = 12;
+
+/// The size a compaction cuts its output tables at (fjall's default: 64
+/// MiB). A compaction holds the table it is writing in memory (its index,
+/// its filter's key hashes) and, once done, loads its filter beside the
+/// old tables' until they go: at 64 MiB a proxy under sustained load
+/// peaked 15-18 MiB above its usual RSS for about a second at each
+/// compaction into level 1 (75 MiB after 45 s); at 16 MiB it peaked at 60.
+/// Level 1's target size is this times [`L0_TABLES`].
+const TABLE_BYTES: u64 = 16 * 1024 * 1024;
 
 /// A [`Store`] on local disk, backed by fjall.
 ///
@@ -224,7 +246,23 @@ impl EmbeddedStore {
             })?;
         let records = db
             .keyspace(RECORDS_KEYSPACE, || {
-                KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES)
+                KeyspaceCreateOptions::default()
+                    .max_memtable_size(MEMTABLE_BYTES)
+                    // Every table's filter stays in memory, not only level
+                    // 0's (fjall's default): a first execution looks up a key
+                    // that is in no table, and only the filters say so
+                    // without reading the table. Through the 2 MiB block
+                    // cache, the filters of a growing level 1 were read from
+                    // the file and checksummed again at nearly every lookup,
+                    // and the CPU per first execution climbed from 66 to 107
+                    // µs within 24 s of sustained load. Pinned, they cost
+                    // about 10 bits (level 0: about 19) per record held.
+                    .filter_block_pinning_policy(PinningPolicy::all(true))
+                    .compaction_strategy(Arc::new(
+                        fjall::compaction::Leveled::default()
+                            .with_l0_threshold(L0_TABLES)
+                            .with_table_target_size(TABLE_BYTES),
+                    ))
             })
             .map_err(db_error)?;
         let migrated = migrate::from_redb(dir, &db, &records, copied)?;
