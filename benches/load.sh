@@ -23,9 +23,11 @@
 # the memory proxy), with latencies corrected for coordinated omission
 # (examples/loadgen.rs).
 # Targets are measured in alternating order over ROUNDS rounds; the table
-# shows medians and ratios to nginx. Last, a soak: SOAK_SECONDS of unique
-# keys against idemproxy-redis and a memory-store proxy whose records live
-# 10 s, both at once, with their RSS sampled every 5 s.
+# shows medians and ratios to nginx. Last, two soaks of SOAK_SECONDS each:
+# unique keys against idemproxy-redis and a memory-store proxy whose records
+# live 10 s, both at once, with their RSS sampled every 5 s; then a fresh
+# embedded-store proxy alone (and BASELINE_BIN's after it), its req/s and
+# RSS every 5 s, to show whether it keeps its rate as its directory fills.
 #
 #   benches/load.sh                 # ROUNDS=3 DURATION=3 CONNS=64, about 3 minutes
 #   FIXED_RATE=5000 benches/load.sh # fixed-rate run at a chosen rate instead of
@@ -222,6 +224,25 @@ wait "$SOAK_WRK1" "$SOAK_WRK2"
 echo "soak idemproxy-redis 1 rps=$(awk '/Requests\/sec:/ {print $2}' "$WORK/soak-redis.txt") rss_kib=${SOAK_REDIS// /,}" >>"$RESULTS"
 echo "soak idemproxy-memory-ttl10s 1 rps=$(awk '/Requests\/sec:/ {print $2}' "$WORK/soak-memory.txt") rss_kib=${SOAK_MEMORY// /,}" >>"$RESULTS"
 
+# Soak of the embedded store: does it keep its rate and its memory as its
+# directory fills? (An LSM tree's lookups and compactions grow with it: on
+# 2026-12-05 fjall's defaults lost a third of the rate within 20 s.) A
+# fresh proxy alone, SOAK_SECONDS of unique keys as 5 s runs in a row, RSS
+# after each; with BASELINE_BIN, that build's the same way after it.
+soak_embedded() { # NAME BINARY
+  local port rates="" rsses="" i
+  port=$(free_port)
+  PROXY_BIN=$2 start_proxy "$1" "$port" embedded IDEMPROXY_STORE__PATH="$WORK/$1-data"
+  for i in $(seq $((SOAK_SECONDS / 5))); do
+    rates="$rates,$(MODE=unique RUN="$1-$i" wrk -t1 -c"$CONNS" -d5s -s benches/load/post.lua "http://127.0.0.1:$port/v1/payments" | awk '/Requests\/sec:/ {print $2}')"
+    rsses="$rsses,$(rss "$1")"
+  done
+  echo "soak-embedded $1 1 rps_5s=${rates#,} rss_kib=${rsses#,} hwm_kib=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/$1.pid")/status")" >>"$RESULTS"
+  kill "$(cat "$WORK/$1.pid")"
+}
+soak_embedded idemproxy-embedded-soak "$BIN"
+[ -z "${BASELINE_BIN:-}" ] || soak_embedded baseline-embedded-soak "$BASELINE_BIN"
+
 python3 - "$RESULTS" "$RSS_MEMORY" "$RSS_REDIS" "$RSS_EMBEDDED" "$CONNS" "$DURATION" "$ROUNDS" "${TARGETS[*]}" "${REPLAY_TARGETS[*]}" <<'PY'
 import statistics, sys, re
 path, rss_mem, rss_redis, rss_embedded, conns, duration, rounds, unique, replay = sys.argv[1:]
@@ -325,6 +346,18 @@ if soak:
         at30 = samples[min(5, len(samples) - 1)]
         print(f"  {r[1]:<28} {float(field(r, 'rps')):>8.0f} req/s  " + " ".join(f"{s:.0f}" for s in samples)
               + f"  (last vs 15 s: {samples[-1] - at15:+.1f} MiB, vs 30 s: {samples[-1] - at30:+.1f} MiB)")
+soak = [r for r in rows if r[0] == "soak-embedded"]
+if soak:
+    print()
+    print("soak: unique keys, the embedded store alone on a fresh directory; req/s and RSS (MiB) every 5 s")
+    for r in soak:
+        rates = [float(v) for v in field(r, "rps_5s").split(",") if v]
+        samples = [int(v) / 1024 for v in field(r, "rss_kib").split(",") if v]
+        if not rates:
+            continue
+        print(f"  {r[1]:<28} req/s " + " ".join(f"{v:.0f}" for v in rates))
+        print(f"  {'':<28} RSS   " + " ".join(f"{s:.0f}" for s in samples) + f"  (peak {int(field(r, 'hwm_kib')) / 1024:.1f})")
+        verdict(f"{r[1]}: last 5 s >= 0.9x the first", rates[-1] >= 0.9 * rates[0], f"{rates[-1] / rates[0]:.2f}x")
 PY
 if [ -n "${BASELINE_BIN:-}" ]; then
   echo "  peak RSS, baseline-embedded: $(awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$(cat "$WORK/baseline-embedded.pid")/status") MiB"
