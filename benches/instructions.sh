@@ -11,9 +11,16 @@
 # either run counts (the same warm-up in both). SHA-256's block function is
 # left out: valgrind hides the CPU's SHA extensions, so under it sha2 runs
 # its portable code, ~75k instructions per first execution that the CPU
-# does in a fraction of it. nginx, as a plain reverse proxy (one worker,
-# keep-alive to the upstream), serves the same traffic under cachegrind
-# the same way: the `x nginx` column is each row over it.
+# does in a fraction of it. On the embedded store, fjall's worker queue
+# is left out too: its worker 0 never compacts but hands each compaction
+# request back to the queue and takes it again until another worker is
+# free, a busy-wait that valgrind, running one thread at a time, lets run
+# for whole scheduling slices (14-18 million instructions per request
+# counted, varying from run to run). Natively that loop takes ~1-3% of a
+# core (docs/performance.md, "fjall's worker deadlock"). nginx, as a
+# plain reverse proxy (one worker, keep-alive to the upstream), serves the
+# same traffic under cachegrind the same way: the `x nginx` column is each
+# row over it.
 #
 #   benches/instructions.sh                         # unique replay passthrough
 #   STORE=redis benches/instructions.sh unique      # a private redis-server
@@ -99,16 +106,17 @@ instructions() {
   pid=$!
   serve "$pid" "$port" "$mode" "$seconds" TERM
   [ -n "${PROFILES:-}" ] && mkdir -p "$PROFILES" && cp "$out" "$PROFILES/${bin//\//_}.$mode.$seconds"
-  without_sha256 "$out"
+  counted "$out"
 }
 
-# without_sha256 FILE: the instructions cachegrind counted, less those of
-# sha2's SHA-256 block function (see the top).
-without_sha256() {
+# counted FILE: the instructions cachegrind counted, less those of sha2's
+# SHA-256 block function and of fjall's worker queue (see the top).
+counted() {
   cg_annotate --auto=no --threshold=0 "$1" | awk '
     /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
-    /sha2::sha256::compress256/ { gsub(",", "", $1); sha += $1 }
-    END { printf "%d\n", total - sha }'
+    /sha2::sha256::compress256/ { gsub(",", "", $1); left += $1 }
+    /:fjall::worker_pool::WorkerPool::start::\{\{closure\}\}::\{\{closure\}\}$|:flume::/ { gsub(",", "", $1); left += $1 }
+    END { printf "%d\n", total - left }'
 }
 
 # serve PID PORT MODE SECONDS SIGNAL: once the process PID listens on
@@ -157,7 +165,7 @@ CONF
     nginx -c "$WORK/measured.conf" -p "$WORK" >"$WORK/nginx.log" 2>&1 &
   pid=$!
   serve "$pid" "$port" passthrough "$1" QUIT
-  without_sha256 "$out"
+  counted "$out"
 }
 
 # floor_instructions SECONDS: examples/bare_forward's (one worker) for
@@ -170,7 +178,7 @@ floor_instructions() {
     "$FLOOR" "127.0.0.1:$port" "http://127.0.0.1:$UP" 1 >"$WORK/floor.log" 2>&1 &
   pid=$!
   serve "$pid" "$port" passthrough "$1" TERM
-  without_sha256 "$out"
+  counted "$out"
 }
 
 # per_request COMMAND ARGS...: COMMAND's instructions per request, from a

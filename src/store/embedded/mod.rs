@@ -64,6 +64,7 @@
 //! background threads (flushes, compactions) and on Tokio's blocking pool,
 //! never on a traffic worker's event loop.
 
+mod database;
 mod expiry;
 pub mod migrate;
 mod tables;
@@ -76,8 +77,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fjall::config::PinningPolicy;
-use fjall::{Database, Keyspace, KeyspaceCreateOptions};
+use fjall::Keyspace;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -103,59 +103,6 @@ pub const DATA_DIR: &str = "idemproxy.fjall";
 /// tools and tests can inspect the database directly while no store has it
 /// open.
 pub const RECORDS_KEYSPACE: &str = "records";
-
-/// fjall's block cache. Its default (32 MiB) is sized for a database, not
-/// a sidecar; the OS's page cache backs what does not fit. Under
-/// `benches/load.sh`'s unique-key load the cache holds the blocks that
-/// completions read back from just-flushed tables: 8 MiB of it filled and
-/// cost ~5 MiB more peak RSS in a 20 s run than 2 MiB, with the same CPU
-/// per request (docs/performance.md, "The embedded store on fjall").
-const CACHE_BYTES: u64 = 2 * 1024 * 1024;
-
-/// The memtable's size before it is flushed to a table. fjall's default
-/// (64 MiB) alone would exceed the RSS a sidecar is allowed. fjall keeps
-/// the active memtable and up to four sealed ones waiting for their flush,
-/// each taking ~1.5x its nominal size in the heap (skip-list nodes, one
-/// allocation per key and per value): at 8 MiB they were ~14 MiB of the
-/// proxy's peak under load, at 1 MiB ~2. Smaller memtables mean more,
-/// smaller flushes and compactions: with one worker thread (below) a first
-/// execution costs 194.5k instructions at 1 MiB against 194.3k at 8 MiB
-/// (cachegrind), and the CPU per request under load did not move beyond
-/// this machine's noise.
-const MEMTABLE_BYTES: u64 = 1024 * 1024;
-
-/// fjall's background threads (flushes and compactions). Its default,
-/// one per core up to four, wastes a core here: with two or more, worker
-/// 0 never compacts but hands every compaction request back to the queue
-/// and takes the next message, so while worker 1 compacts, worker 0 spins
-/// taking and re-sending the same request (fjall 3.1.13,
-/// `worker_pool::worker_tick`). Under cachegrind that was ~23k instructions
-/// per first execution with 1 MiB memtables (218.0k against 194.5k with one
-/// worker); one worker flushes and compacts in turn, and fjall's own
-/// backpressure (writes wait while four memtables await their flush)
-/// bounds what a long compaction can hold back.
-const WORKER_THREADS: usize = 1;
-
-/// Tables in level 0 (each a flushed memtable) before a compaction merges
-/// them into level 1; fjall's default is 4. Record keys are random, so
-/// every table of level 1 overlaps every table of level 0, and each such
-/// compaction rewrites all of level 1: merging 12 memtables at a time
-/// instead of 4 rewrites it a third as often. Lookups check every level-0
-/// table's filter (pinned, below), a hash probe each; fjall slows writes
-/// only from 20 level-0 tables on. Under sustained unique-key load (`wrk
-/// -c64`, 24 s) the CPU per first execution stayed at 66-69 µs with 12,
-/// where with 4 it climbed to 81 µs as level 1 grew
-/// (docs/performance.md, "The embedded store under sustained load").
-const L0_TABLES: u8 = 12;
-
-/// The size a compaction cuts its output tables at (fjall's default: 64
-/// MiB). A compaction holds the table it is writing in memory (its index,
-/// its filter's key hashes) and, once done, loads its filter beside the
-/// old tables' until they go: at 64 MiB a proxy under sustained load
-/// peaked 15-18 MiB above its usual RSS for about a second at each
-/// compaction into level 1 (75 MiB after 45 s); at 16 MiB it peaked at 60.
-/// Level 1's target size is this times [`L0_TABLES`].
-const TABLE_BYTES: u64 = 16 * 1024 * 1024;
 
 /// A [`Store`] on local disk, backed by fjall.
 ///
@@ -223,48 +170,7 @@ impl EmbeddedStore {
         })?;
         let path = dir.join(DATA_DIR);
         let horizon = Horizon::default();
-        let filters = Arc::new(ExpiryFilters(horizon.clone()));
-        let db = Database::builder(&path)
-            .worker_threads(WORKER_THREADS)
-            .cache_size(CACHE_BYTES)
-            // Every batch says how it is persisted (`Tables::commit`).
-            .manual_journal_persist(true)
-            .with_compaction_filter_factories(Arc::new(move |keyspace| {
-                (keyspace == RECORDS_KEYSPACE)
-                    .then(|| Arc::clone(&filters) as Arc<dyn fjall::compaction::filter::Factory>)
-            }))
-            .open()
-            .map_err(|e| match e {
-                fjall::Error::Locked => StoreError::Unavailable(format!(
-                    "{} is already open (by this process or another); \
-                     an embedded store belongs to one process",
-                    path.display()
-                )),
-                other => {
-                    StoreError::Unavailable(format!("cannot open {}: {other}", path.display()))
-                }
-            })?;
-        let records = db
-            .keyspace(RECORDS_KEYSPACE, || {
-                KeyspaceCreateOptions::default()
-                    .max_memtable_size(MEMTABLE_BYTES)
-                    // Every table's filter stays in memory, not only level
-                    // 0's (fjall's default): a first execution looks up a key
-                    // that is in no table, and only the filters say so
-                    // without reading the table. Through the 2 MiB block
-                    // cache, the filters of a growing level 1 were read from
-                    // the file and checksummed again at nearly every lookup,
-                    // and the CPU per first execution climbed from 66 to 107
-                    // µs within 24 s of sustained load. Pinned, they cost
-                    // about 10 bits (level 0: about 19) per record held.
-                    .filter_block_pinning_policy(PinningPolicy::all(true))
-                    .compaction_strategy(Arc::new(
-                        fjall::compaction::Leveled::default()
-                            .with_l0_threshold(L0_TABLES)
-                            .with_table_target_size(TABLE_BYTES),
-                    ))
-            })
-            .map_err(db_error)?;
+        let (db, records) = database::open(&path, Arc::new(ExpiryFilters(horizon.clone())))?;
         let migrated = migrate::from_redb(dir, &db, &records, copied)?;
         let (purger_stop, _) = watch::channel(());
         Ok(EmbeddedStore {
