@@ -547,10 +547,20 @@ async fn spans_batched_at_shutdown_are_sent_before_exit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collector_that_is_down_costs_spans_never_a_request() {
     let upstream = TestUpstream::start().await;
-    // A port nothing listens on any more.
-    let gone = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
+    // A port bound but not listening, held for the whole test: connecting
+    // is refused at once. A port merely freed could be taken by another
+    // test's server, and an export to one that never answers fails only
+    // after its 10 s limit, past the wait for the log below.
+    let refusing =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("a socket");
+    refusing
+        .bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
         .expect("a free port");
+    let gone = refusing
+        .local_addr()
+        .ok()
+        .and_then(|address| address.as_socket())
+        .expect("its address");
     let mut c = config(&upstream.url());
     c.telemetry.otlp_endpoint = Some(format!("http://{gone}"));
     c.log.level = "warn".into();
