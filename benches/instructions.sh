@@ -15,7 +15,7 @@
 # is left out too: its worker 0 never compacts but hands each compaction
 # request back to the queue and takes it again until another worker is
 # free, a busy-wait that valgrind, running one thread at a time, lets run
-# for whole scheduling slices (14-18 million instructions per request
+# for whole scheduling slices (13.6-18 million instructions per request
 # counted, varying from run to run). Natively that loop takes ~1-3% of a
 # core (docs/performance.md, "fjall's worker deadlock"). nginx, as a
 # plain reverse proxy (one worker, keep-alive to the upstream), serves the

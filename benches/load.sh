@@ -238,7 +238,8 @@ soak_embedded() { # NAME BINARY
     rsses="$rsses,$(rss "$1")"
   done
   echo "soak-embedded $1 1 rps_5s=${rates#,} rss_kib=${rsses#,} hwm_kib=$(awk '/VmHWM/ {print $2}' "/proc/$(cat "$WORK/$1.pid")/status")" >>"$RESULTS"
-  kill "$(cat "$WORK/$1.pid")"
+  # Waited for, so that its last flushes are not the next soak's load.
+  stop_pid "$(cat "$WORK/$1.pid")"
 }
 soak_embedded idemproxy-embedded-soak "$BIN"
 [ -z "${BASELINE_BIN:-}" ] || soak_embedded baseline-embedded-soak "$BASELINE_BIN"

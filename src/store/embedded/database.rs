@@ -146,7 +146,7 @@ mod tests {
     /// compaction of a large level, made long on purpose), saying when
     /// one has stopped there.
     struct HeldCompactions {
-        stopped: Mutex<mpsc::Sender<()>>,
+        stopped: mpsc::Sender<()>,
         released: Arc<(Mutex<bool>, Condvar)>,
     }
 
@@ -162,7 +162,7 @@ mod tests {
 
         fn make_filter(&self, _: &Context) -> Box<dyn CompactionFilter> {
             Box::new(HeldCompaction {
-                stopped: self.stopped.lock().expect("lock").clone(),
+                stopped: self.stopped.clone(),
                 released: Arc::clone(&self.released),
             })
         }
@@ -196,7 +196,7 @@ mod tests {
         let (db, records) = open(
             dir.path(),
             Arc::new(HeldCompactions {
-                stopped: Mutex::new(stopped),
+                stopped,
                 released: Arc::clone(&released),
             }),
         )
