@@ -28,7 +28,8 @@
 //!
 //! `GET /ledger/<key>` (percent-decoded) looks the ledger up, as a
 //! reconciliation lookup does: `200` with the JSON the key's first
-//! execution answered, `404` when no request carried the key.
+//! execution answered and `Idempotency-Lookup: found`, `404` with
+//! `Idempotency-Lookup: absent` when no request carried the key.
 //!
 //! Every request is counted per path (without the query) as soon as it has
 //! fully arrived, before any delay: the side effect is considered done the
@@ -577,16 +578,23 @@ fn ledger_lookup(state: &State, key: &str) -> Response<ResponseBody> {
         .ledger
         .get(key)
         .and_then(|answers| answers.first().cloned());
-    let (status, body) = match first {
-        Some(answer) => (StatusCode::OK, answer),
-        None => (StatusCode::NOT_FOUND, serde_json::json!({"key": key})),
+    let (status, said, body) = match first {
+        Some(answer) => (StatusCode::OK, "found", answer),
+        None => (
+            StatusCode::NOT_FOUND,
+            "absent",
+            serde_json::json!({"key": key}),
+        ),
     };
     let mut response = Response::new(json_body(&body));
     *response.status_mut() = status;
-    response.headers_mut().insert(
+    let headers = response.headers_mut();
+    headers.insert(
         http::header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    // The lookup protocol (docs/guarantees.md): the proof the proxy needs.
+    headers.insert("idempotency-lookup", HeaderValue::from_static(said));
     response
 }
 
