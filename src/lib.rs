@@ -278,6 +278,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         store = app.store.kind(),
         "idemproxy serving"
     );
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
     serve_app(
         app,
         listener,

@@ -223,6 +223,9 @@ fn check(config: &Config) -> ExitCode {
     for variable in &config.ignored_env {
         eprintln!("ignored {variable}: it names no configuration field");
     }
+    for warning in config.warnings() {
+        eprintln!("warning: {warning}");
+    }
     eprintln!("configuration is valid");
     ExitCode::SUCCESS
 }

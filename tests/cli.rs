@@ -56,6 +56,48 @@ path = "/v1/payments"
 require_key = true
 "#;
 
+/// A lookup that trusts statuses alone is valid, and `check` says what
+/// it risks, naming the field; the default (`"header"`) draws no warning,
+/// and a route that inherits `[idempotency]`'s choice is not named twice.
+#[test]
+fn check_warns_about_a_lookup_that_trusts_statuses() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let route = "\n[[routes]]\nname = \"refunds\"\npath = \"/v1/refunds\"\n";
+    let trusting = VALID.replace(
+        "[idempotency]\n",
+        "[idempotency]\nreconcile_url = \"/v1/payments/{key}\"\nreconcile_proof = \"status\"\n",
+    ) + route;
+    let file = write(dir.path(), "trusting.toml", &trusting);
+    let (out, _, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file));
+    assert!(out.status.success(), "{:?}\n{stderr}", out.status);
+    assert_eq!(
+        stderr.matches("warning: ").count(),
+        1,
+        "one warning, for [idempotency]: {stderr}"
+    );
+    assert!(
+        stderr.contains("warning: idempotency.reconcile_proof = \"status\"")
+            && stderr.contains("Idempotency-Lookup"),
+        "{stderr}"
+    );
+    let by_header = VALID.replace(
+        "[idempotency]\n",
+        "[idempotency]\nreconcile_url = \"/v1/payments/{key}\"\n",
+    );
+    let file = write(dir.path(), "by-header.toml", &by_header);
+    let (out, _, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file));
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+    // A route's own choice is named by the route.
+    let own = by_header + route + "reconcile_proof = \"status\"\n";
+    let file = write(dir.path(), "own.toml", &own);
+    let (_, _, stderr) = run(idemproxy().arg("check").arg("--config").arg(&file));
+    assert!(
+        stderr.contains("warning: routes[1].reconcile_proof = \"status\""),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn check_prints_the_effective_configuration() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -399,12 +399,20 @@ async fn a_listing_across_a_resharding_starts_again_and_misses_nothing() {
     assert_eq!(hashes.len(), 40, "{}", listed.stdout);
 }
 
+/// Arguments as `keys` takes them.
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
 /// `keys reconcile` against the real binary on `kind`: three keys left
 /// `outcome-unknown` by an upstream that did not answer in time, each
-/// reconciled past its lease by the CLI with the lookup answering found
-/// (200), absent (404) or neither (500), as `x-lookup-status` (a header
-/// the route's `reconcile_url` names) asks; a route without
-/// `reconcile_url` is refused. Nothing executes on the CLI's account.
+/// reconciled past its lease by the CLI, given the request as its client
+/// sent it, with the lookup answering found (200, `Idempotency-Lookup:
+/// found`), absent (404, `absent`) or neither (a bare 404, a 500), as
+/// `x-lookup-status` and `x-lookup-said` (headers the route's
+/// `reconcile_url` names) ask; another request than the key's, and a
+/// route without `reconcile_url`, are refused. Nothing executes on the
+/// CLI's account.
 async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
     let upstream = TestUpstream::start().await;
     let client = TestClient::new();
@@ -420,10 +428,35 @@ async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
         idempotency: c.idempotency.clone(),
         ..idemproxy::config::RouteConfig::default()
     }];
-    c.idempotency.reconcile_url = "/lookup/{key}?status={header:x-lookup-status}".into();
+    c.idempotency.reconcile_url =
+        "/lookup/{key}?status={header:x-lookup-status}&header=idempotency-lookup:{header:x-lookup-said}"
+            .into();
     let proxy = ProxyProcess::start(c).await;
     let charge = proxy.url(&format!("/v1/charges/{name}?delay_ms=1000"));
     let path = format!("/v1/charges/{name}");
+    // The charges as their client sent them, for `keys reconcile`.
+    let sent = format!("/v1/charges/{name}?delay_ms=1000");
+    let body_file = dir.path().join("body.json");
+    std::fs::write(&body_file, "{}").expect("body file");
+    let body_file = body_file.to_str().expect("utf-8 path");
+    let reconcile = |key: &str, lookup: &[&str]| {
+        let mut args = vec!["reconcile".to_owned(), "--key".into(), key.into()];
+        for arg in [
+            "--path",
+            &sent,
+            "--header",
+            "content-type: application/json",
+        ] {
+            args.push(arg.into());
+        }
+        args.extend(["--body".into(), body_file.into()]);
+        for header in lookup {
+            args.extend(["--header".into(), (*header).to_owned()]);
+        }
+        args
+    };
+    const FOUND: [&str; 2] = ["x-lookup-status: 200", "x-lookup-said: found"];
+    const ABSENT: [&str; 2] = ["x-lookup-status: 404", "x-lookup-said: absent"];
     for outcome in ["found", "absent", "failed"] {
         let key = format!("reconcile-{outcome}-{name}");
         let first = client.post_json(&charge, &key, "{}").await;
@@ -437,19 +470,9 @@ async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
     assert_eq!(upstream.executions(&path), 3, "{name}");
 
     // Within the lease the upstream may still be at work: nothing taken.
-    let early = keys(
-        &proxy,
-        Some(TOKEN),
-        &[
-            "reconcile",
-            "--key",
-            &format!("reconcile-found-{name}"),
-            "--header",
-            "x-lookup-status: 200",
-            "--json",
-        ],
-    )
-    .await;
+    let mut args = reconcile(&format!("reconcile-found-{name}"), &FOUND);
+    args.push("--json".into());
+    let early = keys(&proxy, Some(TOKEN), &strs(&args)).await;
     assert!(early.ok, "{name}: {}", early.stderr);
     assert_eq!(
         early.json()["result"],
@@ -465,18 +488,19 @@ async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
 
     // Found: stored, replayed to the retry, marked reconciled.
     let key = format!("reconcile-found-{name}");
-    let found = keys(
-        &proxy,
-        Some(TOKEN),
-        &[
-            "reconcile",
-            "--key",
-            &key,
-            "--header",
-            "x-lookup-status: 200",
-        ],
-    )
-    .await;
+    // Not the key's request (another path): refused, nothing looked up.
+    let mut args = reconcile(&key, &FOUND);
+    args[4] = path.clone();
+    let mismatch = keys(&proxy, Some(TOKEN), &strs(&args)).await;
+    assert!(
+        !mismatch.ok
+            && mismatch.stderr.contains("409")
+            && mismatch.stderr.contains("not the request"),
+        "{name}: {}",
+        mismatch.stderr
+    );
+    assert_eq!(upstream.executions(&format!("/lookup/{key}")), 0);
+    let found = keys(&proxy, Some(TOKEN), &strs(&reconcile(&key, &FOUND))).await;
     assert!(found.ok, "{name}: {}", found.stderr);
     assert!(
         found.stdout.starts_with("found: the upstream answered 200"),
@@ -491,19 +515,9 @@ async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
 
     // Absent: the key is free, the next retry executes.
     let key = format!("reconcile-absent-{name}");
-    let absent = keys(
-        &proxy,
-        Some(TOKEN),
-        &[
-            "reconcile",
-            "--key",
-            &key,
-            "--header",
-            "x-lookup-status: 404",
-            "--json",
-        ],
-    )
-    .await;
+    let mut args = reconcile(&key, &ABSENT);
+    args.push("--json".into());
+    let absent = keys(&proxy, Some(TOKEN), &strs(&args)).await;
     assert!(absent.ok, "{name}: {}", absent.stderr);
     assert_eq!(absent.json()["result"], "absent", "{name}");
     let text = keys(&proxy, Some(TOKEN), &["show", "--key", &key]).await;
@@ -515,16 +529,30 @@ async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
 
     // Failed: why, and the key stays outcome-unknown.
     let key = format!("reconcile-failed-{name}");
+    // A bare 404 is no proof that the charge never happened (a lookup
+    // route the upstream lacks answers one too); neither is a 500.
+    let bare = keys(
+        &proxy,
+        Some(TOKEN),
+        &strs(&reconcile(
+            &key,
+            &["x-lookup-status: 404", "x-lookup-said: none"],
+        )),
+    )
+    .await;
+    assert!(
+        bare.ok && bare.stdout.contains("neither `found` nor `absent`"),
+        "{name}: {}",
+        bare.stdout
+    );
+    tokio::time::sleep(Duration::from_millis(2100)).await;
     let failed = keys(
         &proxy,
         Some(TOKEN),
-        &[
-            "reconcile",
-            "--key",
+        &strs(&reconcile(
             &key,
-            "--header",
-            "x-lookup-status: 500",
-        ],
+            &["x-lookup-status: 500", "x-lookup-said: absent"],
+        )),
     )
     .await;
     assert!(failed.ok, "{name}: {}", failed.stderr);
@@ -543,24 +571,13 @@ async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
 
     // A value the template names missing, or a key with no record:
     // refused, nothing looked up.
-    let incomplete = keys(&proxy, Some(TOKEN), &["reconcile", "--key", &key]).await;
+    let incomplete = keys(&proxy, Some(TOKEN), &strs(&reconcile(&key, &[]))).await;
     assert!(
         !incomplete.ok && incomplete.stderr.contains("422"),
         "{name}: {}",
         incomplete.stderr
     );
-    let unknown = keys(
-        &proxy,
-        Some(TOKEN),
-        &[
-            "reconcile",
-            "--key",
-            "never-sent",
-            "--header",
-            "x-lookup-status: 200",
-        ],
-    )
-    .await;
+    let unknown = keys(&proxy, Some(TOKEN), &strs(&reconcile("never-sent", &FOUND))).await;
     assert!(
         !unknown.ok && unknown.stderr.contains("404"),
         "{name}: {}",
@@ -572,7 +589,15 @@ async fn keys_reconcile_settles_found_absent_and_failed(kind: StoreKind) {
     let refused = keys(
         &proxy,
         Some(TOKEN),
-        &["reconcile", "--key", &plain_key, "--route", "plain"],
+        &[
+            "reconcile",
+            "--key",
+            &plain_key,
+            "--route",
+            "plain",
+            "--path",
+            "/v1/plain?delay_ms=1000",
+        ],
     )
     .await;
     assert!(

@@ -14,12 +14,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemproxy::config::{Config, Protocol, RouteConfig};
+use idemproxy::config::{Config, Protocol, ReconcileProof, RouteConfig};
 use idemproxy::core::{Outcome, Record};
-use idemproxy::store::{RedisStore, SharedStore, StoreError};
+use idemproxy::store::{RedisStore, SharedStore, Store, StoreError};
 use serde_json::{json, Value};
 use support::binary::ProxyProcess;
 use support::fault::killed_mid_call;
+use support::faulty::{self, Fault, FaultyStore};
 use support::keys;
 use support::mcp::texts;
 use support::proxy::{config, redis_config, Reply, TestClient, TestProxy};
@@ -100,7 +101,12 @@ fn assert_reconciled(reply: &Reply, upstream_path: &str) {
 
 async fn a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on: On<'_>) {
     let upstream = TestUpstream::start().await;
-    let proxy = proxy(on, &upstream, "/lookup/{key}?status=200").await;
+    let proxy = proxy(
+        on,
+        &upstream,
+        "/lookup/{key}?status=200&header=idempotency-lookup:found",
+    )
+    .await;
     let client = TestClient::new();
     let (record_key, dead_holder) =
         keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale/1", BODY.as_bytes()).await;
@@ -155,7 +161,12 @@ async fn a_stale_claim_found_by_the_lookup_is_stored_and_replayed(on: On<'_>) {
 
 async fn a_lookup_answering_404_lets_the_retry_execute_once(on: On<'_>) {
     let upstream = TestUpstream::start().await;
-    let proxy = proxy(on, &upstream, "/lookup/{key}?status=404").await;
+    let proxy = proxy(
+        on,
+        &upstream,
+        "/lookup/{key}?status=404&header=idempotency-lookup:absent",
+    )
+    .await;
     let client = TestClient::new();
     keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-2", BODY.as_bytes()).await;
 
@@ -180,6 +191,23 @@ async fn a_failed_lookup_leaves_outcome_unknown(on: On<'_>) {
     for (lookup, key) in [
         ("/lookup/{key}?status=500", "stale-500"),
         ("/lookup/{key}?status=409", "stale-409"),
+        // No proof: a route the upstream lacks answers a bare 404 (or a
+        // catch-all 200); the header on the wrong status is no proof
+        // either (docs/guarantees.md, "The lookup protocol").
+        ("/lookup/{key}?status=404", "stale-bare-404"),
+        ("/lookup/{key}?status=200", "stale-bare-200"),
+        (
+            "/lookup/{key}?status=500&header=idempotency-lookup:absent",
+            "stale-absent-500",
+        ),
+        (
+            "/lookup/{key}?status=404&header=idempotency-lookup:found",
+            "stale-found-404",
+        ),
+        (
+            "/lookup/{key}?status=200&header=idempotency-lookup:maybe",
+            "stale-maybe",
+        ),
         ("/lookup/{key}?delay_ms=3000", "stale-slow"),
         ("/lookup/{header:x-missing}", "stale-missing"),
     ] {
@@ -206,10 +234,15 @@ async fn a_failed_lookup_leaves_outcome_unknown(on: On<'_>) {
 async fn an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on: On<'_>) {
     let upstream = TestUpstream::start().await;
     // Lease: 300 ms upstream timeout + 1.4 s margin + 300 ms lookup.
-    let proxy = proxy_with(on, &upstream, "/lookup/{json:/ref}?status=200", |c| {
-        c.upstream.timeout = Duration::from_millis(300);
-        c.idempotency.lease_margin = Duration::from_millis(1400);
-    })
+    let proxy = proxy_with(
+        on,
+        &upstream,
+        "/lookup/{json:/ref}?status=200&header=idempotency-lookup:found",
+        |c| {
+            c.upstream.timeout = Duration::from_millis(300);
+            c.idempotency.lease_margin = Duration::from_millis(1400);
+        },
+    )
     .await;
     let client = TestClient::new();
     let url = proxy.url("/v1/orders?delay_ms=1000");
@@ -248,7 +281,12 @@ async fn an_outcome_unknown_record_is_reconciled_once_its_lease_is_over(on: On<'
 
 async fn concurrent_retries_make_one_lookup(on: On<'_>) {
     let upstream = TestUpstream::start().await;
-    let proxy = proxy(on, &upstream, "/lookup/{key}?status=200&delay_ms=300").await;
+    let proxy = proxy(
+        on,
+        &upstream,
+        "/lookup/{key}?status=200&delay_ms=300&header=idempotency-lookup:found",
+    )
+    .await;
     keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-4", BODY.as_bytes()).await;
     let url = proxy.url("/v1/orders");
     let mut retries = JoinSet::new();
@@ -320,7 +358,7 @@ async fn call_tool(proxy: &TestProxy, id: u64, arguments: &Value, hold: &str) ->
 /// lookup leaves the tool error that says the outcome is unknown.
 async fn an_mcp_call_whose_answer_was_lost_is_reconciled_from_its_arguments(on: On<'_>) {
     let upstream = TestUpstream::start().await;
-    let lookup = "/lookup/{json:/params/arguments/to}?status={json:/params/arguments/lookup}";
+    let lookup = "/lookup/{json:/params/arguments/to}?status={json:/params/arguments/lookup}&header=idempotency-lookup:{json:/params/arguments/to}";
     let proxy = proxy_with(on, &upstream, lookup, short_mcp_lease).await;
     let cases = [("found", "200"), ("absent", "404"), ("failed", "500")];
     let arguments = |to: &str, status: &str| json!({"to": to, "lookup": status, "idempotency_key": format!("mcp-{to}")});
@@ -399,7 +437,7 @@ async fn an_mcp_call_whose_answer_was_lost_is_reconciled_from_its_arguments(on: 
 async fn the_key_api_reconciles_an_mcp_call_in_the_tool_results_form() {
     const TOKEN: &str = "reconcile-admin-token-7d1e5a90c2b4f386";
     let upstream = TestUpstream::start().await;
-    let lookup = "/lookup/{json:/params/arguments/to}?status=200";
+    let lookup = "/lookup/{json:/params/arguments/to}?status=200&header=idempotency-lookup:found";
     let proxy = proxy_with(On::Memory, &upstream, lookup, |c| {
         c.admin_token = Some(TOKEN.into());
         short_mcp_lease(c);
@@ -424,20 +462,43 @@ async fn the_key_api_reconciles_an_mcp_call_in_the_tool_results_form() {
                 .await
         }
     };
-    let missing = admin(json!({"key": "mcp-admin-1", "route": "mcp"})).await;
+    let target = "/mcp?jsonrpc=result&hold=admin";
+    let missing = admin(json!({"key": "mcp-admin-1", "route": "mcp", "path": target})).await;
     missing.assert_problem(422, "lookup-incomplete");
-    let never = admin(json!({"key": "never-used", "route": "mcp",
+    let never = admin(json!({"key": "never-used", "route": "mcp", "path": target,
                              "body": {"params": {"arguments": {"to": "bo"}}}}))
     .await;
     never.assert_problem(404, "key-not-found");
+    // The call as the operator tells it must be the key's: another
+    // tool, other arguments, another target, or no call at all is
+    // refused before anything is looked up or changed.
+    let call = |name: &str, arguments: &Value| {
+        json!({"jsonrpc": "2.0", "id": 99, "method": "tools/call",
+               "params": {"name": name, "arguments": arguments}})
+    };
+    let other_arguments = json!({"to": "bo", "cc": "al", "idempotency_key": "mcp-admin-1"});
+    for (path, body) in [
+        (target, call("send_sms", &arguments)),
+        (target, call("send_email", &other_arguments)),
+        ("/mcp?jsonrpc=result", call("send_email", &arguments)),
+        (
+            target,
+            json!({"params": {"name": "send_email", "arguments": arguments}}),
+        ),
+    ] {
+        let refused =
+            admin(json!({"key": "mcp-admin-1", "route": "mcp", "path": path, "body": body})).await;
+        refused.assert_problem(409, "request-mismatch");
+    }
     assert_eq!(
         upstream.executions("/lookup/bo"),
         0,
         "refused before a lookup"
     );
 
-    let call = json!({"params": {"name": "send_email", "arguments": arguments}});
-    let reconciled = admin(json!({"key": "mcp-admin-1", "route": "mcp", "body": call})).await;
+    let reconciled = admin(json!({"key": "mcp-admin-1", "route": "mcp", "path": target,
+                                  "body": call("send_email", &arguments)}))
+    .await;
     assert_eq!(reconciled.status, 200, "{reconciled:?}");
     let said = reconciled.json();
     assert_eq!(said["result"], "found", "{said}");
@@ -463,20 +524,86 @@ async fn the_key_api_reconciles_an_mcp_call_in_the_tool_results_form() {
 async fn the_key_api_takes_over_a_stale_claim_to_reconcile_it() {
     const TOKEN: &str = "reconcile-admin-token-0b9c44e1d7a3f528";
     let upstream = TestUpstream::start().await;
-    let proxy = proxy_with(On::Memory, &upstream, "/lookup/{key}?status=200", |c| {
-        c.admin_token = Some(TOKEN.into());
-    })
+    let proxy = proxy_with(
+        On::Memory,
+        &upstream,
+        "/lookup/{key}?status=200&header=idempotency-lookup:found",
+        |c| {
+            c.admin_token = Some(TOKEN.into());
+        },
+    )
     .await;
-    keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-admin", BODY.as_bytes()).await;
+    let (record_key, _) =
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", "stale-admin", BODY.as_bytes()).await;
     let auth = format!("Bearer {TOKEN}");
     let headers = [
         ("content-type", "application/json"),
         ("authorization", auth.as_str()),
     ];
-    let call = json!({"key": "stale-admin"}).to_string();
     let url = proxy.admin_url("/v1/keys/reconcile");
+    let json_type = json!({"content-type": "application/json"});
+    // Not the key's request: another body, path, method or content type
+    // (so another fingerprint), or a body given twice. Refused; the key
+    // keeps its stale claim, nothing is looked up.
+    for (call, status, slug) in [
+        (
+            json!({"key": "stale-admin", "path": "/v1/orders", "headers": json_type,
+                "body": {"amount": 6}}),
+            409,
+            "request-mismatch",
+        ),
+        (
+            json!({"key": "stale-admin", "path": "/v1/orders/", "headers": json_type,
+                "body": {"amount": 5}}),
+            409,
+            "request-mismatch",
+        ),
+        (
+            json!({"key": "stale-admin", "path": "/v1/orders", "method": "PATCH",
+                "headers": json_type, "body": {"amount": 5}}),
+            409,
+            "request-mismatch",
+        ),
+        (
+            json!({"key": "stale-admin", "path": "/v1/orders", "body": {"amount": 5}}),
+            409,
+            "request-mismatch",
+        ),
+        (
+            json!({"key": "stale-admin", "path": "/v1/orders", "headers": json_type,
+                "body": {"amount": 5}, "body_text": BODY}),
+            400,
+            "invalid-lookup",
+        ),
+        (
+            json!({"key": "stale-admin", "headers": json_type, "body": {"amount": 5}}),
+            400,
+            "invalid-lookup",
+        ),
+    ] {
+        let refused = TestClient::new()
+            .send(http::Method::POST, &url, &headers, call.to_string())
+            .await;
+        refused.assert_problem(status, slug);
+    }
+    assert_eq!(
+        upstream.executions("/lookup/stale-admin"),
+        0,
+        "nothing looked up"
+    );
+    assert!(
+        matches!(
+            proxy.store.get(&record_key).await,
+            Ok(Some(Record::Pending(_)))
+        ),
+        "the stale claim is as it was"
+    );
+    // The request as the client sent it; the JSON's spacing is the
+    // canonical form's to ignore.
+    let call = json!({"key": "stale-admin", "path": "/v1/orders", "headers": json_type,
+                      "body_text": "{ \"amount\" : 5 }"});
     let reconciled = TestClient::new()
-        .send(http::Method::POST, &url, &headers, call)
+        .send(http::Method::POST, &url, &headers, call.to_string())
         .await;
     assert_eq!(reconciled.status, 200, "{reconciled:?}");
     assert_eq!(reconciled.json()["result"], "found", "{reconciled:?}");
@@ -486,6 +613,133 @@ async fn the_key_api_takes_over_a_stale_claim_to_reconcile_it() {
     assert_reconciled(&retry, "/lookup/stale-admin");
     assert_eq!(upstream.executions("/v1/orders"), 0);
     assert_eq!(upstream.executions("/lookup/stale-admin"), 1);
+}
+
+/// A retry that takes over an unknown outcome to reconcile it, whose
+/// `begin` answers after `store.timeout` (503 to the client) but lands:
+/// the claim is settled back to `outcome-unknown`, never released. Freed,
+/// the next retry would execute with no lookup at all. The same for the
+/// key API's claim (`keys reconcile`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_that_answers_late_writes_the_unknown_outcome_back() {
+    const TOKEN: &str = "reconcile-admin-token-5e1b0c7d9a3f4826";
+    let upstream = TestUpstream::start().await;
+    let mut c = config(&upstream.url());
+    c.admin_token = Some(TOKEN.into());
+    c.store.timeout = Duration::from_millis(200);
+    c.idempotency.reconcile_url =
+        "/lookup/{key}?status=404&header=idempotency-lookup:absent".into();
+    let faulty = FaultyStore::new();
+    let proxy = TestProxy::start_with_store(c, faulty.clone()).await;
+    let url = proxy.url("/v1/orders");
+    let (by_retry, _) =
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", "late-1", BODY.as_bytes()).await;
+    let (by_admin, _) =
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", "late-2", BODY.as_bytes()).await;
+
+    faulty.set(Fault::LateBegin);
+    let retry = TestClient::new().post_json(&url, "late-1", BODY).await;
+    retry.assert_problem(503, "store-unavailable");
+    let auth = format!("Bearer {TOKEN}");
+    let headers = [
+        ("content-type", "application/json"),
+        ("authorization", auth.as_str()),
+    ];
+    let call = json!({"key": "late-2", "path": "/v1/orders", "body": json!({"amount": 5}),
+                      "headers": {"content-type": "application/json"}});
+    let admin = TestClient::new()
+        .send(
+            http::Method::POST,
+            &proxy.admin_url("/v1/keys/reconcile"),
+            &headers,
+            call.to_string(),
+        )
+        .await;
+    admin.assert_problem(503, "store-unavailable");
+    // The late begins land, and are let go of.
+    tokio::time::sleep(faulty::LATE * 2).await;
+    faulty.set(Fault::None);
+
+    for record_key in [by_retry, by_admin] {
+        let settled = async {
+            loop {
+                match faulty.inner().get(&record_key).await.expect("memory store") {
+                    Some(Record::Pending(_)) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    other => return other,
+                }
+            }
+        };
+        let record = tokio::time::timeout(Duration::from_secs(5), settled).await;
+        match record {
+            Ok(Some(Record::Completed(done))) => {
+                assert!(matches!(done.outcome, Outcome::Unknown { .. }), "{done:?}")
+            }
+            other => panic!("the unknown outcome was lost: {other:?}"),
+        }
+    }
+    for key in ["late-1", "late-2"] {
+        let again = TestClient::new().post_json(&url, key, BODY).await;
+        again.assert_problem(502, "outcome-unknown");
+    }
+    assert_eq!(upstream.executions("/v1/orders"), 0, "nothing ran again");
+}
+
+/// `reconcile_proof = "status"`, an operator's explicit choice for an
+/// upstream that cannot send `Idempotency-Lookup`: the statuses alone
+/// decide, as the lists say.
+#[tokio::test]
+async fn a_route_that_trusts_statuses_reads_a_bare_404_as_absent() {
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy_with(On::Memory, &upstream, "/lookup/{key}?status=404", |c| {
+        c.idempotency.reconcile_proof = ReconcileProof::Status;
+    })
+    .await;
+    keys::plant_stale_claim(&proxy.store, "/v1/orders", "trusting", BODY.as_bytes()).await;
+    let first = TestClient::new()
+        .post_json(&proxy.url("/v1/orders"), "trusting", BODY)
+        .await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!(upstream.executions("/v1/orders"), 1);
+    assert_eq!(upstream.executions("/lookup/trusting"), 1);
+}
+
+/// `{json:...}` looks up the value as the body wrote it: a 21-digit id
+/// is not the nearest double (`1.2345678901234568e20`, another order,
+/// whose 404 would have run the payment again).
+#[tokio::test]
+async fn a_large_json_number_is_looked_up_as_written() {
+    let upstream = TestUpstream::start().await;
+    let template = "/orders/{json:/order_id}?status=200&header=idempotency-lookup:found";
+    let proxy = proxy(On::Memory, &upstream, template).await;
+    let body = r#"{"order_id":123456789012345678901,"amount":12.50}"#;
+    keys::plant_stale_claim(&proxy.store, "/v1/orders", "big-id", body.as_bytes()).await;
+    let reply = TestClient::new()
+        .post_json(&proxy.url("/v1/orders"), "big-id", body)
+        .await;
+    assert_reconciled(&reply, "/orders/123456789012345678901");
+    assert_eq!(upstream.executions("/v1/orders"), 0);
+}
+
+/// A value that is no path segment (`..`, `.`, empty) means no lookup:
+/// `/orders/..` is `/` to a normalizing router, whose 200 would be stored
+/// as the payment's answer. The key fails closed as without a lookup,
+/// and the upstream is asked nothing.
+#[tokio::test]
+async fn a_dot_or_empty_value_makes_no_lookup() {
+    let upstream = TestUpstream::start().await;
+    let template = "/orders/{json:/order_id}?status=200&header=idempotency-lookup:found";
+    let proxy = proxy(On::Memory, &upstream, template).await;
+    for (n, id) in ["..", ".", ""].into_iter().enumerate() {
+        let key = format!("dots-{n}");
+        let body = json!({ "order_id": id }).to_string();
+        keys::plant_stale_claim(&proxy.store, "/v1/orders", &key, body.as_bytes()).await;
+        let reply = TestClient::new()
+            .post_json(&proxy.url("/v1/orders"), &key, &body)
+            .await;
+        reply.assert_problem(502, "outcome-unknown");
+        assert_eq!(reply.header("idempotency-reconciled"), None, "{id:?}");
+    }
+    assert_eq!(upstream.total(), 0, "nothing looked up, nothing executed");
 }
 
 #[tokio::test]
@@ -555,7 +809,8 @@ async fn a_proxy_killed_mid_call_is_reconciled_through_another() {
     c.upstream.timeout = Duration::from_secs(2);
     c.idempotency.lease_margin = Duration::from_millis(1400);
     c.idempotency.reconcile_timeout = Duration::from_millis(500);
-    c.idempotency.reconcile_url = "/v1/charges/by-key/{key}?status=200".into();
+    c.idempotency.reconcile_url =
+        "/v1/charges/by-key/{key}?status=200&header=idempotency-lookup:found".into();
     let lease = Duration::from_millis(3900);
     let mut first = ProxyProcess::start(c.clone()).await;
     let second = ProxyProcess::start(c).await;
@@ -606,7 +861,8 @@ async fn a_sidecar_killed_on_the_embedded_store_is_reconciled_after_its_restart(
     c.upstream.timeout = Duration::from_secs(5);
     c.idempotency.lease_margin = Duration::from_millis(1400);
     c.idempotency.reconcile_timeout = Duration::from_millis(500);
-    c.idempotency.reconcile_url = "/v1/charges/by-key/{key}?status=200".into();
+    c.idempotency.reconcile_url =
+        "/v1/charges/by-key/{key}?status=200&header=idempotency-lookup:found".into();
     let lease = Duration::from_millis(6900);
     let mut first = ProxyProcess::start(c.clone()).await;
     let path = "/v1/charges?delay_ms=4000";

@@ -688,7 +688,7 @@ async fn a_reconcile_lookup_is_a_span_of_the_retry() {
     // Lease: 300 ms upstream timeout + 1.4 s margin + 300 ms lookup.
     c.upstream.timeout = Duration::from_millis(300);
     c.idempotency.lease_margin = Duration::from_millis(1400);
-    c.idempotency.reconcile_url = "/lookup/{key}?status=200".into();
+    c.idempotency.reconcile_url = "/lookup/{key}?status=200&header=idempotency-lookup:found".into();
     c.routes = vec![RouteConfig {
         name: "orders".into(),
         path: "/v1/orders".into(),

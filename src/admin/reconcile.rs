@@ -4,31 +4,89 @@
 //! composition root hands the admin state with a way to send lookups.
 
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::Json;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use super::{
-    address, authorized_call, describe, rfc3339, store_problem, Addressed, AdminProblem,
-    AdminState, Lookup, Peer,
+    address, authorized_call, describe, invalid_lookup, rfc3339, store_problem, Addressed,
+    AdminProblem, AdminState, Lookup, Peer,
 };
 use crate::core::RecordKey;
 use crate::idempotency::{KeyReconciliation, ReconcileRefusal};
 
-/// `POST /v1/keys/reconcile`'s body: a lookup's, and what the route's
-/// `reconcile_url` names besides headers.
+/// `POST /v1/keys/reconcile`'s body: a lookup's (the key, its route and
+/// scope headers), and the rest of the request as the client sent it.
+/// The request must be the key's own: it is fingerprinted under the
+/// route's rules and held to the record's fingerprint, so `headers`
+/// carries `content-type` and the route's `fingerprint_headers` too.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ReconcileCall {
     #[serde(flatten)]
     lookup: Lookup,
-    /// The request's JSON body, for `{json:<pointer>}`.
+    /// The request's method (default `POST`).
     #[serde(default)]
-    body: Option<Value>,
-    /// The request's query string (`a=b&c=d`), for `{query:<name>}`.
+    method: Option<String>,
+    /// The request's path, with its query if it had one, as sent.
+    path: String,
+    /// The request's JSON body, kept as written (a number is not read
+    /// into a double), for `{json:<pointer>}` and the fingerprint.
+    #[serde(default)]
+    body: Option<Box<RawValue>>,
+    /// The request's body as text, exactly as sent (a body that is not
+    /// JSON, or JSON whose spacing the fingerprint keeps); instead of
+    /// `body`.
+    #[serde(default)]
+    body_text: Option<String>,
+    /// The request's query string (`a=b&c=d`), for a `path` given
+    /// without it.
     #[serde(default)]
     query: Option<String>,
+}
+
+impl ReconcileCall {
+    /// The request's method and target (path and query), as the client
+    /// sent them.
+    fn target(&self) -> Result<(Method, Uri), AdminProblem> {
+        let method = match &self.method {
+            Some(method) => Method::from_bytes(method.as_bytes())
+                .map_err(|_| invalid_lookup(format!("`method`: `{method}` is not a method")))?,
+            None => Method::POST,
+        };
+        let target = match (&self.query, self.path.contains('?')) {
+            (Some(_), true) => {
+                return Err(invalid_lookup(
+                    "give the query in `path` or in `query`, not both".into(),
+                ))
+            }
+            (Some(query), false) => format!("{}?{}", self.path, query.trim_start_matches('?')),
+            (None, _) => self.path.clone(),
+        };
+        let uri: Uri = target
+            .parse()
+            .map_err(|e| invalid_lookup(format!("`path`: {e}")))?;
+        if uri.scheme().is_some() || !uri.path().starts_with('/') {
+            return Err(invalid_lookup(
+                "`path` is the request's path and query as sent, e.g. `/v1/payments?x=1`".into(),
+            ));
+        }
+        Ok((method, uri))
+    }
+
+    /// The request's body as sent.
+    fn body(&self) -> Result<Vec<u8>, AdminProblem> {
+        match (&self.body, &self.body_text) {
+            (Some(_), Some(_)) => Err(invalid_lookup(
+                "give the body as `body` (JSON) or as `body_text`, not both".into(),
+            )),
+            (Some(json), None) => Ok(json.get().as_bytes().to_vec()),
+            (None, Some(text)) => Ok(text.as_bytes().to_vec()),
+            (None, None) => Ok(Vec::new()),
+        }
+    }
 }
 
 /// The longest body a reconciled answer shows (`body`); the stored
@@ -48,17 +106,16 @@ pub(super) async fn reconcile_key(
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, AdminProblem> {
     let call: ReconcileCall = authorized_call(&state, &peer, &headers, &body)?;
+    let (method, uri) = call.target()?;
+    let body = call.body()?;
     let Addressed {
         policy,
-        parts,
+        mut parts,
         key,
         record_key,
-    } = address(&state, &call.lookup, call.query.as_deref())?;
+    } = address(&state, &call.lookup, None)?;
+    (parts.method, parts.uri) = (method, uri);
     let route = policy.route.clone();
-    let body = match &call.body {
-        Some(body) => serde_json::to_vec(body).unwrap_or_default(),
-        None => Vec::new(),
-    };
     let done = state
         .reconciler
         .reconcile(policy, &parts, &body, &key, record_key)
@@ -89,6 +146,15 @@ fn problem_of(refusal: ReconcileRefusal, route: &str) -> AdminProblem {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             slug: "record-unreadable",
             detail: format!("The store holds a record for this key that does not read ({why}); it is not reconciled."),
+        },
+        ReconcileRefusal::Mismatch { not_a_call } => AdminProblem {
+            status: StatusCode::CONFLICT,
+            slug: "request-mismatch",
+            detail: if not_a_call {
+                format!("Route `{route}` is an MCP route and the body given is no tools/call: give the call's body as the client sent it (`body`), and its `path`. Nothing was changed.")
+            } else {
+                format!("The request given (method, path, headers, body) is not the request this key was used for: it does not fingerprint to the key's record under route `{route}`'s rules. Give them exactly as the client sent them, with `content-type` and the route's fingerprint_headers in `headers`. Nothing was looked up or changed.")
+            },
         },
         ReconcileRefusal::Store(why) => store_problem(why),
         ReconcileRefusal::Overloaded => AdminProblem {

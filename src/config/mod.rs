@@ -30,7 +30,7 @@ pub use crate::core::OnStale;
 pub use crate::forward::UpstreamSettings;
 pub use crate::idempotency::settings::{
     IdempotencySettings, McpSettings, Mode, OnAmbiguous, OnInFlight, OnStoreError, Profile,
-    Protocol,
+    Protocol, ReconcileProof,
 };
 pub use crate::mcp::tools::Protect;
 pub use crate::request::scope::Anonymous;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::{Config, ConfigError, IdempotencySettings, OnInFlight, StoreKind};
+use super::{Config, ConfigError, IdempotencySettings, OnInFlight, ReconcileProof, StoreKind};
 
 impl Config {
     /// Checks every field and names each problem by its path.
@@ -23,6 +23,26 @@ impl Config {
         } else {
             Err(ConfigError::Invalid(problems))
         }
+    }
+
+    /// What is valid but deserves a second look, each named by its field
+    /// (`idemproxy check` prints them; the proxy logs them when it starts).
+    /// A route that inherits the setting from `[idempotency]` is covered
+    /// by the warning about `[idempotency]`.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        lookup_warnings("idempotency", &self.idempotency, &mut warnings);
+        for (i, route) in self.routes.iter().enumerate() {
+            let (own, defaults) = (&route.idempotency, &self.idempotency);
+            let inherited = own.reconcile_url == defaults.reconcile_url
+                && own.reconcile_proof == defaults.reconcile_proof
+                && own.reconcile_found_statuses == defaults.reconcile_found_statuses
+                && own.reconcile_absent_statuses == defaults.reconcile_absent_statuses;
+            if !inherited {
+                lookup_warnings(&format!("routes[{i}]"), own, &mut warnings);
+            }
+        }
+        warnings
     }
 
     fn check_telemetry(&self, problems: &mut Vec<String>) {
@@ -193,6 +213,37 @@ impl Config {
                 problems.push(format!("{at}.path: `{}` must start with `/`", route.path));
             }
             validate_policy(&at, &route.idempotency, problems);
+        }
+    }
+}
+
+/// A lookup that trusts statuses alone can read a route the upstream
+/// lacks (404) as "never happened" and run the payment again; status
+/// lists that nothing reads are a misunderstanding worth naming.
+fn lookup_warnings(at: &str, p: &IdempotencySettings, warnings: &mut Vec<String>) {
+    if p.reconcile_url.is_empty() {
+        return;
+    }
+    let defaults = IdempotencySettings::default();
+    match p.reconcile_proof {
+        ReconcileProof::Status => warnings.push(format!(
+            "{at}.reconcile_proof = \"status\": a lookup status alone resolves unknown outcomes, \
+             so a bare {absent:?} from a route the upstream lacks (a typo in reconcile_url, an \
+             older deployment) reads as \"never happened\" and the request executes again; \
+             have the lookup answer Idempotency-Lookup: found|absent and use \"header\" \
+             (docs/guarantees.md, \"The lookup protocol\")",
+            absent = p.reconcile_absent_statuses,
+        )),
+        ReconcileProof::Header => {
+            let lists_set = p.reconcile_found_statuses != defaults.reconcile_found_statuses
+                || p.reconcile_absent_statuses != defaults.reconcile_absent_statuses;
+            if lists_set {
+                warnings.push(format!(
+                    "{at}.reconcile_found_statuses / reconcile_absent_statuses apply only with \
+                     reconcile_proof = \"status\"; with \"header\" (the default) the lookup's \
+                     Idempotency-Lookup header decides"
+                ));
+            }
         }
     }
 }

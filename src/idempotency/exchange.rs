@@ -329,7 +329,9 @@ where
                     // A store that reports a record it cannot read did
                     // read the key, and claims nothing over a record.
                     if !pass && !matches!(e, StoreError::Corrupt(_)) {
-                        let lease_ends = asked_at + self.cx.policy.lease;
+                        // The lease the claim would have had: a takeover's
+                        // includes its lookup.
+                        let lease_ends = asked_at + self.lease();
                         release_unanswered_claim(&self.cx.settings, &begin, call, lease_ends);
                     }
                     return self.store_failed(request, respond, e, pass).await;

@@ -79,6 +79,26 @@ fn call_fingerprint(target: &str, tool: &str, arguments: &[u8]) -> Fingerprint {
     Fingerprint(h.finalize().into())
 }
 
+/// The fingerprint of the `tools/call` a client sent as `parts` and
+/// `body` on `route`, as [`Exchange::start_call`] takes it; `None` when
+/// the body is no well-formed call. What `keys reconcile` holds the
+/// operator's account of the call to.
+pub(super) fn fingerprint_of_call(
+    parts: &Parts,
+    body: &[u8],
+    route: &McpRoute,
+) -> Option<Fingerprint> {
+    let McpRequest::Call(call) = McpRequest::parse(body) else {
+        return None;
+    };
+    let arguments = call.arguments_text(body, &route.rules.key_argument);
+    Some(call_fingerprint(
+        request_target(parts),
+        &call.name,
+        &arguments,
+    ))
+}
+
 /// The request target as sent: path and query.
 fn request_target(parts: &Parts) -> &str {
     parts

@@ -184,19 +184,6 @@ impl Policy {
         }
     }
 
-    /// Whether a lookup status means the operation happened (found) or
-    /// never will (absent); `None`: neither, the outcome stays unknown.
-    pub fn lookup_found(&self, status: u16) -> Option<bool> {
-        let c = &self.settings;
-        if c.reconcile_found_statuses.contains(&status) {
-            Some(true)
-        } else if c.reconcile_absent_statuses.contains(&status) {
-            Some(false)
-        } else {
-            None
-        }
-    }
-
     pub fn covers(&self, method: &Method) -> bool {
         self.methods.contains(method)
     }

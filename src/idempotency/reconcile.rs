@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use http::request::Parts;
-use http::{Method, Request, Response};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
@@ -23,6 +23,7 @@ use tracing::Instrument;
 use super::context::RequestContext;
 use super::policy::Policy;
 use super::replay::{stored_headers, stored_outcome};
+use super::settings::{IdempotencySettings, ReconcileProof};
 use crate::core::{Outcome, RecordKey, UpstreamFailure};
 use crate::http::headers::X_REQUEST_ID;
 use crate::observe::{trace, Reconciled};
@@ -32,6 +33,10 @@ use crate::request::reconcile::LookupInput;
 /// Marks an answer that came from the upstream's lookup, on the first
 /// answer and on every replay of it (it is stored with the response).
 pub(super) const IDEMPOTENCY_RECONCILED: &str = "idempotency-reconciled";
+
+/// What the upstream's lookup says it found: `found` or `absent`
+/// (docs/guarantees.md, "The lookup protocol").
+pub(super) const IDEMPOTENCY_LOOKUP: &str = "idempotency-lookup";
 
 /// What the lookup said.
 pub(super) enum Lookup {
@@ -166,18 +171,72 @@ where
             return (Lookup::Failed { why }, None);
         }
     };
-    let status = response.status().as_u16();
-    let lookup = match cx.policy.lookup_found(status) {
-        Some(true) => found(response, cx.policy.settings.max_response_bytes).await,
-        Some(false) => Lookup::Absent,
-        None => Lookup::Failed {
-            why: format!(
-                "the lookup answered {}: neither found (reconcile_found_statuses) nor absent (reconcile_absent_statuses)",
-                response.status()
-            ),
+    let status = response.status();
+    let settings = &cx.policy.settings;
+    let lookup = match proof_of(
+        settings.reconcile_proof,
+        settings,
+        status,
+        response.headers(),
+    ) {
+        Ok(Proof::Found) => found(response, settings.max_response_bytes).await,
+        Ok(Proof::Absent) => Lookup::Absent,
+        Err(why) => Lookup::Failed {
+            why: format!("the lookup answered {status}: {why}"),
         },
     };
-    (lookup, Some(status))
+    (lookup, Some(status.as_u16()))
+}
+
+/// What a lookup's answer positively says.
+#[derive(Debug, PartialEq, Eq)]
+enum Proof {
+    Found,
+    Absent,
+}
+
+/// What the lookup's `status` and `headers` prove under `proof` (see
+/// [`ReconcileProof`]); otherwise why they prove nothing, and the outcome
+/// stays unknown.
+fn proof_of(
+    proof: ReconcileProof,
+    settings: &IdempotencySettings,
+    status: StatusCode,
+    headers: &HeaderMap,
+) -> Result<Proof, &'static str> {
+    if proof == ReconcileProof::Status {
+        let status = status.as_u16();
+        if settings.reconcile_found_statuses.contains(&status) {
+            return Ok(Proof::Found);
+        }
+        if settings.reconcile_absent_statuses.contains(&status) {
+            return Ok(Proof::Absent);
+        }
+        return Err(
+            "neither found (reconcile_found_statuses) nor absent (reconcile_absent_statuses)",
+        );
+    }
+    let mut said = headers.get_all(IDEMPOTENCY_LOOKUP).iter();
+    let word = match (said.next(), said.next()) {
+        (Some(word), None) => word.as_bytes().trim_ascii(),
+        (None, _) => return Err("no Idempotency-Lookup header (reconcile_proof = \"header\")"),
+        (Some(_), Some(_)) => return Err("Idempotency-Lookup given more than once"),
+    };
+    if word.eq_ignore_ascii_case(b"found") {
+        return match status.is_success() {
+            true => Ok(Proof::Found),
+            false => Err("Idempotency-Lookup: found, but not on a 2xx"),
+        };
+    }
+    if word.eq_ignore_ascii_case(b"absent") {
+        let absent =
+            status.is_success() || status == StatusCode::NOT_FOUND || status == StatusCode::GONE;
+        return match absent {
+            true => Ok(Proof::Absent),
+            false => Err("Idempotency-Lookup: absent, but not on a 2xx, 404 or 410"),
+        };
+    }
+    Err("Idempotency-Lookup is neither `found` nor `absent`")
 }
 
 /// The found answer, read whole; a body over `max_response_bytes` (or
@@ -195,4 +254,49 @@ async fn found(response: Response<Body>, max_bytes: usize) -> Lookup {
         head,
         body: body.to_bytes(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn says(proof: ReconcileProof, status: u16, lookup: &[&str]) -> Result<Proof, &'static str> {
+        let mut headers = HeaderMap::new();
+        for word in lookup {
+            headers.append(
+                IDEMPOTENCY_LOOKUP,
+                http::HeaderValue::from_str(word).expect("value"),
+            );
+        }
+        let status = StatusCode::from_u16(status).expect("status");
+        proof_of(proof, &IdempotencySettings::default(), status, &headers)
+    }
+
+    #[test]
+    fn by_default_only_the_header_proves_found_or_absent() {
+        use ReconcileProof::Header;
+        assert_eq!(says(Header, 200, &["found"]), Ok(Proof::Found));
+        assert_eq!(says(Header, 201, &[" Found "]), Ok(Proof::Found));
+        assert_eq!(says(Header, 404, &["absent"]), Ok(Proof::Absent));
+        assert_eq!(says(Header, 410, &["absent"]), Ok(Proof::Absent));
+        assert_eq!(says(Header, 200, &["absent"]), Ok(Proof::Absent));
+        // A route the upstream lacks answers a bare 404: no proof.
+        assert!(says(Header, 404, &[]).is_err());
+        assert!(says(Header, 200, &[]).is_err());
+        assert!(says(Header, 404, &["found"]).is_err());
+        assert!(says(Header, 500, &["absent"]).is_err());
+        assert!(says(Header, 409, &["absent"]).is_err());
+        assert!(says(Header, 200, &["yes"]).is_err());
+        assert!(says(Header, 200, &["found", "absent"]).is_err());
+        assert!(says(Header, 200, &["found", "found"]).is_err());
+    }
+
+    #[test]
+    fn trusting_statuses_reads_the_status_lists_alone() {
+        use ReconcileProof::Status;
+        assert_eq!(says(Status, 200, &[]), Ok(Proof::Found));
+        assert_eq!(says(Status, 404, &[]), Ok(Proof::Absent));
+        assert!(says(Status, 201, &["found"]).is_err());
+        assert!(says(Status, 500, &[]).is_err());
+    }
 }

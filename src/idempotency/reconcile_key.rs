@@ -22,16 +22,28 @@ use super::context::{Claim, RequestContext};
 use super::dialect::{settle_looked_up, Http};
 use super::layer::{IdempotencyLayer, Settings};
 use super::mcp_call::reconciled_result;
+use super::mcp_request::fingerprint_of_call;
 use super::policy::Policy;
 use super::reconcile::{look_up, lookup_of, Lookup};
 use super::settle::Holder;
+use super::store_call::{bounded, owned_begin, release_unanswered_claim};
 use crate::core::{
-    Begin, BeginOutcome, CompletedRecord, FencingToken, Outcome, Record, RecordKey, UnknownCause,
-    UpstreamFailure,
+    Begin, BeginOutcome, CompletedRecord, FencingToken, Fingerprint, Outcome, Record, RecordKey,
+    UnknownCause, UpstreamFailure,
 };
 use crate::observe::RequestOutcome;
 use crate::request::key::IdempotencyKey;
 use crate::store::StoreError;
+
+/// The fingerprint the request `parts`, `body` has on the route of
+/// `policy`, as the request path takes it; `None` for an MCP route's body
+/// that is no `tools/call`.
+fn request_fingerprint(policy: &Policy, parts: &Parts, body: &[u8]) -> Option<Fingerprint> {
+    match &policy.mcp {
+        Some(route) => fingerprint_of_call(parts, body, route),
+        None => Some(policy.fingerprint.fingerprint(parts, body)),
+    }
+}
 
 /// Sends a lookup to the upstream, as the traffic's requests are sent.
 pub type LookupSender = Arc<
@@ -97,6 +109,11 @@ pub enum ReconcileRefusal {
     NoRecord,
     /// The record does not read.
     Unreadable(String),
+    /// The request given (method, path, headers, body) does not
+    /// fingerprint to the key's record under the route's rules: it is
+    /// not the request the key was used for. `not_a_call`: on an MCP
+    /// route, the body is no `tools/call`.
+    Mismatch { not_a_call: bool },
     /// The store failed or did not answer in time.
     Store(String),
     /// `max_in_flight` requests are being served.
@@ -120,6 +137,7 @@ impl KeyReconciler {
         }
         let lookup = lookup_of(&policy, parts, body, key).ok_or(ReconcileRefusal::Incomplete)?;
         let settings = &self.settings;
+        let fingerprint = request_fingerprint(&policy, parts, body);
         let store_timeout = settings.store_timeout;
         let record = tokio::time::timeout(store_timeout, settings.store.get(&record_key))
             .await
@@ -129,6 +147,15 @@ impl KeyReconciler {
                 e => ReconcileRefusal::Store(e.to_string()),
             })?
             .ok_or(ReconcileRefusal::NoRecord)?;
+        // The lookup is rendered from the operator's account of the
+        // request; one that is not the key's request would settle the key
+        // by another operation's lookup (its "absent" runs the payment
+        // again). Held to the record as a retry is: by its fingerprint.
+        match fingerprint {
+            Some(fingerprint) if fingerprint == *record.fingerprint() => {}
+            Some(_) => return Err(ReconcileRefusal::Mismatch { not_a_call: false }),
+            None => return Err(ReconcileRefusal::Mismatch { not_a_call: true }),
+        }
         let permit = settings
             .in_flight
             .clone()
@@ -186,21 +213,25 @@ impl KeyReconciler {
         begin: &Begin,
     ) -> Result<Result<(FencingToken, bool, UnknownCause), KeyReconciliation>, ReconcileRefusal>
     {
-        let store = &self.settings.store;
-        let store_timeout = self.settings.store_timeout;
-        let begun = match tokio::time::timeout(store_timeout, store.begin(begin)).await {
-            Ok(Ok(begun)) => begun,
-            failed => {
+        let settings = &self.settings;
+        let store_timeout = settings.store_timeout;
+        let asked_at = Instant::now();
+        let mut call = owned_begin(&settings.store, begin);
+        let begun = match bounded(settings, "begin", store_timeout, &mut call).await {
+            Ok(begun) => begun,
+            Err(e) => {
                 // Failed or late, the call may have claimed the key all the
-                // same: released by its token, as nothing was looked up.
-                let _ = tokio::time::timeout(store_timeout, store.release(&begin.key, begin.token))
-                    .await;
-                return Err(ReconcileRefusal::Store(match failed {
-                    Ok(Err(e)) => e.to_string(),
-                    _ => "no answer in time".into(),
-                }));
+                // same, over the unknown outcome it came to reconcile:
+                // settled back to it, never freed (see
+                // `release_unanswered_claim`), until the claim's own lease
+                // (the lookup's time included) is over.
+                if !matches!(e, StoreError::Corrupt(_)) {
+                    release_unanswered_claim(settings, begin, call, asked_at + begin.lease);
+                }
+                return Err(ReconcileRefusal::Store(e.to_string()));
             }
         };
+        let store = &settings.store;
         Ok(match begun {
             BeginOutcome::Acquired {
                 token,

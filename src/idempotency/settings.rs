@@ -61,11 +61,14 @@ pub struct IdempotencySettings {
     /// `{json:<pointer>}`, `{query:<name>}`); empty: no lookup, such keys
     /// stay `outcome-unknown`. Plain HTTP routes in enforce mode only.
     pub reconcile_url: String,
-    /// Lookup statuses that mean the operation happened: the lookup's
-    /// answer becomes the stored outcome.
+    /// What a lookup must say to resolve an unknown outcome: the
+    /// `Idempotency-Lookup` header (the default), or its status alone.
+    pub reconcile_proof: ReconcileProof,
+    /// With `reconcile_proof = "status"`: the lookup statuses that mean
+    /// the operation happened (its answer becomes the stored outcome).
     pub reconcile_found_statuses: Vec<u16>,
-    /// Lookup statuses that mean it never happened and never will: the
-    /// request executes.
+    /// With `reconcile_proof = "status"`: the lookup statuses that mean
+    /// it never happened and never will (the request executes).
     pub reconcile_absent_statuses: Vec<u16>,
     /// How long the lookup may take; 0 means `upstream.timeout`.
     #[serde(with = "humantime_serde")]
@@ -98,11 +101,31 @@ impl Default for IdempotencySettings {
             observe_window: Duration::from_secs(600),
             replay_body_field: String::new(),
             reconcile_url: String::new(),
+            reconcile_proof: ReconcileProof::Header,
             reconcile_found_statuses: vec![200],
             reconcile_absent_statuses: vec![404],
             reconcile_timeout: Duration::ZERO,
         }
     }
+}
+
+/// What proves a lookup's answer (docs/guarantees.md, "The lookup
+/// protocol"). An unknown outcome is resolved only on positive proof: a
+/// status alone is no proof, since a lookup route the upstream lacks (a
+/// typo in the template, an older deployment) answers 404 too, and
+/// reading that as "never happened" runs the payment again.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReconcileProof {
+    /// Found: a 2xx with `Idempotency-Lookup: found`; absent:
+    /// `Idempotency-Lookup: absent` on a 2xx, 404 or 410. Anything else
+    /// leaves the outcome unknown.
+    #[default]
+    Header,
+    /// The status alone decides (`reconcile_found_statuses`,
+    /// `reconcile_absent_statuses`): for an upstream that cannot add the
+    /// header. `idemproxy check` warns about it.
+    Status,
 }
 
 /// Which status codes the proxy's own answers use.

@@ -12,7 +12,10 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::layer::Settings;
-use crate::core::{Begin, BeginOutcome, FencingToken, RecordKey};
+use crate::core::{
+    millis, Begin, BeginOutcome, Clock, CompletedRecord, Outcome, RecordKey, UnixMillis,
+    UnknownCause,
+};
 use crate::observe::{trace, RequestLog};
 use crate::store::{SharedStore, Store, StoreError};
 
@@ -26,20 +29,32 @@ pub(super) fn owned_begin(store: &SharedStore, begin: &Begin) -> OwnedBegin {
     async move { store.begin(&begin).await }.boxed().fuse()
 }
 
-/// Releases the claim a `begin` may have made for a request that was
+/// Lets go of the claim a `begin` may have made for a request that was
 /// answered 503 without executing: the call failed, or gave no answer
-/// within `store.timeout`, and Redis may have applied it all the same (a
-/// reply lost to a reset connection, the client's own response timeout,
-/// a write held by `CLIENT PAUSE`). Without this the caller's retry finds
-/// a claim nobody holds: 425 for the whole lease, then `outcome-unknown`
-/// for a request that never ran.
+/// within `store.timeout`, and the store may have applied it all the same
+/// (a reply lost to a reset connection, the client's own response
+/// timeout, a write held by `CLIENT PAUSE`, a PostgreSQL row lock that
+/// let go a second later). Without this the caller's retry finds a claim
+/// nobody holds: 425 for the whole lease, then `outcome-unknown` for a
+/// request that never ran.
 ///
-/// The release is by the token the request drew before it asked
+/// Letting go must not lose what the claim replaced. A claim that took a
+/// free key over is released: nothing was there. A claim that took over
+/// a key whose outcome was unknown, to reconcile it (a route with
+/// `reconcile_url`), is settled back to `outcome-unknown`: released, it
+/// would free the key, and the next retry would run the payment again
+/// without any lookup. When the answer never comes (or the call failed),
+/// nothing says which of the two the claim was, so on such a route it is
+/// settled `outcome-unknown` as well: fail closed, and the next retry
+/// past the lease looks the operation up.
+///
+/// Every write is by the token the request drew before it asked
 /// (`Begin::token`): fenced, so a claim that is not this request's, or no
 /// claim, is left alone. It runs in a task of its own, holding no
 /// `max_in_flight` slot, tracked for shutdown, and at most
 /// [`MAX_LATE_RELEASES`](super::layer::MAX_LATE_RELEASES) at once; it tries again, backing off, while the
-/// claim could still appear or be held, until `lease_ends`.
+/// claim could still appear or be held, until `lease_ends`: the end of
+/// the lease the claim would have, the lookup's time included.
 pub(super) fn release_unanswered_claim(
     settings: &Settings,
     begin: &Begin,
@@ -53,24 +68,60 @@ pub(super) fn release_unanswered_claim(
         );
         return;
     };
-    let (store, key, token) = (settings.store.clone(), begin.key, begin.token);
+    let (store, clock, begin) = (settings.store.clone(), settings.clock, begin.clone());
     let release = async move {
         let _slot = slot;
-        let mut stopped = StoppedRelease(Some(key));
-        // What the call still does says whether it claimed the key.
-        if !call.is_terminated() {
+        let mut stopped = StoppedRelease(Some(begin.key));
+        // What the call still does says whether it claimed the key, and
+        // over what.
+        let claimed = if call.is_terminated() {
+            Claimed::Unheard
+        } else {
             match tokio::time::timeout_at(lease_ends, call).await {
-                Ok(Ok(BeginOutcome::Acquired { .. })) | Ok(Err(_)) | Err(_) => {}
+                Ok(Ok(BeginOutcome::Acquired {
+                    reconcile: None, ..
+                })) => Claimed::Key,
+                Ok(Ok(BeginOutcome::Acquired {
+                    reconcile: Some(cause),
+                    ..
+                })) => Claimed::Unknown(cause),
+                Ok(Err(_)) | Err(_) => Claimed::Unheard,
                 // The key was settled or held by another request: no claim
                 // of this one's is there.
                 Ok(Ok(_)) => return stopped.finished(),
             }
-        }
-        release_by_token(store, key, token, lease_ends).await;
+        };
+        let letting_go = match claimed {
+            Claimed::Key => LettingGo::Release,
+            Claimed::Unheard if !begin.reconcile => LettingGo::Release,
+            Claimed::Unheard => LettingGo::WriteBack(UnknownCause::Abandoned),
+            Claimed::Unknown(cause) => LettingGo::WriteBack(cause),
+        };
+        let_go_by_token(&*store, &clock, &begin, letting_go, lease_ends).await;
         stopped.finished();
     };
     // In the request's span: the store calls' spans are its children.
     settings.tasks.spawn(release.in_current_span());
+}
+
+/// What an unanswered `begin` turned out to have claimed.
+enum Claimed {
+    /// A free key (or, without a lookup, a stale claim under `on_stale =
+    /// "retry"`, which the next retry would take over anyway).
+    Key,
+    /// A key whose outcome was unknown (`cause`), taken over to reconcile it.
+    Unknown(UnknownCause),
+    /// No answer to go by: the call failed, or did not answer within the lease.
+    Unheard,
+}
+
+/// How an unanswered claim is let go.
+#[derive(Clone, Copy)]
+enum LettingGo {
+    /// Deleted: the key is free again.
+    Release,
+    /// Settled back to `outcome-unknown` with this cause.
+    WriteBack(UnknownCause),
 }
 
 /// Says, when a release task is dropped before it finished (the drain
@@ -96,28 +147,47 @@ impl Drop for StoppedRelease {
     }
 }
 
-/// Releases `key` if `token` holds it, trying again until the release
-/// lands or `lease_ends`: a claim may still appear (a write Redis has not
-/// applied yet), and a store that failed may come back.
-async fn release_by_token(
-    store: SharedStore,
-    key: RecordKey,
-    token: FencingToken,
+/// Lets go of `begin.key` as `letting_go` says if `begin.token` holds
+/// it, trying again until the write lands or `lease_ends`: a claim may
+/// still appear (a write the store has not applied yet), and a store that
+/// failed may come back.
+async fn let_go_by_token(
+    store: &dyn Store,
+    clock: &Clock,
+    begin: &Begin,
+    letting_go: LettingGo,
     lease_ends: Instant,
 ) {
+    let (key, token) = (begin.key, begin.token);
     for attempt in 0u32.. {
-        match tokio::time::timeout_at(lease_ends, store.release(&key, token)).await {
+        let call = async {
+            match letting_go {
+                LettingGo::Release => store.release(&key, token).await,
+                LettingGo::WriteBack(cause) => {
+                    let record = written_back(begin, clock.now_millis(), cause);
+                    store.complete(&key, token, &record).await
+                }
+            }
+        };
+        match tokio::time::timeout_at(lease_ends, call).await {
             Ok(Ok(())) => {
-                tracing::warn!(
-                    key = %key.hex(),
-                    "released a claim whose begin answered after store.timeout or failed (its request was answered 503 and not executed)"
-                );
+                match letting_go {
+                    LettingGo::Release => tracing::warn!(
+                        key = %key.hex(),
+                        "released a claim whose begin answered after store.timeout or failed (its request was answered 503 and not executed)"
+                    ),
+                    LettingGo::WriteBack(cause) => tracing::warn!(
+                        key = %key.hex(),
+                        cause = ?cause,
+                        "settled a claim whose begin answered after store.timeout or failed back to outcome-unknown: it may have taken over an unknown outcome to reconcile it, and freeing the key would let the next retry execute without a lookup"
+                    ),
+                }
                 return;
             }
             // Not there (yet), or another request's: look again.
             Ok(Err(StoreError::Fenced)) => {}
             Ok(Err(e)) => {
-                tracing::debug!(key = %key.hex(), error = %e, attempt, "releasing an unanswered claim failed; trying again")
+                tracing::debug!(key = %key.hex(), error = %e, attempt, "letting go of an unanswered claim failed; trying again")
             }
             Err(_) => break,
         }
@@ -126,6 +196,20 @@ async fn release_by_token(
             break;
         }
         tokio::time::sleep(release_backoff(attempt).min(remaining)).await;
+    }
+}
+
+/// The `outcome-unknown` record an unanswered claim of `begin` is settled
+/// back to at `now`. It counts as created now, later than the outcome it
+/// replaced: a retry looks the operation up one lease from now, never
+/// sooner than it would have.
+fn written_back(begin: &Begin, now: UnixMillis, cause: UnknownCause) -> CompletedRecord {
+    CompletedRecord {
+        fingerprint: begin.fingerprint,
+        created_at: now,
+        completed_at: now,
+        expires_at: now.saturating_add(millis(begin.ttl)),
+        outcome: Outcome::Unknown { cause },
     }
 }
 

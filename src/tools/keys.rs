@@ -162,30 +162,30 @@ impl AdminClient {
         self.call(Method::POST, "/v1/keys/lookup", Some(body)).await
     }
 
-    /// Reconciles the raw key `key` on `route` with the upstream's lookup
-    /// (`reconcile_url`), given the `headers`, JSON `body` and `query` the
-    /// route's template names.
-    pub async fn reconcile(
-        &self,
-        key: &str,
-        route: Option<&str>,
-        headers: &[(String, String)],
-        body: Option<Value>,
-        query: Option<&str>,
-    ) -> Result<Value, Error> {
-        let headers: serde_json::Map<String, Value> = headers
+    /// Reconciles the raw key `key` with the upstream's lookup
+    /// (`reconcile_url`), given the request as the client sent it
+    /// (`request`): the proxy holds it to the key's record by its
+    /// fingerprint, and fills the lookup's template from it.
+    pub async fn reconcile(&self, key: &str, request: &SentRequest) -> Result<Value, Error> {
+        let headers: serde_json::Map<String, Value> = request
+            .headers
             .iter()
             .map(|(name, value)| (name.clone(), Value::from(value.as_str())))
             .collect();
-        let mut call = json!({ "key": key, "headers": headers });
-        if let Some(route) = route {
-            call["route"] = Value::from(route);
+        let mut call = json!({
+            "key": key,
+            "headers": headers,
+            "method": request.method,
+            "path": request.path,
+        });
+        if let Some(route) = &request.route {
+            call["route"] = Value::from(route.as_str());
         }
-        if let Some(body) = body {
-            call["body"] = body;
+        if let Some(body) = &request.body {
+            call["body_text"] = Value::from(body.as_str());
         }
-        if let Some(query) = query {
-            call["query"] = Value::from(query);
+        if let Some(query) = &request.query {
+            call["query"] = Value::from(query.as_str());
         }
         self.call(Method::POST, "/v1/keys/reconcile", Some(call))
             .await
@@ -274,6 +274,23 @@ pub fn render_record(record: &Value) -> String {
         }
     }
     out
+}
+
+/// A request as its client sent it, for `keys reconcile`.
+#[derive(Debug, Clone)]
+pub struct SentRequest {
+    /// The route whose rules apply (default: `default`).
+    pub route: Option<String>,
+    pub method: String,
+    /// The path, with its query if it had one.
+    pub path: String,
+    /// The query, when `path` is given without it.
+    pub query: Option<String>,
+    /// `(name, value)`: the scope's headers, `content-type`, the route's
+    /// `fingerprint_headers`, and those `reconcile_url` names.
+    pub headers: Vec<(String, String)>,
+    /// The body, exactly as sent.
+    pub body: Option<String>,
 }
 
 /// What `keys reconcile` found, as it prints it.
@@ -378,15 +395,23 @@ pub enum KeysCommand {
         /// default).
         #[arg(long)]
         route: Option<String>,
+        /// The request's method, as the client sent it.
+        #[arg(long, default_value = "POST")]
+        method: String,
+        /// The request's path (with its query), as the client sent it:
+        /// the request must fingerprint to the key's record, or nothing
+        /// is looked up or changed.
+        #[arg(long)]
+        path: String,
         /// A header as the client sent it, `name: value` (repeatable): the
-        /// scope's and those reconcile_url names.
+        /// scope's, content-type, the route's fingerprint_headers, and
+        /// those reconcile_url names.
         #[arg(long = "header")]
         headers: Vec<String>,
-        /// The request's JSON body, for {json:...} (a file, or - for
-        /// stdin).
+        /// The request's body, exactly as sent (a file, or - for stdin).
         #[arg(long)]
         body: Option<std::path::PathBuf>,
-        /// The request's query string, for {query:...} (`a=b&c=d`).
+        /// The request's query string (`a=b&c=d`), when --path has none.
         #[arg(long)]
         query: Option<String>,
         #[command(flatten)]
@@ -483,16 +508,22 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
         KeysCommand::Reconcile {
             key,
             route,
+            method,
+            path,
             headers,
             body,
             query,
             ..
         } => {
-            let headers = parse_headers(headers)?;
-            let body = body.as_deref().map(read_body).transpose()?;
-            let answer = client
-                .reconcile(key, route.as_deref(), &headers, body, query.as_deref())
-                .await?;
+            let request = SentRequest {
+                route: route.clone(),
+                method: method.clone(),
+                path: path.clone(),
+                query: query.clone(),
+                headers: parse_headers(headers)?,
+                body: body.as_deref().map(read_body).transpose()?,
+            };
+            let answer = client.reconcile(key, &request).await?;
             print(&answer, render_reconciled(&answer));
         }
         KeysCommand::Forget {
@@ -532,14 +563,13 @@ async fn forget(
 }
 
 /// `--body FILE` (or `-`, stdin): the request's JSON body.
-fn read_body(path: &std::path::Path) -> Result<Value, Error> {
-    let text = if path.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin())?
-    } else {
-        std::fs::read_to_string(path).map_err(|e| format!("--body {}: {e}", path.display()))?
-    };
-    serde_json::from_str(&text)
-        .map_err(|e| format!("--body {}: not JSON: {e}", path.display()).into())
+/// The body of `--body`, exactly as written: it is fingerprinted, and a
+/// `{json:...}` number is looked up as written.
+fn read_body(path: &std::path::Path) -> Result<String, Error> {
+    if path.as_os_str() == "-" {
+        return Ok(std::io::read_to_string(std::io::stdin())?);
+    }
+    std::fs::read_to_string(path).map_err(|e| format!("--body {}: {e}", path.display()).into())
 }
 
 /// `--header "name: value"` options, as (name, value) pairs.

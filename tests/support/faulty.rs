@@ -1,6 +1,7 @@
 //! A [`Store`] that can be told to fail: every call either delegates to a
-//! [`MemoryStore`], hangs (longer than any test's `store.timeout`), or fails
-//! at once with [`StoreError::Unavailable`]. Switching the mode back to
+//! [`MemoryStore`], hangs (longer than any test's `store.timeout`), fails
+//! at once with [`StoreError::Unavailable`], loses its answer, or (a
+//! `begin`) answers late. Switching the mode back to
 //! [`Fault::None`] models a store that recovered, without restarting the
 //! proxy.
 
@@ -17,6 +18,10 @@ use idemproxy::store::{Begin, BeginOutcome, MemoryStore, Removal, Removed, Store
 /// How long a hanging call sleeps: far past any `store.timeout` in tests.
 pub const HANG: Duration = Duration::from_secs(30);
 
+/// How long a late call waits before it applies: past a test's 200 ms
+/// `store.timeout`, well inside any lease.
+pub const LATE: Duration = Duration::from_millis(600);
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Fault {
@@ -30,6 +35,10 @@ pub enum Fault {
     /// `StoreError::Unavailable` after the memory store applied it (a
     /// connection reset after the write, a client that gave up waiting).
     LoseAnswer = 3,
+    /// Every `begin` waits [`LATE`], then runs and answers: a reply that
+    /// arrives after the proxy stopped waiting (a frozen server, a row
+    /// lock that lets go a second later). Other calls go through.
+    LateBegin = 4,
 }
 
 #[derive(Default)]
@@ -73,7 +82,7 @@ impl FaultyStore {
         let mode = self.mode.load(Ordering::SeqCst);
         self.calls.fetch_add(1, Ordering::SeqCst);
         match mode {
-            0 | 3 => Ok(()),
+            0 | 3 | 4 => Ok(()),
             1 => {
                 tokio::time::sleep(HANG).await;
                 Err(StoreError::Unavailable("hung (test fault)".into()))
@@ -86,6 +95,9 @@ impl FaultyStore {
 #[async_trait]
 impl Store for FaultyStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
+        if self.mode.load(Ordering::SeqCst) == Fault::LateBegin as u8 {
+            tokio::time::sleep(LATE).await;
+        }
         self.gate().await?;
         let outcome = self.inner.begin(begin).await;
         if self.mode.load(Ordering::SeqCst) == Fault::LoseAnswer as u8 {
