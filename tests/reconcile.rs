@@ -23,10 +23,12 @@ use support::fault::killed_mid_call;
 use support::faulty::{self, Fault, FaultyStore};
 use support::keys;
 use support::mcp::texts;
-use support::proxy::{config, redis_config, Reply, TestClient, TestProxy};
+use support::postgres_server::{self, PostgresServer};
+use support::proxy::{config, postgres_config, redis_config, Reply, TestClient, TestProxy};
 use support::redis_server::{self, RedisServer};
 use support::upstream::TestUpstream;
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 
 const BODY: &str = r#"{"amount":5}"#;
 
@@ -682,6 +684,105 @@ async fn a_takeover_that_answers_late_writes_the_unknown_outcome_back() {
         again.assert_problem(502, "outcome-unknown");
     }
     assert_eq!(upstream.executions("/v1/orders"), 0, "nothing ran again");
+}
+
+/// Sends `signal` to the PostgreSQL server's postmaster and every backend.
+fn signal_postgres(postgres: &PostgresServer, signal: &str) {
+    let pid_file = std::fs::read_to_string(postgres.data_dir().join("postmaster.pid"))
+        .expect("postmaster.pid");
+    let postmaster = pid_file
+        .lines()
+        .next()
+        .expect("the postmaster's pid")
+        .trim()
+        .to_owned();
+    let children = std::process::Command::new("pgrep")
+        .args(["-P", &postmaster])
+        .output()
+        .expect("pgrep");
+    let mut pids = vec![postmaster];
+    pids.extend(
+        String::from_utf8_lossy(&children.stdout)
+            .split_whitespace()
+            .map(str::to_owned),
+    );
+    let sent = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .args(&pids)
+        .status()
+        .expect("kill");
+    assert!(sent.success(), "kill -{signal} {pids:?}");
+}
+
+/// The issue's reproduction, on a real PostgreSQL: a retry past the lease
+/// takes over an `outcome-unknown` charge to reconcile it while the server
+/// is frozen (SIGSTOP, 1 s); its `begin` answers long after `store.timeout`
+/// (503, nothing executed) and lands. The claim is settled back to
+/// `outcome-unknown`, not freed: the next retries get `outcome-unknown`,
+/// then, past the lease, the ledger's answer, and the charge ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_held_up_by_a_frozen_postgres_is_not_freed() {
+    let postgres = PostgresServer::start();
+    let upstream = TestUpstream::start().await;
+    let mut c = postgres_config(
+        &upstream.url(),
+        &postgres.url(),
+        &postgres_server::unique_prefix("late_takeover"),
+    );
+    c.log.level = "info".into();
+    // Lease: 300 ms upstream timeout + 1.4 s margin + 300 ms lookup.
+    c.upstream.timeout = Duration::from_millis(300);
+    c.idempotency.lease_margin = Duration::from_millis(1400);
+    c.idempotency.reconcile_url = "/ledger/{key}".into();
+    let lease = Duration::from_millis(2000);
+    let proxy = ProxyProcess::start(c).await;
+    let client = TestClient::new();
+    let url = proxy.url("/v1/charges?ledger=1&delay_ms=1000");
+
+    let first = client.post_json(&url, "frozen-1", BODY).await;
+    first.assert_problem(504, "outcome-unknown");
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+
+    tokio::task::block_in_place(|| signal_postgres(&postgres, "STOP"));
+    let retry = client.post_json(&url, "frozen-1", BODY).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::block_in_place(|| signal_postgres(&postgres, "CONT"));
+    retry.assert_problem(503, "store-unavailable");
+
+    // Until the lease of the claim let go of is over: outcome-unknown (or
+    // 425 while the late claim is still held), never an execution.
+    let until = Instant::now() + lease;
+    while Instant::now() < until {
+        let reply = client.post_json(&url, "frozen-1", BODY).await;
+        assert!(
+            matches!(reply.status.as_u16(), 425 | 502 | 503 | 504),
+            "{reply:?}\n{}",
+            proxy.logs()
+        );
+        assert_eq!(
+            upstream.ledger("frozen-1").len(),
+            1,
+            "ran again:\n{}",
+            proxy.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let give_up = Instant::now() + lease * 3;
+    let reconciled = loop {
+        let reply = client.post_json(&url, "frozen-1", BODY).await;
+        if reply.status == 200 || Instant::now() > give_up {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(reconciled.status, 200, "{reconciled:?}\n{}", proxy.logs());
+    assert_eq!(reconciled.header("idempotency-reconciled"), Some("true"));
+    assert_eq!(upstream.ledger("frozen-1").len(), 1, "ran once");
+    assert!(
+        proxy.logs().contains("back to outcome-unknown"),
+        "the late claim was settled back: {}",
+        proxy.logs()
+    );
 }
 
 /// `reconcile_proof = "status"`, an operator's explicit choice for an
