@@ -11,6 +11,7 @@ use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use idemproxy::core::{Clock, Record, RecordKey};
 use idemproxy::store::compression::{CompressedStore, Packer};
@@ -207,8 +208,12 @@ async fn a_redb_file_an_earlier_version_wrote_after_the_migration_is_copied_too(
     let upstream = TestUpstream::start().await;
     let scratch = tempfile::tempdir().expect("tempdir");
     let earlier = Arc::new(EmbeddedStore::open(scratch.path()).expect("scratch store"));
-    let proxy =
-        TestProxy::start_with_store(config(&upstream.url()), compressed(earlier.clone())).await;
+    let mut c = config(&upstream.url());
+    // A fresh store's first fsyncs, beside the whole suite: this test is
+    // about what is copied, not about the store's latency.
+    c.store.timeout = Duration::from_secs(2);
+    c.idempotency.lease_margin = Duration::from_secs(10);
+    let proxy = TestProxy::start_with_store(c, compressed(earlier.clone())).await;
     let client = TestClient::new();
     let requests = [
         ("downgrade-3", 3),

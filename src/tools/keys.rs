@@ -293,6 +293,48 @@ pub struct SentRequest {
     pub body: Option<String>,
 }
 
+/// `keys reconcile`'s account of the request, as its client sent it.
+#[derive(Debug, Args)]
+pub struct SentFlags {
+    /// The route whose scope rules and reconcile_url apply (default:
+    /// default).
+    #[arg(long)]
+    route: Option<String>,
+    /// The request's method, as the client sent it.
+    #[arg(long, default_value = "POST")]
+    method: String,
+    /// The request's path (with its query), as the client sent it: the
+    /// request must fingerprint to the key's record, or nothing is looked
+    /// up or changed.
+    #[arg(long)]
+    path: String,
+    /// A header as the client sent it, `name: value` (repeatable): the
+    /// scope's, content-type, the route's fingerprint_headers, and those
+    /// reconcile_url names.
+    #[arg(long = "header")]
+    headers: Vec<String>,
+    /// The request's body, exactly as sent (a file, or - for stdin).
+    #[arg(long)]
+    body: Option<std::path::PathBuf>,
+    /// The request's query string (`a=b&c=d`), when --path has none.
+    #[arg(long)]
+    query: Option<String>,
+}
+
+impl SentFlags {
+    /// The request, its headers parsed and its body read.
+    fn read(&self) -> Result<SentRequest, Error> {
+        Ok(SentRequest {
+            route: self.route.clone(),
+            method: self.method.clone(),
+            path: self.path.clone(),
+            query: self.query.clone(),
+            headers: parse_headers(&self.headers)?,
+            body: self.body.as_deref().map(read_body).transpose()?,
+        })
+    }
+}
+
 /// What `keys reconcile` found, as it prints it.
 pub fn render_reconciled(answer: &Value) -> String {
     let text = |field: &str| answer[field].as_str().unwrap_or("-").to_owned();
@@ -391,29 +433,8 @@ pub enum KeysCommand {
         /// The raw Idempotency-Key value.
         #[arg(long)]
         key: String,
-        /// The route whose scope rules and reconcile_url apply (default:
-        /// default).
-        #[arg(long)]
-        route: Option<String>,
-        /// The request's method, as the client sent it.
-        #[arg(long, default_value = "POST")]
-        method: String,
-        /// The request's path (with its query), as the client sent it:
-        /// the request must fingerprint to the key's record, or nothing
-        /// is looked up or changed.
-        #[arg(long)]
-        path: String,
-        /// A header as the client sent it, `name: value` (repeatable): the
-        /// scope's, content-type, the route's fingerprint_headers, and
-        /// those reconcile_url names.
-        #[arg(long = "header")]
-        headers: Vec<String>,
-        /// The request's body, exactly as sent (a file, or - for stdin).
-        #[arg(long)]
-        body: Option<std::path::PathBuf>,
-        /// The request's query string (`a=b&c=d`), when --path has none.
-        #[arg(long)]
-        query: Option<String>,
+        #[command(flatten)]
+        request: SentFlags,
         #[command(flatten)]
         admin: AdminFlags,
     },
@@ -505,25 +526,8 @@ pub async fn run(command: &KeysCommand) -> Result<(), Error> {
             };
             print(&record, render_record(&record));
         }
-        KeysCommand::Reconcile {
-            key,
-            route,
-            method,
-            path,
-            headers,
-            body,
-            query,
-            ..
-        } => {
-            let request = SentRequest {
-                route: route.clone(),
-                method: method.clone(),
-                path: path.clone(),
-                query: query.clone(),
-                headers: parse_headers(headers)?,
-                body: body.as_deref().map(read_body).transpose()?,
-            };
-            let answer = client.reconcile(key, &request).await?;
+        KeysCommand::Reconcile { key, request, .. } => {
+            let answer = client.reconcile(key, &request.read()?).await?;
             print(&answer, render_reconciled(&answer));
         }
         KeysCommand::Forget {
