@@ -5,7 +5,10 @@
 //! `store-unavailable` quickly and never reach the upstream; once it is
 //! back, the same proxy process serves again (the first request after it),
 //! and keys completed before still replay. Also: the sweep deletes expired
-//! rows in batches.
+//! rows in batches; a row another session holds locked fails only its own
+//! key, and a call given up on mid-statement hands its connection to no
+//! other call (PostgreSQL's `lock_timeout` and `statement_timeout`, and the
+//! store's reclaiming of such connections: `store/postgres/conn.rs`).
 
 use crate::support;
 
@@ -355,4 +358,313 @@ async fn the_traffic_threads_split_pool_size_between_them() {
         most <= 3,
         "{most} traffic connections for pool_size = 3 over 2 threads"
     );
+}
+
+/// A connection of the test's own, outside any store, driven in a task.
+async fn side_connection(postgres: &PostgresServer) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(&postgres.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect to postgres");
+    tokio::spawn(connection);
+    client
+}
+
+/// Holds every row of `prefix`'s table locked (`SELECT … FOR UPDATE` in a
+/// transaction left open, as an operator's session might) until dropped.
+async fn lock_rows(postgres: &PostgresServer, prefix: &str) -> tokio_postgres::Client {
+    let locker = side_connection(postgres).await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT key FROM {prefix}records FOR UPDATE"
+        ))
+        .await
+        .expect("lock the rows");
+    locker
+}
+
+/// How many statements on `prefix`'s table wait for a lock now.
+async fn waiting_on_locks(observer: &tokio_postgres::Client, prefix: &str) -> i64 {
+    // A statement of its own each time: pg_stat_activity is read once per
+    // transaction.
+    observer
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || 'records%'",
+            &[&prefix],
+        )
+        .await
+        .expect("read pg_stat_activity")
+        .get(0)
+}
+
+/// Polls until no statement on `prefix`'s table waits for a lock, for at
+/// most `within`; returns how long that took.
+async fn until_none_waits(
+    observer: &tokio_postgres::Client,
+    prefix: &str,
+    within: Duration,
+) -> Duration {
+    let started = Instant::now();
+    loop {
+        let waiting = waiting_on_locks(observer, prefix).await;
+        if waiting == 0 {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < within,
+            "{waiting} statements of the store still wait on the locked row after {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Rows held locked by another session (an operator's `SELECT … FOR
+/// UPDATE` left open) cost their own keys a fast 503, nothing executed,
+/// and nothing else: fresh keys through the same proxy, on a pool of two
+/// connections, keep being served. PostgreSQL ends each claim waiting on
+/// a locked row after `store.timeout` (`lock_timeout`), so none keeps its
+/// connection, with the calls queued behind it, until the lock goes (two
+/// keys: the proxy has one `begin` of a key in flight at a time, and two
+/// such would hold the whole pool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locked_rows_fail_their_own_keys_fast_and_fresh_keys_keep_being_served() {
+    let postgres = tokio::task::block_in_place(postgres_server::shared);
+    let upstream = TestUpstream::start().await;
+    let prefix = postgres_server::unique_prefix("locked");
+    let mut c = postgres_config(&upstream.url(), &postgres.url(), &prefix);
+    // Some patience for a loaded machine (PostgreSQL's limits follow it).
+    c.store.timeout = Duration::from_millis(400);
+    // One traffic thread, so one pool holds both connections.
+    c.workers = 1;
+    c.store.pool_size = 2;
+    let store: idemproxy::store::SharedStore =
+        Arc::new(PostgresStore::connect(&c.store).await.expect("connect"));
+    let proxy = support::proxy::TestProxy::start_with_store(c.clone(), store).await;
+    let client = TestClient::new();
+    for n in 0..2 {
+        let path = format!("/v1/locked/{n}");
+        let first = client
+            .post_json(&proxy.url(&path), &format!("locked-{n}"), BODY)
+            .await;
+        assert_eq!(first.status, 201, "{first:?}");
+    }
+
+    let locker = lock_rows(postgres, &prefix).await;
+    let observer = side_connection(postgres).await;
+    let retries = {
+        let (client, proxy_url) = (client.clone(), proxy.url("/v1/locked"));
+        tokio::spawn(async move {
+            let mut took = Vec::new();
+            for n in [0, 1, 0, 1] {
+                let sent = Instant::now();
+                let url = format!("{proxy_url}/{n}");
+                let reply = client.post_json(&url, &format!("locked-{n}"), BODY).await;
+                took.push((sent.elapsed(), reply));
+            }
+            took
+        })
+    };
+    let mut fresh = Vec::new();
+    while !retries.is_finished() {
+        let n = fresh.len();
+        let reply = client
+            .post_json(
+                &proxy.url(&format!("/v1/fresh/{n}")),
+                &format!("fresh-{n}"),
+                BODY,
+            )
+            .await;
+        fresh.push(reply);
+        // A steady trickle, not a flood that starves the tests beside it.
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let retried = retries.await.expect("join");
+    let mut statuses = std::collections::BTreeMap::new();
+    for reply in &fresh {
+        *statuses.entry(reply.status.as_u16()).or_insert(0) += 1;
+    }
+    println!(
+        "locked rows: retries took {:?}; fresh keys meanwhile: {statuses:?}",
+        retried.iter().map(|(took, _)| *took).collect::<Vec<_>>(),
+    );
+    for (took, reply) in &retried {
+        reply.assert_problem(503, "store-unavailable");
+        assert!(
+            *took < c.store.timeout + Duration::from_millis(600),
+            "a retry of a locked key took {took:?}"
+        );
+    }
+    for n in 0..2 {
+        let path = format!("/v1/locked/{n}");
+        assert_eq!(upstream.executions(&path), 1, "{path} ran again");
+    }
+    assert!(
+        fresh.len() >= 4,
+        "only {} fresh keys in the meantime",
+        fresh.len()
+    );
+    for (n, reply) in fresh.iter().enumerate() {
+        assert_eq!(
+            reply.status, 201,
+            "fresh key {n} behind the locked rows: {reply:?}"
+        );
+    }
+    until_none_waits(&observer, &prefix, c.store.timeout + Duration::from_secs(1)).await;
+    // Once the lock goes, the keys replay as before.
+    drop(locker);
+    let after = client
+        .post_json(&proxy.url("/v1/locked/0"), "locked-0", BODY)
+        .await;
+    assert_eq!(after.status, 201, "{after:?}");
+    assert!(after.replayed(), "{after:?}");
+}
+
+/// A store call dropped mid-statement (its caller's timeout) hands its
+/// connection to no other call: the next call, on another key, is served
+/// at once on another connection instead of queueing behind a statement
+/// that waits on a locked row; and the statement given up on ends on the
+/// server within `store.timeout` (`lock_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_mid_statement_hands_its_connection_to_no_other_call() {
+    let postgres = tokio::task::block_in_place(postgres_server::shared);
+    let prefix = postgres_server::unique_prefix("dropped");
+    let config = StoreSettings {
+        kind: idemproxy::config::StoreKind::Postgres,
+        url: postgres.url(),
+        table_prefix: prefix.clone(),
+        // PostgreSQL's own limits follow it: long enough that a call served
+        // on the dropped call's connection could not be served in time.
+        timeout: Duration::from_secs(1),
+        pool_size: 2,
+        ..StoreSettings::default()
+    };
+    let store = PostgresStore::connect(&config).await.expect("connect");
+    let lease = Duration::from_secs(30);
+    let stale = idemproxy::store::OnStale::Store;
+    let locked = completed_key(&store).await;
+    let locker = lock_rows(postgres, &prefix).await;
+    let observer = side_connection(postgres).await;
+
+    // Given up on well before PostgreSQL's own limit would end it.
+    let retry = support::store_fixtures::begin(locked, 1, lease, stale);
+    let given_up = tokio::time::timeout(Duration::from_millis(100), store.begin(&retry)).await;
+    assert!(given_up.is_err(), "answered under a row lock: {given_up:?}");
+    let dropped_at = Instant::now();
+    assert_eq!(
+        waiting_on_locks(&observer, &prefix).await,
+        1,
+        "the dropped claim still waits on the server"
+    );
+    let fresh = support::store_fixtures::begin(new_key(), 1, lease, stale);
+    let served = tokio::time::timeout(Duration::from_millis(400), store.begin(&fresh)).await;
+    assert!(
+        matches!(
+            served,
+            Ok(Ok(idemproxy::store::BeginOutcome::Acquired { .. }))
+        ),
+        "a fresh key behind the dropped call's connection: {served:?}"
+    );
+    until_none_waits(&observer, &prefix, config.timeout + Duration::from_secs(1)).await;
+    println!(
+        "dropped call: its statement ended {:?} after it was given up on",
+        dropped_at.elapsed()
+    );
+    // Not dropped: PostgreSQL answers the claim an error after its
+    // lock_timeout, and the call fails closed.
+    let started = Instant::now();
+    let waited = store
+        .begin(&support::store_fixtures::begin(locked, 1, lease, stale))
+        .await;
+    let took = started.elapsed();
+    match waited {
+        Err(idemproxy::store::StoreError::Unavailable(why)) => {
+            assert!(why.contains("55P03"), "not a lock timeout: {why}")
+        }
+        other => panic!("a claim under a row lock: {other:?}"),
+    }
+    assert!(
+        took >= config.timeout && took < config.timeout + Duration::from_millis(600),
+        "the lock was waited on for {took:?}"
+    );
+    drop(locker);
+    // Both connections serve again, the one given up on among them.
+    let (one, two) = (
+        support::store_fixtures::begin(new_key(), 1, lease, stale),
+        support::store_fixtures::begin(new_key(), 1, lease, stale),
+    );
+    let both = tokio::time::timeout(
+        config.timeout,
+        futures_util::future::join(store.begin(&one), store.begin(&two)),
+    )
+    .await;
+    assert!(matches!(both, Ok((Ok(_), Ok(_)))), "{both:?}");
+}
+
+/// With PostgreSQL's limits turned off (`options` in the URL, which win
+/// over the store's), a statement given up on that never ends by itself is
+/// cancelled once the store has waited `max(4 × store.timeout, 1 s)`, and
+/// its connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_given_up_on_that_never_ends_is_cancelled() {
+    let postgres = tokio::task::block_in_place(postgres_server::shared);
+    let prefix = postgres_server::unique_prefix("cancel");
+    let config = StoreSettings {
+        kind: idemproxy::config::StoreKind::Postgres,
+        url: format!(
+            "{}?options=-c%20lock_timeout%3D0%20-c%20statement_timeout%3D0",
+            postgres.url()
+        ),
+        table_prefix: prefix.clone(),
+        timeout: Duration::from_millis(250),
+        pool_size: 2,
+        ..StoreSettings::default()
+    };
+    let store = PostgresStore::connect(&config).await.expect("connect");
+    let lease = Duration::from_secs(30);
+    let stale = idemproxy::store::OnStale::Store;
+    let locked = completed_key(&store).await;
+    let locker = lock_rows(postgres, &prefix).await;
+    let observer = side_connection(postgres).await;
+
+    let retry = support::store_fixtures::begin(locked, 1, lease, stale);
+    let given_up = tokio::time::timeout(config.timeout, store.begin(&retry)).await;
+    assert!(given_up.is_err(), "answered under a row lock: {given_up:?}");
+    let dropped_at = Instant::now();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        waiting_on_locks(&observer, &prefix).await,
+        1,
+        "the URL's options did not turn lock_timeout off"
+    );
+    until_none_waits(&observer, &prefix, Duration::from_secs(3)).await;
+    let ended = dropped_at.elapsed();
+    println!("never-ending statement: cancelled {ended:?} after it was given up on");
+    assert!(
+        ended >= Duration::from_millis(900),
+        "cancelled after {ended:?}"
+    );
+    drop(locker);
+}
+
+/// A key whose record is completed in `store`.
+async fn completed_key(store: &PostgresStore) -> idemproxy::core::RecordKey {
+    let key = new_key();
+    let begun = store
+        .begin(&support::store_fixtures::begin(
+            key,
+            1,
+            Duration::from_secs(30),
+            idemproxy::store::OnStale::Store,
+        ))
+        .await
+        .expect("begin");
+    let idemproxy::store::BeginOutcome::Acquired { token, .. } = begun else {
+        panic!("claimed: {begun:?}");
+    };
+    store
+        .complete(&key, token, &completed(1, Duration::from_secs(3600)))
+        .await
+        .expect("complete");
+    key
 }

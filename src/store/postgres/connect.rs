@@ -10,8 +10,9 @@ use tokio::sync::watch;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::NoTls;
 
+use super::conn::{setting_millis, Reclaim};
 use super::pools::{LoopPools, MakePool};
-use super::removals::RemovalFeed;
+use super::removals::{self, RemovalFeed};
 use super::statements::Statements;
 use super::tls::MakeRustls;
 use super::{pg_error, schema, PostgresStore};
@@ -84,17 +85,31 @@ impl PostgresStore {
             SslMode::Require => Some(MakeRustls::new(config)?),
             _ => None,
         };
-        let pool = build_pool(&pg, tls.as_ref(), config.pool_size, io)?;
+        // Every pooled connection: store calls, and the sweep, migrations
+        // and walks, which lift the statement limit for their own
+        // transaction (`SET LOCAL`).
+        let (statement_limit, lock_limit) = pool_limits(config);
+        let pooled = with_server_limits(&pg, statement_limit, lock_limit);
+        let pool = build_pool(&pooled, tls.as_ref(), config.pool_size, io)?;
         let make: MakePool = {
-            let (pg, tls) = (pg.clone(), tls.clone());
-            Box::new(move |size| build_pool(&pg, tls.as_ref(), size, io).ok())
+            let (pooled, tls) = (pooled.clone(), tls.clone());
+            Box::new(move |size| build_pool(&pooled, tls.as_ref(), size, io).ok())
         };
         migrate_when_up(&pool, config, wait).await?;
         let sql = Arc::new(Statements::new(&config.table_prefix));
-        let feed = RemovalFeed::new(pg, tls, sql.channel.clone(), io);
+        // The `LISTEN` connection is patient by design (see `removals`):
+        // its own statements are bounded by its own I/O timeout.
+        let feed_limit = io.max(removals::HEARTBEAT);
+        let feed = RemovalFeed::new(
+            with_server_limits(&pg, feed_limit, feed_limit),
+            tls.clone(),
+            sql.channel.clone(),
+            io,
+        );
         let (sweep_stop, _) = watch::channel(());
         Ok(PostgresStore {
             pools: Arc::new(LoopPools::new(pool, make, config.pool_size)),
+            reclaim: Arc::new(Reclaim::new(tls, io)),
             sql,
             clock: Clock::wall(),
             feed,
@@ -239,6 +254,57 @@ fn io_timeout(config: &StoreSettings) -> Duration {
     config.timeout.saturating_mul(4).max(MIN_IO_TIMEOUT)
 }
 
+/// The pools' connections' server-side limits, `(statement_timeout,
+/// lock_timeout)`: PostgreSQL ends by itself what a caller has given up
+/// on, so that no statement keeps its connection, and the calls queued
+/// behind it, for long after its caller stopped waiting.
+///
+/// `lock_timeout` is `store.timeout`, the bound every call has at its
+/// caller: a claim waiting on a row another session holds (an operator's
+/// `SELECT … FOR UPDATE` left open, a stuck transaction) lets go of its
+/// connection after that instead of holding it until the lock goes. Not
+/// lower: the wait starts after the caller's clock did, so the server
+/// never gives up on a lock its caller would still have waited for; a
+/// caller that waits past `store.timeout` (a `begin` followed until its
+/// lease ends, a completion settled in the background) takes the error as
+/// any other and retries, or releases by its token.
+///
+/// `statement_timeout` is twice that, the backstop for the rest (a slow
+/// disk, a plan gone wrong): above `lock_timeout`, so that a statement
+/// waiting on a lock ends by that and says so (SQLSTATE 55P03, "canceling
+/// statement due to lock timeout", in the log), and a slow statement of a
+/// caller that waits longer gets one more `store.timeout` to finish; below
+/// the proxy's own wait for a statement given up on (`io_timeout`: 4 ×
+/// `store.timeout`, at least 1 s), so that the server ends it before the
+/// proxy has to cancel it and close its connection ([`conn`](super::conn)).
+fn pool_limits(config: &StoreSettings) -> (Duration, Duration) {
+    (config.timeout.saturating_mul(2), config.timeout)
+}
+
+/// `pg` with PostgreSQL's own bounds on every statement of its sessions
+/// (`statement_timeout`) and on any wait for a lock (`lock_timeout`), set
+/// in the startup packet's `options`: no round trip, and they hold from
+/// the first statement. An `options` of the URL's comes after them, so an
+/// operator's own `-c lock_timeout=…` there wins.
+fn with_server_limits(
+    pg: &tokio_postgres::Config,
+    statement: Duration,
+    lock: Duration,
+) -> tokio_postgres::Config {
+    let mut options = format!(
+        "-c statement_timeout={}ms -c lock_timeout={}ms",
+        setting_millis(statement),
+        setting_millis(lock)
+    );
+    if let Some(theirs) = pg.get_options() {
+        options.push(' ');
+        options.push_str(theirs);
+    }
+    let mut pg = pg.clone();
+    pg.options(options);
+    pg
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -265,5 +331,30 @@ mod tests {
         assert!(plain[0].contains("sslmode=require"), "{plain:?}");
         let nobody = check_settings(&settings("postgres://127.0.0.1/db"));
         assert!(nobody[0].contains("names no user"), "{nobody:?}");
+    }
+
+    #[test]
+    fn the_server_limits_come_before_the_urls_own_options() {
+        let config = settings("postgres://app@db/x?options=-c%20search_path%3Dpay");
+        let pg = pg_config(&config).expect("a valid URL");
+        // store.timeout's default, 250 ms.
+        let (statement, lock) = pool_limits(&config);
+        let limited = with_server_limits(&pg, statement, lock);
+        assert_eq!(
+            limited.get_options(),
+            Some("-c statement_timeout=500ms -c lock_timeout=250ms -c search_path=pay")
+        );
+        let plain = pg_config(&settings("postgres://app@db/x")).expect("a valid URL");
+        let limited = with_server_limits(&plain, Duration::from_micros(1), Duration::ZERO);
+        assert_eq!(
+            limited.get_options(),
+            Some("-c statement_timeout=1ms -c lock_timeout=1ms"),
+            "never 0, which would mean no limit"
+        );
+        assert_eq!(setting_millis(Duration::from_micros(250_001)), 251);
+        assert_eq!(
+            setting_millis(Duration::from_secs(u64::MAX)),
+            i32::MAX as u64
+        );
     }
 }

@@ -49,7 +49,12 @@
 //! waiting for a connection are bounded; a database that cannot be reached
 //! or answers an error is [`StoreError::Unavailable`] (503, nothing
 //! executed), a row that does not decode [`StoreError::Corrupt`].
+//! PostgreSQL ends by itself a statement its caller has given up on
+//! (`statement_timeout`, `lock_timeout`, set per connection: see
+//! `connect`), and a connection whose call was dropped mid-statement goes
+//! to no other call until the server has answered it ([`conn`]).
 
+mod conn;
 mod connect;
 mod pools;
 mod removals;
@@ -63,10 +68,10 @@ pub use connect::{check_settings, open, open_within, STARTUP_WAIT};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use deadpool_postgres::Object;
 use tokio::sync::watch;
 use tokio_postgres::types::ToSql;
 
+use self::conn::{Conn, Reclaim};
 use self::removals::RemovalFeed;
 use self::statements::Statements;
 use super::{
@@ -89,6 +94,8 @@ const REMOVE_ATTEMPTS: usize = 5;
 #[derive(Clone)]
 pub struct PostgresStore {
     pools: Arc<pools::LoopPools>,
+    /// What becomes of a connection whose call was dropped mid-statement.
+    reclaim: Arc<Reclaim>,
     sql: Arc<Statements>,
     clock: Clock,
     feed: Arc<RemovalFeed>,
@@ -165,40 +172,20 @@ impl PostgresStore {
         self
     }
 
-    async fn client(&self) -> Result<Object, StoreError> {
-        self.pools
+    async fn client(&self) -> Result<Conn, StoreError> {
+        let object = self
+            .pools
             .current()
             .get()
             .await
-            .map_err(|e| StoreError::Unavailable(format!("postgres: {e}")))
-    }
-
-    /// Runs `sql` (prepared once per connection) and returns how many rows
-    /// it changed.
-    async fn execute(
-        &self,
-        client: &Object,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<u64, StoreError> {
-        let statement = client.prepare_cached(sql).await.map_err(pg_error)?;
-        client.execute(&statement, params).await.map_err(pg_error)
-    }
-
-    async fn query(
-        &self,
-        client: &Object,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<tokio_postgres::Row>, StoreError> {
-        let statement = client.prepare_cached(sql).await.map_err(pg_error)?;
-        client.query(&statement, params).await.map_err(pg_error)
+            .map_err(|e| StoreError::Unavailable(format!("postgres: {e}")))?;
+        Ok(Conn::new(object, Arc::clone(&self.reclaim)))
     }
 
     /// Writes `claim` if the key is free or its row expired by `now`.
     async fn claim_free(
         &self,
-        client: &Object,
+        client: &mut Conn,
         key: &RecordKey,
         claim: &Record,
         now: UnixMillis,
@@ -212,12 +199,16 @@ impl PostgresStore {
             &c.value,
             &millis(now),
         ];
-        Ok(self.execute(client, &self.sql.claim, &params).await? == 1)
+        Ok(client.execute(&self.sql.claim, &params).await? == 1)
     }
 
-    async fn read(&self, client: &Object, key: &RecordKey) -> Result<Option<Vec<u8>>, StoreError> {
-        let rows = self
-            .query(client, &self.sql.read, &[&&key.as_bytes()[..]])
+    async fn read(
+        &self,
+        client: &mut Conn,
+        key: &RecordKey,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let rows = client
+            .query(&self.sql.read, &[&&key.as_bytes()[..]])
             .await?;
         rows.first().map(|row| column(row, 0)).transpose()
     }
@@ -225,7 +216,7 @@ impl PostgresStore {
     /// Replaces the row with `replacement` if it still holds `current`.
     async fn swap(
         &self,
-        client: &Object,
+        client: &mut Conn,
         key: &RecordKey,
         current: &[u8],
         replacement: &Record,
@@ -240,18 +231,18 @@ impl PostgresStore {
             &c.value,
             &current,
         ];
-        Ok(self.execute(client, &self.sql.swap, &params).await? == 1)
+        Ok(client.execute(&self.sql.swap, &params).await? == 1)
     }
 
     /// Deletes the record unless `removal` keeps it.
     async fn delete(&self, key: &RecordKey, removal: Removal) -> Result<Removed, StoreError> {
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let key_bytes = &key.as_bytes()[..];
         let force = removal == Removal::Any;
         for _ in 0..REMOVE_ATTEMPTS {
             let now = self.clock.now_millis();
             let params: [&(dyn ToSql + Sync); 3] = [&key_bytes, &force, &millis(now)];
-            let rows = self.query(&client, &self.sql.remove, &params).await?;
+            let rows = client.query(&self.sql.remove, &params).await?;
             if let Some(row) = rows.first() {
                 let expires_at: i64 = column(row, 0)?;
                 return Ok(if expires_at > millis(now) {
@@ -260,7 +251,7 @@ impl PostgresStore {
                     Removed::Absent
                 });
             }
-            let rows = self.query(&client, &self.sql.lease, &[&key_bytes]).await?;
+            let rows = client.query(&self.sql.lease, &[&key_bytes]).await?;
             let Some(row) = rows.first() else {
                 return Ok(Removed::Absent);
             };
@@ -284,9 +275,9 @@ impl PostgresStore {
     /// missed it replays for at most its `max_age`.
     async fn announce_removal(&self, key: &RecordKey) {
         let announced = async {
-            let client = self.client().await?;
+            let mut client = self.client().await?;
             let params: [&(dyn ToSql + Sync); 2] = [&self.sql.channel, &key.to_hex()];
-            self.query(&client, &self.sql.notify, &params).await
+            client.query(&self.sql.notify, &params).await
         }
         .await;
         if let Err(e) = announced {
@@ -302,7 +293,7 @@ impl PostgresStore {
 #[async_trait]
 impl Store for PostgresStore {
     async fn begin(&self, begin: &Begin) -> Result<BeginOutcome, StoreError> {
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let token = begin.token;
         // As on Redis: whether a takeover (to reconcile) was written, for a
         // claim of this call's read back after it.
@@ -310,7 +301,10 @@ impl Store for PostgresStore {
         for attempt in 1..=BEGIN_ATTEMPTS {
             let now = self.clock.now_millis();
             let claim = Record::Pending(new_claim(begin, now, token));
-            if self.claim_free(&client, &begin.key, &claim, now).await? {
+            if self
+                .claim_free(&mut client, &begin.key, &claim, now)
+                .await?
+            {
                 return Ok(BeginOutcome::Acquired {
                     token,
                     took_over: false,
@@ -319,7 +313,7 @@ impl Store for PostgresStore {
             }
             // Gone again since the claim lost (released, removed): claim
             // once more.
-            let Some(current) = self.read(&client, &begin.key).await? else {
+            let Some(current) = self.read(&mut client, &begin.key).await? else {
                 continue;
             };
             let (outcome, replacement) =
@@ -332,7 +326,7 @@ impl Store for PostgresStore {
             }
             note_takeover(&outcome, &mut took_over, &mut reconcile);
             if self
-                .swap(&client, &begin.key, &current, &replacement)
+                .swap(&mut client, &begin.key, &current, &replacement)
                 .await?
             {
                 return Ok(outcome);
@@ -351,7 +345,7 @@ impl Store for PostgresStore {
         token: FencingToken,
         record: &CompletedRecord,
     ) -> Result<(), StoreError> {
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let value = record.encode();
         let params: [&(dyn ToSql + Sync); 5] = [
             &&key.as_bytes()[..],
@@ -360,30 +354,30 @@ impl Store for PostgresStore {
             &value,
             &millis(self.clock.now_millis()),
         ];
-        match self.execute(&client, &self.sql.complete, &params).await? {
+        match client.execute(&self.sql.complete, &params).await? {
             0 => Err(StoreError::Fenced),
             _ => Ok(()),
         }
     }
 
     async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<(), StoreError> {
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let params: [&(dyn ToSql + Sync); 3] = [
             &&key.as_bytes()[..],
             &token_bytes(token),
             &millis(self.clock.now_millis()),
         ];
-        match self.execute(&client, &self.sql.release, &params).await? {
+        match client.execute(&self.sql.release, &params).await? {
             0 => Err(StoreError::Fenced),
             _ => Ok(()),
         }
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let now = millis(self.clock.now_millis());
-        let rows = self
-            .query(&client, &self.sql.get, &[&&key.as_bytes()[..], &now])
+        let rows = client
+            .query(&self.sql.get, &[&&key.as_bytes()[..], &now])
             .await?;
         match rows.first() {
             Some(row) => decode(column(row, 0)?).map(Some),
@@ -409,8 +403,8 @@ impl Store for PostgresStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        client.simple_query("SELECT 1").await.map_err(pg_error)?;
+        let mut client = self.client().await?;
+        client.simple("SELECT 1").await?;
         Ok(())
     }
 
@@ -419,11 +413,11 @@ impl Store for PostgresStore {
         let after = super::scan_after(cursor)?;
         let after = after.map(|k| k.as_bytes().to_vec()).unwrap_or_default();
         let count = count.max(1);
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let now = millis(self.clock.now_millis());
         let limit = i64::try_from(count).unwrap_or(i64::MAX);
         let params: [&(dyn ToSql + Sync); 3] = [&after, &now, &limit];
-        let rows = self.query(&client, &self.sql.scan, &params).await?;
+        let rows = client.walk_query(&self.sql.scan, &params).await?;
         let mut page = ScanPage::default();
         let mut last = None;
         for row in &rows {
@@ -447,12 +441,12 @@ impl Store for PostgresStore {
         let after = super::scan_after(cursor)?;
         let after = after.map(|k| k.as_bytes().to_vec()).unwrap_or_default();
         let max_examined = want.max_examined.max(1);
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let now = self.clock.now_millis();
         let limit = i64::try_from(max_examined).unwrap_or(i64::MAX);
         let front = i32::try_from(RecordMeta::ENCODED_FRONT_MAX).unwrap_or(i32::MAX);
         let params: [&(dyn ToSql + Sync); 4] = [&after, &millis(now), &limit, &front];
-        let rows = self.query(&client, &self.sql.list, &params).await?;
+        let rows = client.walk_query(&self.sql.list, &params).await?;
         let (mut found, mut bytes) = (Vec::new(), 0usize);
         let mut more = rows.len() == max_examined;
         for row in &rows {

@@ -25,7 +25,7 @@ use crate::store::RemovalWatcher;
 /// How often the listening connection is checked with a query: one that
 /// broke without the socket saying so is noticed within this plus the I/O
 /// timeout.
-const HEARTBEAT: Duration = Duration::from_secs(5);
+pub(super) const HEARTBEAT: Duration = Duration::from_secs(5);
 
 /// Waits between attempts to listen, doubling up to the last.
 const MIN_BACKOFF: Duration = Duration::from_millis(100);

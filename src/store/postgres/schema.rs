@@ -3,10 +3,22 @@
 //! under a transaction-scoped advisory lock so that proxies starting
 //! together migrate one at a time.
 
+use std::time::Duration;
+
 use tokio_postgres::Client;
 
+use super::conn::setting_millis;
 use super::pg_error;
 use crate::store::StoreError;
+
+/// How long a migration waits for a lock (the advisory lock while another
+/// proxy migrates, a table's lock for its DDL) before startup fails and
+/// says so. The connection's own limit is a request's (`store.timeout`),
+/// far too short for a proxy waiting its turn; none at all would let a DDL
+/// queued behind a long transaction on the table hold up every request
+/// queued behind it for as long. The same bound as waiting for the
+/// database to come up (`connect::STARTUP_WAIT`).
+const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The advisory lock every proxy's migration takes first (an arbitrary
 /// constant: `hashtext` of the prefix would be one per prefix, but
@@ -55,6 +67,15 @@ pub(super) fn check_prefix(prefix: &str) -> Result<(), String> {
 /// knows; refuses a database migrated by a newer build.
 pub(super) async fn migrate(client: &mut Client, prefix: &str) -> Result<(), StoreError> {
     let tx = client.transaction().await.map_err(pg_error)?;
+    // No statement limit: a migration's work grows with the table (an
+    // index built over it), and one cut off halfway only fails again at
+    // every start. Both last as long as the transaction (`SET LOCAL`).
+    tx.batch_execute(&format!(
+        "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = {}",
+        setting_millis(MIGRATION_LOCK_TIMEOUT)
+    ))
+    .await
+    .map_err(pg_error)?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
         .await
         .map_err(pg_error)?;

@@ -22,11 +22,11 @@ impl PostgresStore {
     /// Deletes every row expired by now, in batches; returns how many.
     pub async fn purge_expired(&self) -> Result<u64, StoreError> {
         let now = millis(self.clock.now_millis());
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let mut purged = 0;
         loop {
-            let batch = self
-                .execute(&client, &self.sql.sweep, &[&now, &SWEEP_BATCH])
+            let batch = client
+                .walk_execute(&self.sql.sweep, &[&now, &SWEEP_BATCH])
                 .await?;
             purged += batch;
             if batch < u64::try_from(SWEEP_BATCH).unwrap_or(u64::MAX) {
