@@ -1,14 +1,23 @@
 //! The chaos run with reconciliation (issues 42 and 52's done-when): an
 //! operator's worst day, shortened. Two proxies (the real binary) share a
 //! store; operations arrive spread over the run, a third of them sent twice
-//! at once, each retried through either proxy until it has its answer; a
-//! fault task meanwhile alternates two faults: it kills a proxy with
-//! SIGKILL while it holds a request at the upstream (then starts a new
-//! one), and it crashes the store and restarts it on the same port and
-//! data. The route looks unknown outcomes up in the upstream's ledger of
-//! executed keys (`reconcile_url = "/ledger/{key}"`).
+//! at once, each retried through either proxy until it has its answer. A
+//! fault task meanwhile alternates two faults:
 //!
-//! It runs on two stores ([`ChaosStore`]), the same run for each:
+//! - it kills a proxy with SIGKILL while it holds a request at the
+//!   upstream (then starts a new one): that key is the lookup's to answer
+//!   once its claim's lease ends;
+//! - just before that lease ends (so that the retries that would take the
+//!   key over find the store gone), it crashes the store, with a request
+//!   held at the upstream by a live proxy and let go while the store is
+//!   down (the proxy settles the key once it is back), keeps it down for
+//!   [`STORE_DOWN`], restarts it on the same port and data, and sends a
+//!   fresh key through each proxy until both serve again (their
+//!   connections to the store reopened).
+//!
+//! The route looks unknown outcomes up in the upstream's ledger of
+//! executed keys (`reconcile_url = "/ledger/{key}"`). It runs on two stores
+//! ([`ChaosStore`]), the same run for each:
 //!
 //! - Redis, keeping an append-only file fsynced on every write; its crash
 //!   is SIGKILL.
@@ -20,23 +29,23 @@
 //! Every operation must run exactly once, and end with its own execution's
 //! answer (executed, replayed, or found by the lookup and marked
 //! reconciled): none ends `outcome-unknown`. Every killed proxy's request
-//! is answered by the lookup. After each store crash, both proxies must
-//! serve a fresh key again once the store is back (their connections to it
-//! reopened); the summary line says how long the store was gone and how
-//! soon both served again.
+//! is answered by the lookup. The summary line says how long the store's
+//! restarts took and how soon both proxies served again; above it, the
+//! faults' timeline and how each held or reconciled key ended.
 //!
 //! A failure names each key that went wrong with what its clients saw
 //! (every attempt: when, through which proxy, what came back), what the
 //! upstream's ledger holds for it, the proxies' log lines about it (each
-//! attempt carries `x-request-id: KEY/ATTEMPT`; the killed proxies' logs
-//! are kept), the faults' timeline and the store's log. Times are UTC
+//! attempt carries `x-request-id: KEY/ATTEMPT`, and the killed proxies'
+//! logs are kept), the faults' timeline and the store's log. Times are UTC
 //! wall-clock, as in the proxies' logs.
 //!
 //! `CHAOS_OPERATIONS`, `CHAOS_SECONDS` and `CHAOS_FAULTS` scale both runs;
-//! CI runs the default (150 operations over 10 s, 4 faults, each run). The
-//! issues' run: `CHAOS_OPERATIONS=600 CHAOS_SECONDS=40 CHAOS_FAULTS=10
-//! cargo test --test integration chaos -- --nocapture` (`chaos::` and the
-//! store's name, `redis` or `postgres`, pick one run).
+//! CI runs the default (150 operations over 10 s, 4 faults; each run takes
+//! about 12 s). The issues' run: `CHAOS_OPERATIONS=600 CHAOS_SECONDS=40
+//! CHAOS_FAULTS=10 cargo test --test integration chaos -- --nocapture`
+//! (add `redis` or `postgres` to the filter, e.g. `chaos::under_kills_and_postgres`,
+//! for one store only).
 
 use crate::support;
 
@@ -210,15 +219,9 @@ enum Via {
 
 /// Sends the operation keyed `key` to `target`, through the proxies `via`
 /// says, retrying what is no answer yet, every `pause`, until it has one or
-/// `until` passes.
-async fn settle(
-    key: String,
-    target: String,
-    live: Live,
-    via: Via,
-    pause: Duration,
-    until: Instant,
-) -> Settled {
+/// [`RETRY_WINDOW`] has passed.
+async fn settle(key: String, target: String, live: Live, via: Via, pause: Duration) -> Settled {
+    let until = Instant::now() + RETRY_WINDOW;
     let client = TestClient::new();
     let body = format!(r#"{{"key":"{key}","amount":700}}"#);
     let mut settled = Settled {
@@ -333,6 +336,9 @@ fn chaos_config(upstream: &TestUpstream, store: &impl ChaosStore) -> Config {
     c
 }
 
+/// How long an operation is retried: time to ride out a lease or two.
+const RETRY_WINDOW: Duration = Duration::from_secs(30);
+
 /// How long a crashed store stays down before its restart begins: long
 /// enough for requests to arrive while it is gone (a restart here takes
 /// ~0.1 s, far less than a production server's recovery).
@@ -366,8 +372,6 @@ async fn chaos<S: ChaosStore>(mut store: S) {
         proxies[1].url("")
     )];
     let started = Instant::now();
-    // Time for the last arrivals to ride out a lease or two.
-    let until = started + run + Duration::from_secs(30);
     let at = |i: usize, of: usize| started + run.mul_f64(i as f64 / of as f64);
 
     let mut clients = JoinSet::new();
@@ -380,28 +384,39 @@ async fn chaos<S: ChaosStore>(mut store: S) {
             let pause = pause_for(&key);
             clients.spawn(async move {
                 tokio::time::sleep_until(arrival).await;
-                settle(key, target, live, Via::Either(op + copy), pause, until).await
+                settle(key, target, live, Via::Either(op + copy), pause).await
             });
         }
     }
 
     // Each proxy kill catches a request at the upstream: its key is one
-    // only the lookup can answer. Each store crash catches one there too,
-    // which its proxy, alive, must settle once the store is back; then a
-    // fresh key through each proxy, retried every 20 ms, says when both
-    // serve again.
+    // only the lookup can answer, once its claim's lease ends. Each store
+    // crash comes just before that (so the retries that would take the key
+    // over find the store gone), and catches a request at the upstream
+    // too, which its proxy, alive, must settle once the store is back;
+    // then a fresh key through each proxy, retried every 20 ms, says when
+    // both serve again.
+    //
+    // The lease: the upstream timeout, the margin, the lookup's timeout
+    // (the upstream's).
+    let lease = c.upstream.timeout * 2 + c.idempotency.lease_margin;
+    let mut last_kill = None;
     let mut held = Vec::new();
     let mut probes = Vec::new();
     let (mut kills, mut crashes) = (0, 0);
     let (mut restarts, mut serving_after) = (Vec::new(), Vec::new());
     for fault in 0..faults {
-        tokio::time::sleep_until(at(fault + 1, faults + 1)).await;
         let crash = fault % 2 == 1;
+        let when = match last_kill {
+            Some(killed) if crash => killed + lease - Duration::from_millis(200),
+            _ => at(fault + 1, faults + 1),
+        };
+        tokio::time::sleep_until(when).await;
         let holder = if crash { crashes } else { kills } % proxies.len();
         let key = format!("chaos-{}-{fault}", if crash { "crossed" } else { "held" });
         let target = format!("/v1/chaos?ledger=1&hold={key}");
         let (k, l, pause) = (key.clone(), live.clone(), pause_for(&key));
-        clients.spawn(async move { settle(k, target, l, Via::Either(holder), pause, until).await });
+        clients.spawn(async move { settle(k, target, l, Via::Either(holder), pause).await });
         let arrived = async {
             while upstream.ledger(&key).is_empty() {
                 sleep(Duration::from_millis(10)).await;
@@ -416,6 +431,7 @@ async fn chaos<S: ChaosStore>(mut store: S) {
         );
         if !crash {
             proxies[holder].kill();
+            last_kill = Some(Instant::now());
             upstream.release(&key);
             timeline.push(format!(
                 "{} SIGKILL {} holding {key}",
@@ -460,7 +476,7 @@ async fn chaos<S: ChaosStore>(mut store: S) {
             let key = format!("chaos-probe-{fault}-{proxy}");
             let target = "/v1/chaos?ledger=1".to_owned();
             let pause = Duration::from_millis(20);
-            settle(key, target, live.clone(), Via::Only(proxy), pause, until)
+            settle(key, target, live.clone(), Via::Only(proxy), pause)
         });
         for probe in futures_util::future::join_all(probing).await {
             let serving = probe.answered_at.map(|at| at - restarted);
@@ -482,10 +498,10 @@ async fn chaos<S: ChaosStore>(mut store: S) {
         settled.push(done.expect("a client task"));
     }
     timeline.push(format!("{} every client done", clock()));
-    for client in settled
-        .iter()
-        .filter(|s| s.key.contains("-held-") || s.key.contains("-crossed-"))
-    {
+    for client in settled.iter().filter(|s| {
+        let reconciled = matches!(s.answer, Some(Answer::Reconciled(_)));
+        reconciled || s.key.contains("-held-") || s.key.contains("-crossed-")
+    }) {
         timeline.push(format!(
             "{} ended {:?} after {} attempts; the first: {}; the last: {}",
             client.key,
@@ -535,8 +551,15 @@ async fn chaos<S: ChaosStore>(mut store: S) {
         unknown_seen += client.unknown_seen;
         attempts += client.attempts;
     }
+    // Killed proxies' keys whose retries found the store down, as the
+    // crash's timing means them to.
+    let mut met_down = 0;
     for key in &held {
         let clients = settled.iter().filter(|s| &s.key == key);
+        met_down += clients
+            .clone()
+            .filter(|c| c.history.iter().any(|a| a.contains(": 503 ")))
+            .count();
         if clients.clone().count() == 0 {
             wrong.push((key.clone(), "a held request with no client".into()));
         }
@@ -567,8 +590,9 @@ async fn chaos<S: ChaosStore>(mut store: S) {
     }
     eprintln!(
         "chaos ({}): {} operations ({} clients, {attempts} attempts) over {run:?}, {kills} proxy \
-         kills, {crashes} {} crashes (down {STORE_DOWN:?}, restarts took at most {:?}, both \
-         proxies serving again at most {:?} after a restart began): {executed} answered \
+         kills ({met_down} of their keys retried into a store crash), {crashes} {} crashes \
+         (down {STORE_DOWN:?}, restarts took at most {:?}, both proxies serving again at most \
+         {:?} after a restart began): {executed} answered \
          executed or replayed, {reconciled} reconciled, {unknown_seen} outcome-unknown answers \
          on the way (each resolved), none run twice, none left unknown; took {:?}",
         S::NAME,
