@@ -618,7 +618,7 @@ fn report(
 ) -> String {
     const DETAILED: usize = 6;
     let keys: BTreeSet<&str> = wrong.iter().map(|(key, _)| key.as_str()).collect();
-    let mut out = format!("{} keys went wrong:\n", keys.len());
+    let mut out = format!("{} key(s) went wrong:\n", keys.len());
     for (key, why) in wrong {
         out += &format!("  {key}: {why}\n");
     }
