@@ -114,8 +114,14 @@ impl ChaosStore for PostgresServer {
         PostgresServer::crash(self);
     }
 
+    /// Starts it again, then freezes it for 400 ms: the first statements
+    /// after the restart answer after `store.timeout`, and those that take
+    /// a killed proxy's key over to reconcile it land after their callers
+    /// were answered 503 (issue 52: such a claim, released, freed the key
+    /// and the next retry ran the operation again).
     fn restart(&mut self) {
         PostgresServer::restart(self);
+        self.freeze(Duration::from_millis(400));
     }
 
     fn log(&self) -> String {

@@ -686,34 +686,6 @@ async fn a_takeover_that_answers_late_writes_the_unknown_outcome_back() {
     assert_eq!(upstream.executions("/v1/orders"), 0, "nothing ran again");
 }
 
-/// Sends `signal` to the PostgreSQL server's postmaster and every backend.
-fn signal_postgres(postgres: &PostgresServer, signal: &str) {
-    let pid_file = std::fs::read_to_string(postgres.data_dir().join("postmaster.pid"))
-        .expect("postmaster.pid");
-    let postmaster = pid_file
-        .lines()
-        .next()
-        .expect("the postmaster's pid")
-        .trim()
-        .to_owned();
-    let children = std::process::Command::new("pgrep")
-        .args(["-P", &postmaster])
-        .output()
-        .expect("pgrep");
-    let mut pids = vec![postmaster];
-    pids.extend(
-        String::from_utf8_lossy(&children.stdout)
-            .split_whitespace()
-            .map(str::to_owned),
-    );
-    let sent = std::process::Command::new("kill")
-        .arg(format!("-{signal}"))
-        .args(&pids)
-        .status()
-        .expect("kill");
-    assert!(sent.success(), "kill -{signal} {pids:?}");
-}
-
 /// The reproduction, on a real PostgreSQL: a retry past the lease
 /// takes over an `outcome-unknown` charge to reconcile it while the server
 /// is frozen (SIGSTOP, 1 s); its `begin` answers long after `store.timeout`
@@ -743,10 +715,10 @@ async fn a_takeover_held_up_by_a_frozen_postgres_is_not_freed() {
     first.assert_problem(504, "outcome-unknown");
     tokio::time::sleep(lease + Duration::from_millis(100)).await;
 
-    tokio::task::block_in_place(|| signal_postgres(&postgres, "STOP"));
+    let frozen = tokio::task::block_in_place(|| postgres.suspend());
     let retry = client.post_json(&url, "frozen-1", BODY).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    tokio::task::block_in_place(|| signal_postgres(&postgres, "CONT"));
+    tokio::task::block_in_place(|| drop(frozen));
     retry.assert_problem(503, "store-unavailable");
 
     // Until the lease of the claim let go of is over: outcome-unknown (or

@@ -223,6 +223,45 @@ impl PostgresServer {
         }
     }
 
+    /// Freezes the server (SIGSTOP to the postmaster and every backend)
+    /// until the guard is dropped (SIGCONT): what a stalled host or a
+    /// slow disk look like to a client. Statements sent meanwhile run once
+    /// it goes on, after their callers gave up.
+    pub fn suspend(&self) -> Suspended {
+        let pids = self.pids();
+        signal_all(&pids, "STOP");
+        Suspended(pids)
+    }
+
+    /// [`Self::suspend`] for `pause`.
+    pub fn freeze(&self, pause: Duration) {
+        let suspended = self.suspend();
+        std::thread::sleep(pause);
+        drop(suspended);
+    }
+
+    /// The postmaster's pid and its children's.
+    fn pids(&self) -> Vec<String> {
+        let pid_file = std::fs::read_to_string(self.data_dir().join("postmaster.pid"))
+            .expect("postmaster.pid");
+        let postmaster = pid_file
+            .lines()
+            .next()
+            .expect("the postmaster's pid")
+            .trim();
+        let children = Command::new("pgrep")
+            .args(["-P", postmaster])
+            .output()
+            .expect("pgrep");
+        let mut pids = vec![postmaster.to_owned()];
+        pids.extend(
+            String::from_utf8_lossy(&children.stdout)
+                .split_whitespace()
+                .map(str::to_owned),
+        );
+        pids
+    }
+
     /// Makes a standby the primary (`pg_ctl promote`), and waits until it
     /// accepts writes.
     pub fn promote(&self) {
@@ -348,4 +387,24 @@ pub fn shared() -> &'static PostgresServer {
 /// A table prefix no other test uses.
 pub fn unique_prefix(name: &str) -> String {
     format!("t_{name}_{:016x}_", rand::random::<u64>())
+}
+
+/// A server frozen by [`PostgresServer::suspend`]; dropping it lets the
+/// server go on (so a test that panics leaves no frozen server behind).
+pub struct Suspended(Vec<String>);
+
+impl Drop for Suspended {
+    fn drop(&mut self) {
+        signal_all(&self.0, "CONT");
+    }
+}
+
+/// Sends `signal` to every process of `pids`.
+fn signal_all(pids: &[String], signal: &str) {
+    let sent = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .args(pids)
+        .status()
+        .expect("kill");
+    assert!(sent.success(), "kill -{signal} {pids:?}");
 }
