@@ -523,6 +523,7 @@ async fn chaos<S: ChaosStore>(mut store: S) {
     // Every problem, by key.
     let mut wrong: Vec<(String, String)> = Vec::new();
     let (mut executed, mut reconciled, mut unknown_seen, mut attempts) = (0, 0, 0, 0);
+    let mut keys_seen_unknown = std::collections::BTreeSet::new();
     for client in &settled {
         let key = &client.key;
         if !client.unexpected.is_empty() {
@@ -555,6 +556,9 @@ async fn chaos<S: ChaosStore>(mut store: S) {
             Answer::Reconciled(_) => reconciled += 1,
         }
         unknown_seen += client.unknown_seen;
+        if client.unknown_seen > 0 {
+            keys_seen_unknown.insert(key.as_str());
+        }
         attempts += client.attempts;
     }
     // Killed proxies' keys whose retries found the store down, as the
@@ -600,13 +604,14 @@ async fn chaos<S: ChaosStore>(mut store: S) {
          (down {STORE_DOWN:?}, restarts took at most {:?}, both proxies serving again at most \
          {:?} after a restart began): {executed} answered \
          executed or replayed, {reconciled} reconciled, {unknown_seen} outcome-unknown answers \
-         on the way (each resolved), none run twice, none left unknown; took {:?}",
+         on the way to {} keys (each resolved), none run twice, none left unknown; took {:?}",
         S::NAME,
         operations + kills + crashes + probe_count,
         settled.len(),
         S::NAME,
         longest(&restarts),
         longest(&serving_after),
+        keys_seen_unknown.len(),
         started.elapsed()
     );
 }
