@@ -271,3 +271,38 @@ async fn a_claim_no_replica_acknowledges_is_released_and_refused() {
         "the unacknowledged claim was released: {keys}"
     );
 }
+
+/// The same on a route with `reconcile_url`, for a retry that takes over
+/// a dead proxy's claim to reconcile it: the takeover no replica
+/// acknowledges is settled back to `outcome-unknown`, never released
+/// (issue 52: released, the key was free and the next retry executed
+/// with no lookup), and nothing is looked up or forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unacknowledged_takeover_to_reconcile_is_settled_back_not_released() {
+    let upstream = TestUpstream::start().await;
+    let redis = support::redis_server::RedisServer::start();
+    let prefix = unique_prefix("acks-takeover");
+    let mut c = support::proxy::redis_config(&upstream.url(), &redis.url(), &prefix);
+    c.idempotency.reconcile_url = "/lookup/{key}?status=404&header=idempotency-lookup:absent".into();
+    // Planted with no replica to wait for, as a proxy that died holding it.
+    let planter = idemproxy::open_store(&c).await.expect("store");
+    let body = r#"{"amount":5}"#;
+    let (record_key, _) =
+        support::keys::plant_stale_claim(&planter, "/v1/k/taken", "taken", body.as_bytes()).await;
+    c.store.min_replica_acks = 1;
+    c.store.replica_ack_timeout = Duration::from_millis(50);
+    let store = idemproxy::open_store(&c).await.expect("store");
+    let proxy = TestProxy::start_with_store(c, store).await;
+    let reply = TestClient::new()
+        .post_json(&proxy.url("/v1/k/taken"), "taken", body)
+        .await;
+    reply.assert_problem(503, "store-unavailable");
+    assert_eq!(upstream.total(), 0, "nothing looked up or forwarded");
+    match planter.get(&record_key).await.expect("get") {
+        Some(idemproxy::core::Record::Completed(done)) => assert!(
+            matches!(done.outcome, idemproxy::core::Outcome::Unknown { .. }),
+            "{done:?}"
+        ),
+        other => panic!("the dead proxy's claim was lost: {other:?}"),
+    }
+}

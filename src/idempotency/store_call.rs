@@ -12,10 +12,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::layer::Settings;
-use crate::core::{
-    millis, Begin, BeginOutcome, Clock, CompletedRecord, Outcome, RecordKey, UnixMillis,
-    UnknownCause,
-};
+use crate::core::{settled_back, Begin, BeginOutcome, Clock, RecordKey, UnknownCause};
 use crate::observe::{trace, RequestLog};
 use crate::store::{SharedStore, Store, StoreError};
 
@@ -164,7 +161,7 @@ async fn let_go_by_token(
             match letting_go {
                 LettingGo::Release => store.release(&key, token).await,
                 LettingGo::WriteBack(cause) => {
-                    let record = written_back(begin, clock.now_millis(), cause);
+                    let record = settled_back(begin, clock.now_millis(), cause);
                     store.complete(&key, token, &record).await
                 }
             }
@@ -196,20 +193,6 @@ async fn let_go_by_token(
             break;
         }
         tokio::time::sleep(release_backoff(attempt).min(remaining)).await;
-    }
-}
-
-/// The `outcome-unknown` record an unanswered claim of `begin` is settled
-/// back to at `now`. It counts as created now, later than the outcome it
-/// replaced: a retry looks the operation up one lease from now, never
-/// sooner than it would have.
-fn written_back(begin: &Begin, now: UnixMillis, cause: UnknownCause) -> CompletedRecord {
-    CompletedRecord {
-        fingerprint: begin.fingerprint,
-        created_at: now,
-        completed_at: now,
-        expires_at: now.saturating_add(millis(begin.ttl)),
-        outcome: Outcome::Unknown { cause },
     }
 }
 

@@ -122,7 +122,9 @@ use super::{
     busy_key, decide_read, note_takeover, Begin, BeginOutcome, ListPage, ListWant, Removal,
     Removed, ScanCursor, ScanPage, SharedStore, Store, StoreError,
 };
-use crate::core::{new_claim, Clock, CompletedRecord, FencingToken, Record, RecordKey};
+use crate::core::{
+    new_claim, settled_back, Clock, CompletedRecord, FencingToken, Record, RecordKey,
+};
 
 struct Scripts {
     settle: Script,
@@ -342,6 +344,25 @@ impl RedisStore {
         why
     }
 
+    /// Settles a takeover to reconcile whose replicas did not acknowledge
+    /// it back to the `outcome-unknown` it replaced (`unknown`), and says
+    /// why the request is refused. Never released: that would free a key
+    /// whose request may have run, and its next retry would execute with
+    /// no lookup. A failed write is retried by the caller's letting go of
+    /// an unanswered claim, which settles it back the same way.
+    async fn unacknowledged_takeover(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        unknown: &CompletedRecord,
+        why: StoreError,
+    ) -> StoreError {
+        if let Err(e) = self.settle(key, token, Some(unknown)).await {
+            tracing::warn!(key = %key.to_hex(), error = %e, "cannot settle back a takeover its replicas did not acknowledge");
+        }
+        why
+    }
+
     async fn settle(
         &self,
         key: &RecordKey,
@@ -436,10 +457,22 @@ impl Store for RedisStore {
             note_takeover(&outcome, &mut took_over, &mut reconcile);
             if swap(&mut conn, &key, &current, &replacement, now).await? {
                 if let Err(why) = self.replicated(&mut conn, &key).await {
-                    if matches!(outcome, BeginOutcome::Acquired { .. }) {
-                        return Err(self.unacknowledged_claim(&begin.key, token, why).await);
-                    }
-                    return Err(why);
+                    return Err(match outcome {
+                        // A takeover to reconcile replaced an unknown
+                        // outcome: let go of, it goes back to being one.
+                        BeginOutcome::Acquired {
+                            reconcile: Some(cause),
+                            ..
+                        } => {
+                            let unknown = settled_back(begin, self.clock.now_millis(), cause);
+                            self.unacknowledged_takeover(&begin.key, token, &unknown, why)
+                                .await
+                        }
+                        BeginOutcome::Acquired { .. } => {
+                            self.unacknowledged_claim(&begin.key, token, why).await
+                        }
+                        _ => why,
+                    });
                 }
                 return Ok(outcome);
             }

@@ -92,6 +92,24 @@ pub fn new_claim(begin: &Begin, now: UnixMillis, token: FencingToken) -> Pending
     }
 }
 
+/// The `outcome-unknown` record a claim of `begin` is settled back to at
+/// `now` when it must be let go of without executing, having replaced a
+/// key whose outcome was unknown (`cause`; see
+/// [`BeginOutcome::Acquired`]'s `reconcile`), or without knowing what it
+/// replaced. Released instead, the key would be free and the next retry
+/// would execute with no lookup. It counts as created now, later than the
+/// outcome it replaced: the next lookup comes a lease from now, never
+/// sooner than it would have.
+pub fn settled_back(begin: &Begin, now: UnixMillis, cause: UnknownCause) -> CompletedRecord {
+    CompletedRecord {
+        fingerprint: begin.fingerprint,
+        created_at: now,
+        completed_at: now,
+        expires_at: now.saturating_add(millis(begin.ttl)),
+        outcome: Outcome::Unknown { cause },
+    }
+}
+
 /// The decision `begin` makes, shared by all stores so that they cannot
 /// drift apart. `existing` is the live (unexpired) record, if any; returns
 /// the outcome and the record to write, if the key changes. A claim it

@@ -12,7 +12,8 @@ pub mod record;
 pub mod redact;
 
 pub use begin::{
-    decide_begin, new_claim, running_lease, Begin, BeginOutcome, OnStale, Removal, Removed,
+    decide_begin, new_claim, running_lease, settled_back, Begin, BeginOutcome, OnStale, Removal,
+    Removed,
 };
 pub use clock::{from_millis, millis, now_millis, to_millis, Clock, UnixMillis, LAST_DATE_MILLIS};
 pub use failure::UpstreamFailure;
