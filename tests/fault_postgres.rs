@@ -204,23 +204,7 @@ async fn the_sweep_deletes_expired_rows_in_batches_and_keeps_live_ones() {
         ..StoreSettings::default()
     };
     let store = PostgresStore::connect(&config).await.expect("connect");
-    let live = new_key();
-    let token = store
-        .begin(&support::store_fixtures::begin(
-            live,
-            1,
-            Duration::from_secs(30),
-            idemproxy::store::OnStale::Store,
-        ))
-        .await
-        .expect("begin");
-    let idemproxy::store::BeginOutcome::Acquired { token, .. } = token else {
-        panic!("claimed: {token:?}");
-    };
-    store
-        .complete(&live, token, &completed(1, Duration::from_secs(3600)))
-        .await
-        .expect("complete");
+    let live = completed_key(&store).await;
     // 2,500 rows expired a minute ago, written behind the store's back.
     let expired = idemproxy::core::now_millis() - 60_000;
     tokio::task::block_in_place(|| {
