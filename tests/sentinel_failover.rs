@@ -283,7 +283,8 @@ async fn an_unacknowledged_takeover_to_reconcile_is_settled_back_not_released() 
     let redis = support::redis_server::RedisServer::start();
     let prefix = unique_prefix("acks-takeover");
     let mut c = support::proxy::redis_config(&upstream.url(), &redis.url(), &prefix);
-    c.idempotency.reconcile_url = "/lookup/{key}?status=404&header=idempotency-lookup:absent".into();
+    c.idempotency.reconcile_url =
+        "/lookup/{key}?status=404&header=idempotency-lookup:absent".into();
     // Planted with no replica to wait for, as a proxy that died holding it.
     let planter = idemproxy::open_store(&c).await.expect("store");
     let body = r#"{"amount":5}"#;
