@@ -344,21 +344,36 @@ impl RedisStore {
         why
     }
 
-    /// Settles a takeover to reconcile whose replicas did not acknowledge
-    /// it back to the `outcome-unknown` it replaced (`unknown`), and says
-    /// why the request is refused. Never released: that would free a key
+    /// Lets go of what a swap that its replicas did not acknowledge wrote
+    /// (`outcome`, for `begin`), and says why the request is refused. A
+    /// claim is released, as [`Self::unacknowledged_claim`] does, unless
+    /// it took over an unknown outcome to reconcile it: that one is
+    /// settled back to `outcome-unknown`. Released, it would free a key
     /// whose request may have run, and its next retry would execute with
     /// no lookup. A failed write is retried by the caller's letting go of
     /// an unanswered claim, which settles it back the same way.
-    async fn unacknowledged_takeover(
+    async fn unacknowledged_swap(
         &self,
-        key: &RecordKey,
-        token: FencingToken,
-        unknown: &CompletedRecord,
+        begin: &Begin,
+        outcome: &BeginOutcome,
         why: StoreError,
     ) -> StoreError {
-        if let Err(e) = self.settle(key, token, Some(unknown)).await {
-            tracing::warn!(key = %key.to_hex(), error = %e, "cannot settle back a takeover its replicas did not acknowledge");
+        let cause = match outcome {
+            BeginOutcome::Acquired {
+                reconcile: Some(cause),
+                ..
+            } => *cause,
+            BeginOutcome::Acquired { .. } => {
+                return self
+                    .unacknowledged_claim(&begin.key, begin.token, why)
+                    .await
+            }
+            // A settled stale claim: nothing of this request's to let go.
+            _ => return why,
+        };
+        let unknown = settled_back(begin, self.clock.now_millis(), cause);
+        if let Err(e) = self.settle(&begin.key, begin.token, Some(&unknown)).await {
+            tracing::warn!(key = %begin.key.to_hex(), error = %e, "cannot settle back a takeover its replicas did not acknowledge");
         }
         why
     }
@@ -457,22 +472,7 @@ impl Store for RedisStore {
             note_takeover(&outcome, &mut took_over, &mut reconcile);
             if swap(&mut conn, &key, &current, &replacement, now).await? {
                 if let Err(why) = self.replicated(&mut conn, &key).await {
-                    return Err(match outcome {
-                        // A takeover to reconcile replaced an unknown
-                        // outcome: let go of, it goes back to being one.
-                        BeginOutcome::Acquired {
-                            reconcile: Some(cause),
-                            ..
-                        } => {
-                            let unknown = settled_back(begin, self.clock.now_millis(), cause);
-                            self.unacknowledged_takeover(&begin.key, token, &unknown, why)
-                                .await
-                        }
-                        BeginOutcome::Acquired { .. } => {
-                            self.unacknowledged_claim(&begin.key, token, why).await
-                        }
-                        _ => why,
-                    });
+                    return Err(self.unacknowledged_swap(begin, &outcome, why).await);
                 }
                 return Ok(outcome);
             }
