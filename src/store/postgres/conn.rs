@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{ClientWrapper, Object};
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::{NoTls, Row, Statement, Transaction};
 
 use super::pg_error;
 use super::tls::MakeRustls;
@@ -224,42 +224,45 @@ impl Conn {
     }
 
     /// [`Self::query`] for a walk over many rows, under
-    /// [`WALK_STATEMENT_TIMEOUT`] instead of the connection's limit (in a
-    /// transaction of its own, which `SET LOCAL` lasts for).
+    /// [`WALK_STATEMENT_TIMEOUT`] instead of the connection's limit (see
+    /// [`Self::walk`]).
     pub(super) async fn walk_query(
         &mut self,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
-        let client = self.ask()?;
-        let answer = async {
-            let tx = client.transaction().await?;
-            tx.batch_execute(&walk_limit()).await?;
-            let statement = tx.prepare_cached(sql).await?;
-            let rows = tx.query(&statement, params).await?;
-            tx.commit().await?;
-            Ok(rows)
-        }
-        .await;
-        self.asking = false;
-        answer.map_err(pg_error)
+        self.walk(sql, async |tx, statement| tx.query(statement, params).await)
+            .await
     }
 
-    /// [`Self::execute`] for a walk over many rows (see
-    /// [`Self::walk_query`]).
+    /// [`Self::execute`] for a walk over many rows (see [`Self::walk`]).
     pub(super) async fn walk_execute(
         &mut self,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<u64, StoreError> {
+        self.walk(sql, async |tx, statement| {
+            tx.execute(statement, params).await
+        })
+        .await
+    }
+
+    /// Runs `sql` (prepared once per connection) as `run` says, in a
+    /// transaction of its own under [`WALK_STATEMENT_TIMEOUT`] (`SET
+    /// LOCAL` lasts as long as the transaction).
+    async fn walk<T>(
+        &mut self,
+        sql: &str,
+        run: impl AsyncFnOnce(&Transaction<'_>, &Statement) -> Result<T, tokio_postgres::Error>,
+    ) -> Result<T, StoreError> {
         let client = self.ask()?;
         let answer = async {
             let tx = client.transaction().await?;
             tx.batch_execute(&walk_limit()).await?;
             let statement = tx.prepare_cached(sql).await?;
-            let changed = tx.execute(&statement, params).await?;
+            let answer = run(&tx, &statement).await?;
             tx.commit().await?;
-            Ok(changed)
+            Ok(answer)
         }
         .await;
         self.asking = false;
