@@ -156,14 +156,29 @@ async fn let_go_by_token(
     lease_ends: Instant,
 ) {
     let (key, token) = (begin.key, begin.token);
+    // Encoded once, as a settling completion is (see `Store::prepare`):
+    // every try writes the same bytes, so one whose reply was lost is
+    // found to be the same write rather than fenced until the lease ends.
+    let written_back = match letting_go {
+        LettingGo::Release => None,
+        LettingGo::WriteBack(cause) => {
+            let record = settled_back(begin, clock.now_millis(), cause);
+            match store.prepare(&key, record) {
+                Ok(completion) => Some(completion),
+                Err(e) => {
+                    // The claim stays; once its lease ends the next retry
+                    // takes it over as abandoned: still never freed.
+                    tracing::error!(key = %key.hex(), error = %e, "cannot encode the outcome-unknown an unanswered claim is settled back to");
+                    return;
+                }
+            }
+        }
+    };
     for attempt in 0u32.. {
         let call = async {
-            match letting_go {
-                LettingGo::Release => store.release(&key, token).await,
-                LettingGo::WriteBack(cause) => {
-                    let record = settled_back(begin, clock.now_millis(), cause);
-                    store.complete(&key, token, &record).await
-                }
+            match &written_back {
+                None => store.release(&key, token).await,
+                Some(completion) => store.complete_prepared(&key, token, completion).await,
             }
         };
         match tokio::time::timeout_at(lease_ends, call).await {
