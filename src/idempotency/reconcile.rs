@@ -173,12 +173,7 @@ where
     };
     let status = response.status();
     let settings = &cx.policy.settings;
-    let lookup = match proof_of(
-        settings.reconcile_proof,
-        settings,
-        status,
-        response.headers(),
-    ) {
+    let lookup = match proof_of(settings, status, response.headers()) {
         Ok(Proof::Found) => found(response, settings.max_response_bytes).await,
         Ok(Proof::Absent) => Lookup::Absent,
         Err(why) => Lookup::Failed {
@@ -195,16 +190,15 @@ enum Proof {
     Absent,
 }
 
-/// What the lookup's `status` and `headers` prove under `proof` (see
-/// [`ReconcileProof`]); otherwise why they prove nothing, and the outcome
-/// stays unknown.
+/// What the lookup's `status` and `headers` prove under the route's
+/// `reconcile_proof` (see [`ReconcileProof`]); otherwise why they prove
+/// nothing, and the outcome stays unknown.
 fn proof_of(
-    proof: ReconcileProof,
     settings: &IdempotencySettings,
     status: StatusCode,
     headers: &HeaderMap,
 ) -> Result<Proof, &'static str> {
-    if proof == ReconcileProof::Status {
+    if settings.reconcile_proof == ReconcileProof::Status {
         let status = status.as_u16();
         if settings.reconcile_found_statuses.contains(&status) {
             return Ok(Proof::Found);
@@ -269,7 +263,11 @@ mod tests {
             );
         }
         let status = StatusCode::from_u16(status).expect("status");
-        proof_of(proof, &IdempotencySettings::default(), status, &headers)
+        let settings = IdempotencySettings {
+            reconcile_proof: proof,
+            ..IdempotencySettings::default()
+        };
+        proof_of(&settings, status, &headers)
     }
 
     #[test]
