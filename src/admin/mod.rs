@@ -452,12 +452,13 @@ fn invalid_lookup(detail: String) -> AdminProblem {
     }
 }
 
-/// Finds the record key of `lookup` on its route, with `query` as the
-/// request's query string.
+/// Finds the record key of `lookup` on its route; `target`, the
+/// request's method and path-and-query as sent, when the caller has them
+/// (a reconciliation fingerprints the request and fills its lookup).
 fn address(
     state: &AdminState,
     lookup: &Lookup,
-    query: Option<&str>,
+    target: Option<(axum::http::Method, axum::http::Uri)>,
 ) -> Result<Addressed, AdminProblem> {
     let bad = invalid_lookup;
     let route = lookup.route.as_deref().unwrap_or("default");
@@ -470,15 +471,15 @@ fn address(
         .map_err(|_| bad("`key` is not a valid header value".into()))?;
     let key = crate::request::key::parse_key(&value).map_err(|e| bad(e.to_string()))?;
     let mut request = axum::http::Request::builder();
-    if let Some(query) = query {
-        request = request.uri(format!("/?{}", query.trim_start_matches('?')));
+    if let Some((method, uri)) = target {
+        request = request.method(method).uri(uri);
     }
     for (name, value) in &lookup.headers {
         request = request.header(name.as_str(), value.as_str());
     }
     let (mut parts, ()) = request
         .body(())
-        .map_err(|e| bad(format!("`headers` or `query`: {e}")))?
+        .map_err(|e| bad(format!("`headers`: {e}")))?
         .into_parts();
     if let Some(digest) = &lookup.client_cert_sha256 {
         let digest = hex::decode(digest.trim())

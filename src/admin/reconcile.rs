@@ -106,15 +106,13 @@ pub(super) async fn reconcile_key(
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, AdminProblem> {
     let call: ReconcileCall = authorized_call(&state, &peer, &headers, &body)?;
-    let (method, uri) = call.target()?;
     let body = call.body()?;
     let Addressed {
         policy,
-        mut parts,
+        parts,
         key,
         record_key,
-    } = address(&state, &call.lookup, None)?;
-    (parts.method, parts.uri) = (method, uri);
+    } = address(&state, &call.lookup, Some(call.target()?))?;
     let route = policy.route.clone();
     let done = state
         .reconciler
