@@ -513,26 +513,15 @@ async fn locked_rows_fail_their_own_keys_fast_and_fresh_keys_keep_being_served()
 async fn a_call_dropped_mid_statement_hands_its_connection_to_no_other_call() {
     let postgres = tokio::task::block_in_place(postgres_server::shared);
     let prefix = postgres_server::unique_prefix("dropped");
-    let config = StoreSettings {
-        kind: idemproxy::config::StoreKind::Postgres,
-        url: postgres.url(),
-        table_prefix: prefix.clone(),
-        // PostgreSQL's own limits follow it: long enough that a call served
-        // on the dropped call's connection could not be served in time.
-        timeout: Duration::from_secs(1),
-        pool_size: 2,
-        ..StoreSettings::default()
-    };
-    let store = PostgresStore::connect(&config).await.expect("connect");
-    let lease = Duration::from_secs(30);
-    let stale = idemproxy::store::OnStale::Store;
-    let locked = completed_key(&store).await;
-    let locker = lock_rows(postgres, &prefix).await;
-    let observer = side_connection(postgres).await;
+    // PostgreSQL's own limits follow it: long enough that a call served on
+    // the dropped call's connection could not be served in time.
+    let timeout = Duration::from_secs(1);
+    let (store, locked, locker, observer) =
+        a_locked_row(postgres, &prefix, postgres.url(), timeout).await;
 
     // Given up on well before PostgreSQL's own limit would end it.
-    let retry = support::store_fixtures::begin(locked, 1, lease, stale);
-    let given_up = tokio::time::timeout(Duration::from_millis(100), store.begin(&retry)).await;
+    let given_up =
+        tokio::time::timeout(Duration::from_millis(100), store.begin(&claim(locked))).await;
     assert!(given_up.is_err(), "answered under a row lock: {given_up:?}");
     let dropped_at = Instant::now();
     assert_eq!(
@@ -540,8 +529,8 @@ async fn a_call_dropped_mid_statement_hands_its_connection_to_no_other_call() {
         1,
         "the dropped claim still waits on the server"
     );
-    let fresh = support::store_fixtures::begin(new_key(), 1, lease, stale);
-    let served = tokio::time::timeout(Duration::from_millis(400), store.begin(&fresh)).await;
+    let served =
+        tokio::time::timeout(Duration::from_millis(400), store.begin(&claim(new_key()))).await;
     assert!(
         matches!(
             served,
@@ -549,7 +538,7 @@ async fn a_call_dropped_mid_statement_hands_its_connection_to_no_other_call() {
         ),
         "a fresh key behind the dropped call's connection: {served:?}"
     );
-    until_none_waits(&observer, &prefix, config.timeout + Duration::from_secs(1)).await;
+    until_none_waits(&observer, &prefix, timeout + Duration::from_secs(1)).await;
     println!(
         "dropped call: its statement ended {:?} after it was given up on",
         dropped_at.elapsed()
@@ -557,9 +546,7 @@ async fn a_call_dropped_mid_statement_hands_its_connection_to_no_other_call() {
     // Not dropped: PostgreSQL answers the claim an error after its
     // lock_timeout, and the call fails closed.
     let started = Instant::now();
-    let waited = store
-        .begin(&support::store_fixtures::begin(locked, 1, lease, stale))
-        .await;
+    let waited = store.begin(&claim(locked)).await;
     let took = started.elapsed();
     match waited {
         Err(idemproxy::store::StoreError::Unavailable(why)) => {
@@ -568,17 +555,14 @@ async fn a_call_dropped_mid_statement_hands_its_connection_to_no_other_call() {
         other => panic!("a claim under a row lock: {other:?}"),
     }
     assert!(
-        took >= config.timeout && took < config.timeout + Duration::from_millis(600),
+        took >= timeout && took < timeout + Duration::from_millis(600),
         "the lock was waited on for {took:?}"
     );
     drop(locker);
     // Both connections serve again, the one given up on among them.
-    let (one, two) = (
-        support::store_fixtures::begin(new_key(), 1, lease, stale),
-        support::store_fixtures::begin(new_key(), 1, lease, stale),
-    );
+    let (one, two) = (claim(new_key()), claim(new_key()));
     let both = tokio::time::timeout(
-        config.timeout,
+        timeout,
         futures_util::future::join(store.begin(&one), store.begin(&two)),
     )
     .await;
@@ -593,26 +577,14 @@ async fn a_call_dropped_mid_statement_hands_its_connection_to_no_other_call() {
 async fn a_statement_given_up_on_that_never_ends_is_cancelled() {
     let postgres = tokio::task::block_in_place(postgres_server::shared);
     let prefix = postgres_server::unique_prefix("cancel");
-    let config = StoreSettings {
-        kind: idemproxy::config::StoreKind::Postgres,
-        url: format!(
-            "{}?options=-c%20lock_timeout%3D0%20-c%20statement_timeout%3D0",
-            postgres.url()
-        ),
-        table_prefix: prefix.clone(),
-        timeout: Duration::from_millis(250),
-        pool_size: 2,
-        ..StoreSettings::default()
-    };
-    let store = PostgresStore::connect(&config).await.expect("connect");
-    let lease = Duration::from_secs(30);
-    let stale = idemproxy::store::OnStale::Store;
-    let locked = completed_key(&store).await;
-    let locker = lock_rows(postgres, &prefix).await;
-    let observer = side_connection(postgres).await;
+    let url = format!(
+        "{}?options=-c%20lock_timeout%3D0%20-c%20statement_timeout%3D0",
+        postgres.url()
+    );
+    let timeout = Duration::from_millis(250);
+    let (store, locked, locker, observer) = a_locked_row(postgres, &prefix, url, timeout).await;
 
-    let retry = support::store_fixtures::begin(locked, 1, lease, stale);
-    let given_up = tokio::time::timeout(config.timeout, store.begin(&retry)).await;
+    let given_up = tokio::time::timeout(timeout, store.begin(&claim(locked))).await;
     assert!(given_up.is_err(), "answered under a row lock: {given_up:?}");
     let dropped_at = Instant::now();
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -631,18 +603,50 @@ async fn a_statement_given_up_on_that_never_ends_is_cancelled() {
     drop(locker);
 }
 
+/// A store on `url` (tables under `prefix`, calls bounded by `timeout`,
+/// two connections) with one completed key whose row another session
+/// holds locked: the store, the key, the locking session (dropped, it lets
+/// go) and a session to watch the server from.
+async fn a_locked_row(
+    postgres: &PostgresServer,
+    prefix: &str,
+    url: String,
+    timeout: Duration,
+) -> (
+    PostgresStore,
+    idemproxy::core::RecordKey,
+    tokio_postgres::Client,
+    tokio_postgres::Client,
+) {
+    let config = StoreSettings {
+        kind: idemproxy::config::StoreKind::Postgres,
+        url,
+        table_prefix: prefix.to_owned(),
+        timeout,
+        pool_size: 2,
+        ..StoreSettings::default()
+    };
+    let store = PostgresStore::connect(&config).await.expect("connect");
+    let locked = completed_key(&store).await;
+    let locker = lock_rows(postgres, prefix).await;
+    let observer = side_connection(postgres).await;
+    (store, locked, locker, observer)
+}
+
+/// A `begin` of `key` by a request of its own, with a 30 s lease.
+fn claim(key: idemproxy::core::RecordKey) -> idemproxy::store::Begin {
+    support::store_fixtures::begin(
+        key,
+        1,
+        Duration::from_secs(30),
+        idemproxy::store::OnStale::Store,
+    )
+}
+
 /// A key whose record is completed in `store`.
 async fn completed_key(store: &PostgresStore) -> idemproxy::core::RecordKey {
     let key = new_key();
-    let begun = store
-        .begin(&support::store_fixtures::begin(
-            key,
-            1,
-            Duration::from_secs(30),
-            idemproxy::store::OnStale::Store,
-        ))
-        .await
-        .expect("begin");
+    let begun = store.begin(&claim(key)).await.expect("begin");
     let idemproxy::store::BeginOutcome::Acquired { token, .. } = begun else {
         panic!("claimed: {begun:?}");
     };
