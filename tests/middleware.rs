@@ -11,7 +11,10 @@ use axum::body::Body;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use idemproxy::config::Config;
-use idemproxy::core::{Begin, BeginOutcome, Clock, FencingToken, OnStale, Record, UpstreamFailure};
+use idemproxy::core::{
+    Begin, BeginOutcome, Clock, FencingToken, OnStale, Outcome, Record, UnknownCause,
+    UpstreamFailure,
+};
 use idemproxy::idempotency::IdempotencyLayer;
 use idemproxy::observe::Metrics;
 use idemproxy::store::{MemoryStore, SharedStore, Store};
@@ -253,6 +256,54 @@ async fn an_outcome_the_store_refused_is_stored_once_it_is_back() {
     );
     assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// The same on a route with `reconcile_url`: nothing says whether the
+/// claim whose answer was lost took a free key or an unknown outcome over
+/// to reconcile it, and freeing the second would let the next retry
+/// execute with no lookup. So it is settled `outcome-unknown`
+/// (abandoned), never released: the retry inside the lease gets that
+/// answer, and nothing is executed or looked up.
+#[tokio::test(start_paused = true)]
+async fn on_a_route_with_a_lookup_a_claim_whose_answer_was_lost_is_settled_unknown() {
+    let clock = Clock::tokio();
+    let faulty = FaultyStore::with_clock(clock);
+    let store: SharedStore = faulty.clone();
+    let mut config = Config::default();
+    config.idempotency.reconcile_url = "/v1/charges/by-key/{key}".into();
+    let (calls, service) = counted_service(&config, store, clock);
+
+    faulty.set(Fault::LoseAnswer);
+    let (status, _, body) = send(&service, "lost-looked-up").await;
+    assert_eq!(status, 503, "{body}");
+    faulty.set(Fault::None);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let key = keys::record_key(&keys::json_post(TARGET), "lost-looked-up");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let settled = loop {
+        match faulty.inner().get(&key).await.expect("get") {
+            Some(Record::Completed(done)) => break done,
+            other => assert!(
+                tokio::time::Instant::now() < deadline,
+                "not settled back: {other:?}"
+            ),
+        }
+        tokio::time::advance(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        settled.outcome,
+        Outcome::Unknown {
+            cause: UnknownCause::Abandoned
+        }
+    );
+    let (status, _, body) = send(&service, "lost-looked-up").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("outcome-unknown"), "{body}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        0,
+        "nothing executed or looked up"
+    );
 }
 
 /// A `begin` the store applied but whose answer was lost: the request is
