@@ -98,6 +98,24 @@ fn check_warns_about_a_lookup_that_trusts_statuses() {
     );
 }
 
+/// The proxy says the same in its log when it starts: an operator who
+/// never runs `check` sees it there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_trusts_lookup_statuses_warns_when_it_starts() {
+    let upstream = TestUpstream::start().await;
+    let mut c = support::proxy::config(&upstream.url());
+    c.idempotency.reconcile_url = "/v1/payments/{key}".into();
+    c.idempotency.reconcile_proof = idemproxy::config::ReconcileProof::Status;
+    let proxy = support::binary::ProxyProcess::start(c).await;
+    let logs = proxy
+        .logs_when(|logs| logs.contains("reconcile_proof"))
+        .await;
+    assert!(
+        logs.contains("WARN") && logs.contains("idempotency.reconcile_proof = \"status\""),
+        "{logs}"
+    );
+}
+
 #[test]
 fn check_prints_the_effective_configuration() {
     let dir = tempfile::tempdir().expect("tempdir");
